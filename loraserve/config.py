@@ -1,0 +1,105 @@
+"""Engine configuration: frozen dataclasses validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the option."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine instance.
+
+    The page pool is sized either by ``num_pages`` or, when that is ``None``, by
+    ``memory_budget_mb`` (bytes of pool storage across all layers).
+    """
+
+    model: str | None = None
+    block_size: int = 16
+    num_pages: int | None = None
+    memory_budget_mb: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    watermark: float = 0.01
+    preemption_mode: str = "recompute"
+    num_swap_pages: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    max_model_len: int | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            f"block_size must be a positive power of two, got {self.block_size}",
+        )
+        _require(
+            self.num_pages is None or self.num_pages >= 2,
+            f"num_pages must be at least 2, got {self.num_pages}",
+        )
+        _require(self.memory_budget_mb > 0, f"memory_budget_mb must be positive, got {self.memory_budget_mb}")
+        _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens > 0,
+            f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",
+        )
+        _require(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
+        _require(
+            self.preemption_mode in PREEMPTION_MODES,
+            f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}",
+        )
+        _require(self.num_swap_pages >= 0, f"num_swap_pages must be >= 0, got {self.num_swap_pages}")
+        _require(
+            self.preemption_mode != "swap" or self.num_swap_pages > 0,
+            "preemption_mode='swap' needs num_swap_pages > 0 (host pages to swap into)",
+        )
+        _require(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _require(
+            self.max_model_len is None or self.max_model_len > 0,
+            f"max_model_len must be positive, got {self.max_model_len}",
+        )
+        _require(
+            self.num_threads is None or self.num_threads > 0,
+            f"num_threads must be positive, got {self.num_threads}",
+        )
+        try:
+            torch.device(self.device)
+        except RuntimeError as error:
+            raise ConfigError(f"device {self.device!r} is not a valid torch device: {error}") from None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
+        """Build from keyword options, naming any unknown option in the error."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        return cls(model=model, **options)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)

@@ -1,0 +1,64 @@
+"""The offline Python API: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from loraserve.config import EngineConfig
+from loraserve.llm_engine import LLMEngine
+from loraserve.outputs import RequestOutput
+from loraserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """One base model with its engine.
+
+    ``LLM(model=None, **options)``: ``model`` is a local Hugging Face Llama-style
+    directory, or ``None`` for the default model (SmolLM2-135M-Instruct). Options
+    are the fields of :class:`loraserve.config.EngineConfig` (``block_size``,
+    ``num_pages``, ``memory_budget_mb``, ``max_num_seqs``, ``device``, ``dtype``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.config = EngineConfig.from_options(model, **options)
+        self.engine = LLMEngine(self.config)
+        self._request_counter = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | Seq[list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        prompt_list: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+        request_ids = [str(next(self._request_counter)) for _ in prompt_list]
+        try:
+            for request_id, prompt, sampling in zip(request_ids, prompt_list, params_list, strict=True):
+                self.engine.add_request(request_id, prompt, sampling)
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompt_list), desc="generate", disable=not use_tqdm, unit="req") as progress:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        return [finished[request_id] for request_id in request_ids]

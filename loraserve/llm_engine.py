@@ -1,0 +1,214 @@
+"""The engine: requests in, one scheduled step at a time, outputs back."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loraserve.block_manager import KVCacheManager
+from loraserve.config import EngineConfig
+from loraserve.detokenizer import Detokenizer, find_stop_string
+from loraserve.model_runner import ModelRunner, PageLayout
+from loraserve.models.loader import load_hf_config, load_model, resolve_model_dir
+from loraserve.outputs import CompletionOutput, RequestOutput
+from loraserve.page_pool import PagePool
+from loraserve.sampling_params import SamplingParams
+from loraserve.scheduler import Scheduler
+from loraserve.sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request cannot be served as asked; the message says why."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    seqs: list[Sequence]
+    adapter_name: str | None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.model_dir = resolve_model_dir(config.model)
+        self.hf_config = load_hf_config(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = load_model(self.model_dir, self.hf_config, config.torch_dtype, self.device)
+        self.layout = PageLayout.for_model(self.hf_config, config.block_size)
+        page_bytes = self.layout.page_bytes(config.torch_dtype)
+        num_pages = config.num_pages or max(2, config.memory_budget_mb * 2**20 // page_bytes)
+        self.pool = PagePool(num_pages)
+        host_pool = PagePool(config.num_swap_pages) if config.num_swap_pages else None
+        num_watermark_pages = int(config.watermark * num_pages)
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, num_watermark_pages, host_pool)
+        self.scheduler = Scheduler(
+            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.layout,
+            num_pages,
+            config.num_swap_pages,
+            config.torch_dtype,
+            self.device,
+            config.seed,
+        )
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
+        self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
+        self.max_seq_tokens = (num_pages - num_watermark_pages) * config.block_size
+        self.requests: dict[str, Request] = {}
+        logger.info(
+            "engine ready: %s, %d pages of %d tokens (%.1f MiB)",
+            self.model_dir,
+            num_pages,
+            config.block_size,
+            num_pages * page_bytes / 2**20,
+        )
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        adapter_name: str | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        token_ids = self.encode(prompt)
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context length of {self.max_model_len} tokens"
+            )
+        if len(token_ids) + params.max_tokens > self.max_seq_tokens:
+            raise RequestError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) needs more KV "
+                f"pages than the pool holds ({self.max_seq_tokens} tokens); raise num_pages"
+            )
+        seqs = [
+            Sequence(request_id, list(token_ids), params, sample_index=i, adapter_name=adapter_name)
+            for i in range(params.n)
+        ]
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, seqs, adapter_name)
+        self.requests[request_id] = request
+        for seq in seqs:
+            self.detokenizer.start(seq)
+            self.scheduler.add(seq)
+        return request
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = list(self.tokenizer.encode(prompt))
+        else:
+            token_ids = [int(t) for t in prompt]
+            vocab = int(self.hf_config.vocab_size)
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        return token_ids
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the state of every request that changed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            if self.scheduler.num_unfinished:
+                raise RuntimeError("scheduler made no progress although requests are waiting")
+            return []
+        sampled = self.runner.execute(batch)
+        self.scheduler.update(batch)
+        touched: dict[str, Request] = {}
+        for seq, token in zip(batch.seqs, sampled, strict=True):
+            if token is None or seq.is_finished:
+                continue
+            seq.append_token(token)
+            self._check_stop(seq, token)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = [self._make_output(request) for request in touched.values()]
+        for output in outputs:
+            if output.finished:
+                del self.requests[output.request_id]
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        num_new_chars = len(self.detokenizer.update(seq))
+        if not params.ignore_eos and token in self.eos_token_ids:
+            self.scheduler.finish(seq, FinishReason.STOP)
+        elif token in params.stop_token_ids:
+            self.scheduler.finish(seq, FinishReason.STOP, token)
+        elif params.stop and (found := find_stop_string(seq.output_text, num_new_chars, params.stop)):
+            index, stop = found
+            seq.output_text = seq.output_text[:index]
+            self.scheduler.finish(seq, FinishReason.STOP, stop)
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        first = request.seqs[0]
+        outputs = [
+            CompletionOutput(
+                index=seq.sample_index,
+                text=seq.output_text,
+                token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason,
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            )
+            for seq in request.seqs
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=request.is_finished,
+            adapter_name=request.adapter_name,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+
+def _eos_token_ids(model_dir: Any, tokenizer: Any) -> frozenset[int]:
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        return frozenset(ids)
+    eos = generation.eos_token_id
+    ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return frozenset(ids)

@@ -1,0 +1,201 @@
+"""A Llama-family decoder (RMSNorm, RoPE with scaling, GQA, SwiGLU) over paged KV.
+
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` so checkpoints load
+as they are, and the arithmetic follows it step by step so fp32 outputs match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve.forward_batch import ForwardBatch
+from loraserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+
+# (output, input, layer_index, module_name, batch) -> output with the LoRA delta added.
+LoRAHook = Callable[[torch.Tensor, torch.Tensor, int, str, ForwardBatch], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.eps)
+        return self.weight * hidden.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with Hugging Face's inverse-frequency rules (default, linear, llama3, yarn, ...)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(f"rope_type {rope_type!r} depends on the sequence length and is not supported")
+        if rope_type == "default":
+            base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            head_dim = _head_dim(config)
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [num_tokens, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        self.scale = self.head_dim**-0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]
+        batch: ForwardBatch,
+        lora: LoRAHook | None,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if lora is not None:
+            q = lora(q, hidden, self.layer_index, "q_proj", batch)
+            k = lora(k, hidden, self.layer_index, "k_proj", batch)
+            v = lora(v, hidden, self.layer_index, "v_proj", batch)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(kv, k, v, batch.slot_mapping)
+        out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+        num_decode = batch.num_decode_tokens
+        if num_decode:
+            out[:num_decode] = paged_decode_attention(
+                q[:num_decode], kv, batch.decode_block_tables, batch.decode_context_lens, self.scale
+            )
+        for span in batch.prefills:
+            rows = slice(span.start, span.start + span.num_new)
+            out[rows] = paged_prefill_attention(
+                q[rows], kv, span.block_table, span.num_cached, self.scale, k[rows], v[rows]
+            )
+        attn = out.view(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
+        result = self.o_proj(attn)
+        if lora is not None:
+            result = lora(result, attn, self.layer_index, "o_proj", batch)
+        return result
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
+        gate, up = self.gate_proj(hidden), self.up_proj(hidden)  # [num_tokens, intermediate]
+        if lora is not None:
+            gate = lora(gate, hidden, self.layer_index, "gate_proj", batch)
+            up = lora(up, hidden, self.layer_index, "up_proj", batch)
+        act = F.silu(gate) * up
+        out = self.down_proj(act)  # [num_tokens, hidden]
+        if lora is not None:
+            out = lora(out, act, self.layer_index, "down_proj", batch)
+        return out
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index)
+        self.mlp = LlamaMLP(config, layer_index)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv: torch.Tensor,
+        batch: ForwardBatch,
+        lora: LoRAHook | None,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv, batch, lora)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), batch, lora)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Forward over a flattened batch; ``kv_caches[i]`` is layer i's page view."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[torch.Tensor], lora: LoRAHook | None = None
+    ) -> torch.Tensor:  # [num_sampled, vocab]
+        hidden = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        cos_sin = self.model.rotary_emb(batch.positions, hidden.dtype)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos_sin, kv, batch, lora)
+        hidden = self.model.norm(hidden[batch.logits_indices])  # [num_sampled, hidden]
+        return self.lm_head(hidden).float()

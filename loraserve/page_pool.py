@@ -1,0 +1,201 @@
+"""Accounting of the unified page pool: free list, refcounts and one LRU of idle contents.
+
+The pool's storage is one preallocated tensor ``[num_layers, num_pages, page_elems]``
+owned by the model runner (see docs/design.md); this class only decides which page
+ids are in use. A page id names the same slot in every layer. Pages are used by
+
+* KV blocks of running sequences (``PageKind.KV``),
+* weights of resident adapters (``PageKind.ADAPTER``),
+* cached prefix blocks and idle adapters that nobody references any more: these are
+  *evictable*. They stay in one least-recently-used order and are reclaimed, oldest
+  first, only when the free list cannot satisfy an allocation.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+class PageKind(str, enum.Enum):
+    KV = "kv"
+    ADAPTER = "adapter"
+
+
+class OutOfPagesError(RuntimeError):
+    """An allocation asked for more pages than are free or evictable."""
+
+
+@dataclass
+class EvictableEntry:
+    """Pages kept for reuse while unreferenced; ``on_evict`` forgets them when reclaimed."""
+
+    page_ids: list[int]
+    kind: str
+    on_evict: Callable[[], None]
+
+
+class PagePool:
+    """Page ids ``0..num_pages-1``, handed out lowest-first on a fresh pool.
+
+    Freed pages go to the back of the free list. Allocation takes from the front of
+    the free list, then evicts least-recently-used idle entries.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self._free_page_ids: deque[int] = deque(range(num_pages))
+        self._ref_counts = [0] * num_pages
+        self._kinds: list[PageKind | None] = [None] * num_pages
+        self._evictable: OrderedDict[Hashable, EvictableEntry] = OrderedDict()
+        self._num_evictable_pages = 0
+        self.num_evictions: dict[str, int] = {}
+
+    # ---- counts -------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_page_ids)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self._num_evictable_pages
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages an allocation can get: free ones plus evictable ones."""
+        return len(self._free_page_ids) + self._num_evictable_pages
+
+    def num_pages_by_kind(self) -> dict[str, int]:
+        """Referenced pages per kind, plus evictable pages per entry kind and free pages."""
+        counts: dict[str, int] = {kind.value: 0 for kind in PageKind}
+        for page_id, kind in enumerate(self._kinds):
+            if kind is not None and self._ref_counts[page_id] > 0:
+                counts[kind.value] += 1
+        for entry in self._evictable.values():
+            counts[entry.kind] = counts.get(entry.kind, 0) + len(entry.page_ids)
+        counts["free"] = self.num_free_pages
+        return counts
+
+    def ref_count(self, page_id: int) -> int:
+        return self._ref_counts[page_id]
+
+    def can_allocate(self, num_pages: int, reserve: int = 0) -> bool:
+        return num_pages + reserve <= self.num_available_pages
+
+    # ---- allocation -----------------------------------------------------------------
+    def allocate(self, num_pages: int, kind: PageKind = PageKind.KV) -> list[int]:
+        """Take ``num_pages`` pages with refcount 1, evicting idle entries if needed."""
+        if num_pages > self.num_available_pages:
+            raise OutOfPagesError(
+                f"need {num_pages} pages, only {self.num_available_pages} free or evictable "
+                f"of {self.num_pages}"
+            )
+        while len(self._free_page_ids) < num_pages:
+            self.evict_oldest()
+        page_ids = [self._free_page_ids.popleft() for _ in range(num_pages)]
+        for page_id in page_ids:
+            self._ref_counts[page_id] = 1
+            self._kinds[page_id] = kind
+        return page_ids
+
+    def allocate_contiguous(self, num_pages: int, kind: PageKind = PageKind.ADAPTER) -> list[int] | None:
+        """Take a run of consecutive free page ids if one exists (no eviction), else None.
+
+        Consecutive ids are consecutive in every layer of the storage tensor, so the
+        caller can view them without a copy.
+        """
+        if num_pages == 0:
+            return []
+        free_sorted = sorted(self._free_page_ids)
+        run_start = 0
+        for index in range(1, len(free_sorted) + 1):
+            if index - run_start == num_pages:
+                page_ids = free_sorted[run_start:index]
+                taken = set(page_ids)
+                self._free_page_ids = deque(p for p in self._free_page_ids if p not in taken)
+                for page_id in page_ids:
+                    self._ref_counts[page_id] = 1
+                    self._kinds[page_id] = kind
+                return page_ids
+            if index < len(free_sorted) and free_sorted[index] != free_sorted[index - 1] + 1:
+                run_start = index
+        return None
+
+    def incref(self, page_ids: Iterable[int]) -> None:
+        for page_id in page_ids:
+            if self._ref_counts[page_id] <= 0:
+                raise RuntimeError(f"incref of page {page_id} that is not allocated")
+            self._ref_counts[page_id] += 1
+
+    def decref(self, page_ids: Iterable[int]) -> list[int]:
+        """Drop one reference from each page; return the pages now unreferenced.
+
+        The caller either frees those pages or hands them to ``add_evictable``.
+        """
+        unreferenced: list[int] = []
+        for page_id in page_ids:
+            if self._ref_counts[page_id] <= 0:
+                raise RuntimeError(f"decref of page {page_id} that is not allocated")
+            self._ref_counts[page_id] -= 1
+            if self._ref_counts[page_id] == 0:
+                unreferenced.append(page_id)
+        return unreferenced
+
+    def free(self, page_ids: Iterable[int]) -> None:
+        """Return unreferenced pages to the back of the free list."""
+        for page_id in page_ids:
+            if self._ref_counts[page_id] != 0:
+                raise RuntimeError(f"free of page {page_id} with refcount {self._ref_counts[page_id]}")
+            self._kinds[page_id] = None
+            self._free_page_ids.append(page_id)
+
+    def release(self, page_ids: Iterable[int]) -> None:
+        """Drop one reference from each page and free those no longer referenced."""
+        self.free(self.decref(page_ids))
+
+    # ---- the LRU of idle contents -------------------------------------------------
+    def add_evictable(
+        self, key: Hashable, page_ids: list[int], kind: str, on_evict: Callable[[], None]
+    ) -> None:
+        """Keep unreferenced pages as reusable content; the newest entry is evicted last."""
+        if key in self._evictable:
+            raise RuntimeError(f"evictable entry {key!r} already exists")
+        for page_id in page_ids:
+            if self._ref_counts[page_id] != 0:
+                raise RuntimeError(f"page {page_id} is still referenced and cannot be made evictable")
+        self._evictable[key] = EvictableEntry(list(page_ids), kind, on_evict)
+        self._num_evictable_pages += len(page_ids)
+
+    def take_evictable(self, key: Hashable) -> list[int] | None:
+        """Reuse an idle entry: its pages get refcount 1 again. None if it was evicted."""
+        entry = self._evictable.pop(key, None)
+        if entry is None:
+            return None
+        self._num_evictable_pages -= len(entry.page_ids)
+        for page_id in entry.page_ids:
+            self._ref_counts[page_id] = 1
+        return entry.page_ids
+
+    def contains_evictable(self, key: Hashable) -> bool:
+        return key in self._evictable
+
+    def evictable_keys(self) -> list[Hashable]:
+        """Keys from least to most recently made idle (eviction order)."""
+        return list(self._evictable)
+
+    def evict_oldest(self) -> None:
+        if not self._evictable:
+            raise OutOfPagesError("no evictable pages left")
+        key, entry = self._evictable.popitem(last=False)
+        self._num_evictable_pages -= len(entry.page_ids)
+        self.num_evictions[entry.kind] = self.num_evictions.get(entry.kind, 0) + 1
+        logger.debug("evicting %s entry %r (%d pages)", entry.kind, key, len(entry.page_ids))
+        entry.on_evict()
+        self.free(entry.page_ids)

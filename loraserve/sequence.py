@@ -1,0 +1,101 @@
+"""The request object that carries state from scheduler to runner to sampler."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from loraserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of one request: its tokens, its KV block table and its progress.
+
+    ``token_ids`` holds the prompt followed by every generated token. The KV cache
+    holds the first ``num_computed_tokens`` of them; the rest are computed by the
+    next steps (a prefill chunk, or the one token sampled last step).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    sample_index: int = 0
+    adapter_name: str | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    num_prompt_tokens: int = -1
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Incremental detokenization state (see detokenizer.py).
+    output_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+        if self.num_prompt_tokens == 0:
+            raise ValueError("a prompt must have at least one token")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def seed(self) -> int | None:
+        return self.params.sample_seed(self.sample_index)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
