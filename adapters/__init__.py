@@ -1,0 +1,49 @@
+"""LoRA adapters: PEFT parsing and validation, safe upload extraction, stores and the registry."""
+
+from .archive import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_TOTAL_BYTES, extract_adapter_archive
+from .errors import (
+    AdapterError,
+    AdapterExistsError,
+    AdapterNotFoundError,
+    AdapterTooLargeError,
+    InvalidAdapterNameError,
+)
+from .lora_weights import PROJECTION_NAMES, BaseModelShapes, LoRAAdapter, LoRAModuleWeights
+from .peft_format import CONFIG_FILE, WEIGHTS_FILE, load_adapter, parse_adapter_files, read_adapter_dir
+from .redis_store import RedisStore
+from .registry import AdapterInfo, AdapterRegistry
+from .store import (
+    AdapterStore,
+    LocalDirStore,
+    make_store,
+    register_store_scheme,
+    validate_adapter_name,
+)
+
+__all__ = [
+    "CONFIG_FILE",
+    "DEFAULT_MAX_MEMBERS",
+    "DEFAULT_MAX_TOTAL_BYTES",
+    "PROJECTION_NAMES",
+    "WEIGHTS_FILE",
+    "AdapterError",
+    "AdapterExistsError",
+    "AdapterInfo",
+    "AdapterNotFoundError",
+    "AdapterRegistry",
+    "AdapterStore",
+    "AdapterTooLargeError",
+    "BaseModelShapes",
+    "InvalidAdapterNameError",
+    "LoRAAdapter",
+    "LoRAModuleWeights",
+    "LocalDirStore",
+    "RedisStore",
+    "extract_adapter_archive",
+    "load_adapter",
+    "make_store",
+    "parse_adapter_files",
+    "read_adapter_dir",
+    "register_store_scheme",
+    "validate_adapter_name",
+]

@@ -52,12 +52,18 @@ class BaseModelShapes:
             raise ValueError(f"num_layers must be positive, got {self.num_layers}")
         if set(self.module_shapes) != set(PROJECTION_NAMES):
             raise ValueError(
-                f"module_shapes must have exactly the keys {list(PROJECTION_NAMES)}, "
-                f"got {sorted(self.module_shapes)}"
+                f"module_shapes must have exactly the keys {list(PROJECTION_NAMES)}, got {sorted(self.module_shapes)}"
             )
         for module, shape in self.module_shapes.items():
             if len(shape) != 2 or any(int(d) <= 0 for d in shape):
                 raise ValueError(f"module_shapes[{module!r}] must be two positive ints, got {shape!r}")
+        # Normalise (e.g. lists from JSON) so equality and hashing see plain int tuples.
+        normalised = {module: (int(shape[0]), int(shape[1])) for module, shape in self.module_shapes.items()}
+        object.__setattr__(self, "module_shapes", normalised)
+
+    def __hash__(self) -> int:
+        # Explicit because the dict field defeats the generated hash; shapes are used as cache keys.
+        return hash((self.num_layers, tuple(sorted(self.module_shapes.items())), self.base_model_id))
 
     @classmethod
     def from_hf_config(cls, config: Any) -> BaseModelShapes:

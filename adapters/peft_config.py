@@ -25,9 +25,7 @@ CONFIG_FILE = "adapter_config.json"
 # PEFT's shorthand for "every linear layer except the output head".
 ALL_LINEAR = "all-linear"
 _PROJECTION_KEY = re.compile(
-    r"model\.layers\.\d+\.(?:"
-    + "|".join(f"{PROJECTION_PARENTS[m]}\\.{m}" for m in PROJECTION_NAMES)
-    + ")"
+    r"model\.layers\.\d+\.(?:" + "|".join(f"{PROJECTION_PARENTS[m]}\\.{m}" for m in PROJECTION_NAMES) + ")"
 )
 # What peft falls back to for model_type "llama" when target_modules is null.
 LLAMA_DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "v_proj")
@@ -169,8 +167,7 @@ class LoraConfigView:
             for target in self.target_modules:
                 if target.split(".")[-1] not in PROJECTION_NAMES:
                     raise _fail(
-                        f"target module {target!r} is not supported; only {', '.join(PROJECTION_NAMES)} can be "
-                        "adapted"
+                        f"target module {target!r} is not supported; only {', '.join(PROJECTION_NAMES)} can be adapted"
                     )
         unsupported = [key for key in _non_projection_module_keys(num_layers) if self.is_targeted(key)]
         if unsupported:

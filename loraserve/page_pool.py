@@ -55,6 +55,7 @@ class PagePool:
         self._ref_counts = [0] * num_pages
         self._kinds: list[PageKind | None] = [None] * num_pages
         self._evictable: OrderedDict[Hashable, EvictableEntry] = OrderedDict()
+        self._evictable_page_ids: set[int] = set()
         self._num_evictable_pages = 0
         self.num_evictions: dict[str, int] = {}
 
@@ -153,6 +154,10 @@ class PagePool:
         for page_id in page_ids:
             if self._ref_counts[page_id] != 0:
                 raise RuntimeError(f"free of page {page_id} with refcount {self._ref_counts[page_id]}")
+            if self._kinds[page_id] is None:
+                raise RuntimeError(f"free of page {page_id} that is already free")
+            if page_id in self._evictable_page_ids:
+                raise RuntimeError(f"free of page {page_id} that belongs to an evictable entry")
             self._kinds[page_id] = None
             self._free_page_ids.append(page_id)
 
@@ -170,7 +175,10 @@ class PagePool:
         for page_id in page_ids:
             if self._ref_counts[page_id] != 0:
                 raise RuntimeError(f"page {page_id} is still referenced and cannot be made evictable")
+            if self._kinds[page_id] is None or page_id in self._evictable_page_ids:
+                raise RuntimeError(f"page {page_id} is free or already evictable")
         self._evictable[key] = EvictableEntry(list(page_ids), kind, on_evict)
+        self._evictable_page_ids.update(page_ids)
         self._num_evictable_pages += len(page_ids)
 
     def take_evictable(self, key: Hashable) -> list[int] | None:
@@ -179,6 +187,7 @@ class PagePool:
         if entry is None:
             return None
         self._num_evictable_pages -= len(entry.page_ids)
+        self._evictable_page_ids.difference_update(entry.page_ids)
         for page_id in entry.page_ids:
             self._ref_counts[page_id] = 1
         return entry.page_ids
@@ -197,5 +206,6 @@ class PagePool:
         self._num_evictable_pages -= len(entry.page_ids)
         self.num_evictions[entry.kind] = self.num_evictions.get(entry.kind, 0) + 1
         logger.debug("evicting %s entry %r (%d pages)", entry.kind, key, len(entry.page_ids))
+        self._evictable_page_ids.difference_update(entry.page_ids)
         entry.on_evict()
         self.free(entry.page_ids)

@@ -11,7 +11,7 @@ Policy, in order, each step (a token budget of ``max_num_batched_tokens``):
 3. Waiting sequences are admitted first-come-first-served while there is budget,
    a free sequence slot and enough pages above the watermark; admission stops at
    the first that does not fit (no overtaking). Nothing is admitted in a step that
-   preempted.
+   preempted, nor while swapped sequences wait to come back (so they never starve).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class Scheduler:
         budget -= batch.num_tokens
         if not preempted:
             budget = self._schedule_swapped(batch, budget)
-            self._schedule_waiting(batch, budget)
+            if not self.swapped:
+                self._schedule_waiting(batch, budget)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:

@@ -1,0 +1,152 @@
+"""The ``loraserve serve`` subcommand: argument setup and the run function.
+
+``loraserve/cli.py`` calls :func:`add_serve_parser` with its subparsers and :func:`run_serve`
+with the parsed arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from loraserve.config import DTYPES, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+API_KEY_ENV = "LORASERVE_API_KEY"
+ADMIN_KEY_ENV = "LORASERVE_ADMIN_KEY"
+
+# Engine options: (flag, EngineConfig field, type, help).
+_ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
+    ("--block-size", "block_size", int, "tokens per KV page (a power of two; default 16)"),
+    ("--num-pages", "num_pages", int, "pages in the unified pool (default: sized by --memory-budget-mb)"),
+    ("--memory-budget-mb", "memory_budget_mb", int, "MiB of pool storage when --num-pages is not given (default 1024)"),
+    ("--max-num-seqs", "max_num_seqs", int, "most sequences running at once (default 64)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step (default 2048)"),
+    ("--max-model-len", "max_model_len", int, "context length limit (default: the model's)"),
+    ("--device", "device", str, "torch device, e.g. cpu or cuda:0 (default cpu)"),
+    ("--dtype", "dtype", str, f"weights and pool dtype, one of {sorted(DTYPES)} (default float32)"),
+    ("--seed", "seed", int, "seed of unseeded sampling (default 0)"),
+    ("--num-threads", "num_threads", int, "torch CPU threads (default: torch's choice)"),
+)
+
+
+def default_registry_spec() -> str:
+    """A local adapter store under the loraserve cache (``$LORASERVE_CACHE/adapters``)."""
+    from loraserve.models.loader import cache_root
+
+    return f"dir:{cache_root() / 'adapters'}"
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve an OpenAI-compatible API (completions, chat, models) with per-request LoRA "
+        "adapters, adapter upload and registration, health and Prometheus metrics.",
+    )
+    parser.add_argument(
+        "--model", default=None, help="local Hugging Face model directory (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id of the base model (default: its directory name)"
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
+    parser.add_argument(
+        "--registry",
+        default=None,
+        help="adapter store: 'dir:/path' or a path for a local directory, 'redis://host:port/db' for Redis "
+        "shared by replicas (default: a directory under the loraserve cache)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer <key>' on inference endpoints (default: ${API_KEY_ENV}, else none)",
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get(ADMIN_KEY_ENV),
+        help=f"require this key on adapter-changing endpoints (default: ${ADMIN_KEY_ENV}, else the API key)",
+    )
+    parser.add_argument(
+        "--allowed-lora-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory /v1/load_lora_adapter may read adapters from (repeatable; default: none, disabled)",
+    )
+    parser.add_argument(
+        "--max-upload-mb", type=int, default=512, help="largest adapter upload or archive content in MiB (default 512)"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level (default info)"
+    )
+    engine = parser.add_argument_group("engine options")
+    for flag, _, kind, help_text in _ENGINE_OPTIONS:
+        engine.add_argument(flag, type=kind, default=None, help=help_text)
+    return parser
+
+
+def build_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the parsed arguments (options not given keep their defaults)."""
+    options: dict[str, Any] = {
+        field: getattr(args, field) for _, field, _, _ in _ENGINE_OPTIONS if getattr(args, field, None) is not None
+    }
+    if "registry" in {field.name for field in dataclasses.fields(EngineConfig)}:
+        options["registry"] = args.registry or default_registry_spec()
+    elif args.registry:
+        logger.warning("this engine has no adapter registry; --registry %s is ignored", args.registry)
+    return EngineConfig.from_options(args.model, **options)
+
+
+def build_settings(args: argparse.Namespace, model_dir: Path) -> Any:
+    """ServerSettings from the parsed arguments; ``model_dir`` names the base model by default."""
+    from loraserve.api import ServerSettings
+
+    return ServerSettings(
+        model_id=args.served_model_name or Path(model_dir).name,
+        api_key=args.api_key or None,
+        admin_key=args.admin_key or None,
+        allowed_lora_dirs=tuple(args.allowed_lora_dir),
+        max_upload_bytes=args.max_upload_mb * 2**20,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, build the app and serve it under uvicorn until interrupted; returns 0."""
+    import uvicorn
+
+    from loraserve.api import create_app
+    from loraserve.llm_engine import LLMEngine
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_upload_mb <= 0:
+        raise SystemExit("--max-upload-mb must be positive")
+    config = build_engine_config(args)
+    engine = LLMEngine(config)
+    settings = build_settings(args, engine.model_dir)
+    if not _is_loopback(args.host) and settings.adapter_key is None:
+        logger.warning("serving on %s without --admin-key or --api-key: anyone can change adapters", args.host)
+    app = create_app(engine, settings)
+    logger.info("serving %s on http://%s:%d (docs at /docs)", settings.model_id, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

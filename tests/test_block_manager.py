@@ -1,0 +1,164 @@
+"""KVCacheManager: block tables grown one block at a time, watermark, free and swapping."""
+
+from __future__ import annotations
+
+from loraserve.block_manager import KVCacheManager, cdiv
+from loraserve.page_pool import PagePool
+from loraserve.sampling_params import SamplingParams
+from loraserve.sequence import Sequence
+
+
+def make_seq(num_prompt_tokens: int) -> Sequence:
+    return Sequence("req", list(range(num_prompt_tokens)), SamplingParams())
+
+
+def run_step(manager: KVCacheManager, seq: Sequence, num_new_tokens: int) -> None:
+    """Allocate for ``num_new_tokens``, compute them, and sample a token if the step reaches the end."""
+    assert manager.allocate_slots(seq, num_new_tokens)
+    seq.num_computed_tokens += num_new_tokens
+    if seq.num_computed_tokens == seq.num_tokens:
+        seq.append_token(7)
+
+
+def test_cdiv() -> None:
+    assert [cdiv(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_blocks_are_allocated_one_at_a_time_as_tokens_arrive() -> None:
+    pool = PagePool(8)
+    manager = KVCacheManager(pool, block_size=4)
+    a, b = make_seq(5), make_seq(3)
+    assert manager.num_pages_needed(a, 5) == 2
+    run_step(manager, a, 5)  # prefill of 5 tokens: 2 blocks
+    assert a.block_ids == [0, 1]
+    run_step(manager, b, 3)
+    assert b.block_ids == [2]
+    expected_blocks = {6: [0, 1], 7: [0, 1], 8: [0, 1], 9: [0, 1, 3]}
+    for num_tokens_after_step, blocks in expected_blocks.items():
+        run_step(manager, a, 1)  # decode: the 9th token needs a 3rd block
+        assert a.num_computed_tokens == num_tokens_after_step
+        assert a.block_ids == blocks
+    run_step(manager, b, 1)
+    run_step(manager, b, 1)
+    assert b.block_ids == [2, 4]  # b's 5th token crossed its block boundary
+    assert pool.num_free_pages == 3
+
+
+def test_chunked_prefill_allocates_only_what_each_chunk_needs() -> None:
+    manager = KVCacheManager(PagePool(8), block_size=4)
+    seq = make_seq(10)
+    run_step(manager, seq, 3)
+    assert seq.block_ids == [0]
+    assert manager.num_pages_needed(seq, 1) == 0
+    run_step(manager, seq, 6)
+    assert seq.block_ids == [0, 1, 2]
+    run_step(manager, seq, 1)
+    assert seq.block_ids == [0, 1, 2]
+    assert seq.num_tokens == 11
+
+
+def test_allocate_slots_is_all_or_nothing() -> None:
+    pool = PagePool(3)
+    manager = KVCacheManager(pool, block_size=4)
+    seq = make_seq(16)
+    assert not manager.allocate_slots(seq, 16)
+    assert seq.block_ids == []
+    assert pool.num_free_pages == 3
+    assert manager.allocate_slots(seq, 12)
+    assert seq.block_ids == [0, 1, 2]
+
+
+def test_watermark_blocks_admission_but_not_growth() -> None:
+    pool = PagePool(8)
+    manager = KVCacheManager(pool, block_size=4, num_watermark_pages=2)
+    a, big, small = make_seq(20), make_seq(12), make_seq(4)
+    assert manager.can_admit(a, 20)  # 5 + 2 <= 8
+    run_step(manager, a, 20)
+    assert a.block_ids == [0, 1, 2, 3, 4]
+    assert not manager.can_admit(big, 12)  # 3 + 2 > 3 free
+    assert manager.can_admit(small, 4)  # 1 + 2 <= 3 free
+    assert manager.can_admit(big, 4)  # a first chunk of one block fits
+    for _ in range(8):  # a running sequence grows into the watermark
+        run_step(manager, a, 1)
+    assert a.block_ids == [0, 1, 2, 3, 4, 5, 6]
+    assert pool.num_free_pages == 1
+    assert not manager.can_admit(small, 4)
+    assert manager.allocate_slots(small, 4)  # allocation itself ignores the watermark
+
+
+def test_free_returns_pages_in_reverse_block_order() -> None:
+    pool = PagePool(8)
+    manager = KVCacheManager(pool, block_size=4)
+    a, b = make_seq(12), make_seq(4)
+    run_step(manager, a, 12)
+    run_step(manager, b, 4)
+    assert (a.block_ids, b.block_ids) == ([0, 1, 2], [3])
+    manager.free(a)
+    assert a.block_ids == []
+    assert pool.num_free_pages == 7
+    assert pool.allocate(5) == [4, 5, 6, 7, 2]  # freed pages go behind the never-used ones
+
+
+def test_free_keeps_shared_blocks_for_their_other_owner() -> None:
+    pool = PagePool(4)
+    manager = KVCacheManager(pool, block_size=4)
+    seq = make_seq(8)
+    run_step(manager, seq, 8)
+    pool.incref([0])  # another owner of the first block
+    manager.free(seq)
+    assert pool.ref_count(0) == 1
+    assert pool.num_free_pages == 3
+    pool.release([0])
+    assert pool.num_free_pages == 4
+
+
+def test_swap_out_and_in_exact_mappings_and_host_accounting() -> None:
+    pool, host = PagePool(8), PagePool(4)
+    manager = KVCacheManager(pool, block_size=4, host_pool=host)
+    assert host.allocate(1) == [0]  # someone else holds host page 0
+    a, b = make_seq(9), make_seq(4)
+    run_step(manager, a, 9)
+    run_step(manager, b, 4)
+    assert (a.block_ids, b.block_ids) == ([0, 1, 2], [3])
+
+    assert manager.can_swap_out(a)
+    assert manager.swap_out(a) == [(0, 1), (1, 2), (2, 3)]
+    assert a.block_ids == [1, 2, 3]  # now host pages
+    assert a.num_computed_tokens == 9
+    assert host.num_free_pages == 0
+    assert pool.num_free_pages == 7
+    assert not manager.can_swap_out(b)  # the host pool is full
+
+    c = make_seq(8)
+    run_step(manager, c, 8)
+    assert c.block_ids == [4, 5]  # free list was [4, 5, 6, 7, 0, 1, 2]
+    assert manager.can_swap_in(a)
+    assert manager.swap_in(a) == [(1, 6), (2, 7), (3, 0)]
+    assert a.block_ids == [6, 7, 0]
+    assert host.num_free_pages == 3
+    assert pool.num_free_pages == 2
+    assert host.allocate(3) == [1, 2, 3]  # host pages freed in block order
+
+
+def test_swap_in_respects_watermark_and_free_swapped() -> None:
+    pool, host = PagePool(6), PagePool(4)
+    manager = KVCacheManager(pool, block_size=4, num_watermark_pages=2, host_pool=host)
+    a, b = make_seq(8), make_seq(12)
+    run_step(manager, a, 8)
+    assert manager.swap_out(a) == [(0, 0), (1, 1)]
+    run_step(manager, b, 12)
+    assert b.block_ids == [2, 3, 4]
+    assert not manager.can_swap_in(a)  # 2 + 2 > 3 free
+    manager.free(b)
+    assert manager.can_swap_in(a)
+    manager.free_swapped(a)
+    assert a.block_ids == []
+    assert host.num_free_pages == 4
+    assert pool.num_free_pages == 6
+
+
+def test_no_host_pool_means_no_swap() -> None:
+    manager = KVCacheManager(PagePool(4), block_size=4)
+    seq = make_seq(4)
+    run_step(manager, seq, 4)
+    assert not manager.can_swap_out(seq)
