@@ -7,7 +7,6 @@ with the parsed arguments.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ipaddress
 import logging
 import os
@@ -24,7 +23,7 @@ API_KEY_ENV = "LORASERVE_API_KEY"
 ADMIN_KEY_ENV = "LORASERVE_ADMIN_KEY"
 
 # Engine options: (flag, EngineConfig field, type, help).
-_ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
+ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--block-size", "block_size", int, "tokens per KV page (a power of two; default 16)"),
     ("--num-pages", "num_pages", int, "pages in the unified pool (default: sized by --memory-budget-mb)"),
     ("--memory-budget-mb", "memory_budget_mb", int, "MiB of pool storage when --num-pages is not given (default 1024)"),
@@ -90,21 +89,26 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level (default info)"
     )
-    engine = parser.add_argument_group("engine options")
-    for flag, _, kind, help_text in _ENGINE_OPTIONS:
-        engine.add_argument(flag, type=kind, default=None, help=help_text)
+    add_engine_arguments(parser)
     return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The EngineConfig options as flags (shared by ``serve`` and ``generate``)."""
+    engine = parser.add_argument_group("engine options")
+    for flag, _, kind, help_text in ENGINE_OPTIONS:
+        engine.add_argument(flag, type=kind, default=None, help=help_text)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (others keep their defaults)."""
+    return {field: getattr(args, field) for _, field, _, _ in ENGINE_OPTIONS if getattr(args, field, None) is not None}
 
 
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the parsed arguments (options not given keep their defaults)."""
-    options: dict[str, Any] = {
-        field: getattr(args, field) for _, field, _, _ in _ENGINE_OPTIONS if getattr(args, field, None) is not None
-    }
-    if "registry" in {field.name for field in dataclasses.fields(EngineConfig)}:
-        options["registry"] = args.registry or default_registry_spec()
-    elif args.registry:
-        logger.warning("this engine has no adapter registry; --registry %s is ignored", args.registry)
+    options = engine_options(args)
+    options["registry"] = args.registry or default_registry_spec()
     return EngineConfig.from_options(args.model, **options)
 
 
@@ -148,5 +152,8 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without --admin-key or --api-key: anyone can change adapters", args.host)
     app = create_app(engine, settings)
     logger.info("serving %s on http://%s:%d (docs at /docs)", settings.model_id, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a clean shutdown
+        logger.info("stopped")
     return 0

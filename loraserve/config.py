@@ -29,7 +29,11 @@ class EngineConfig:
     """Options of one engine instance.
 
     The page pool is sized either by ``num_pages`` or, when that is ``None``, by
-    ``memory_budget_mb`` (bytes of pool storage across all layers).
+    ``memory_budget_mb`` (bytes of pool storage across all layers); it holds the KV
+    cache and the resident adapters. ``registry`` is where adapters are registered:
+    a directory (``dir:/path`` or a plain path) or ``redis://...``; ``None`` is a
+    private temporary directory. ``host_adapter_cache_mb`` bounds the parsed
+    adapters kept in host memory.
     """
 
     model: str | None = None
@@ -46,6 +50,8 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     num_threads: int | None = None
+    registry: str | None = None
+    host_adapter_cache_mb: int = 2048
 
     def __post_init__(self) -> None:
         _require(
@@ -80,6 +86,9 @@ class EngineConfig:
         _require(
             self.num_threads is None or self.num_threads > 0,
             f"num_threads must be positive, got {self.num_threads}",
+        )
+        _require(
+            self.host_adapter_cache_mb >= 0, f"host_adapter_cache_mb must be >= 0, got {self.host_adapter_cache_mb}"
         )
         try:
             torch.device(self.device)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from loraserve.adapters import AdapterInfo
 from loraserve.config import EngineConfig
 from loraserve.llm_engine import LLMEngine
 from loraserve.outputs import RequestOutput
@@ -32,13 +34,28 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def add_adapter(self, name: str, path: str | os.PathLike[str], overwrite: bool = False) -> AdapterInfo:
+        """Register a PEFT LoRA directory under ``name`` (validated; safetensors only)."""
+        return self.engine.add_adapter(name, path, overwrite=overwrite)
+
+    def remove_adapter(self, name: str) -> None:
+        self.engine.remove_adapter(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.engine.list_adapters()
+
     def generate(
         self,
         prompts: str | Seq[str] | Seq[list[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        adapters: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+
+        ``adapters`` is one adapter name for all prompts or one per prompt (``None``
+        is the base model).
+        """
         prompt_list: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompt_list)
@@ -46,10 +63,18 @@ class LLM:
             params_list = list(params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+        if adapters is None or isinstance(adapters, str):
+            adapter_list: list[str | None] = [adapters] * len(prompt_list)
+        else:
+            adapter_list = list(adapters)
+            if len(adapter_list) != len(prompt_list):
+                raise ValueError(f"got {len(adapter_list)} adapters for {len(prompt_list)} prompts")
         request_ids = [str(next(self._request_counter)) for _ in prompt_list]
         try:
-            for request_id, prompt, sampling in zip(request_ids, prompt_list, params_list, strict=True):
-                self.engine.add_request(request_id, prompt, sampling)
+            for request_id, prompt, sampling, adapter in zip(
+                request_ids, prompt_list, params_list, adapter_list, strict=True
+            ):
+                self.engine.add_request(request_id, prompt, sampling, adapter)
         except Exception:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)

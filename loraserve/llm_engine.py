@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from loraserve.adapter_manager import AdapterManager
+from loraserve.adapters import AdapterInfo, AdapterNotFoundError, AdapterRegistry, BaseModelShapes, make_store
 from loraserve.block_manager import KVCacheManager
 from loraserve.config import EngineConfig
 from loraserve.detokenizer import Detokenizer, find_stop_string
+from loraserve.lora_batch import LoRAApplier
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.loader import load_hf_config, load_model, resolve_model_dir
 from loraserve.outputs import CompletionOutput, RequestOutput
@@ -24,6 +30,13 @@ logger = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request cannot be served as asked; the message says why."""
+
+
+class UnknownAdapterError(RequestError, KeyError):
+    """The request names an adapter that is not registered."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclass
@@ -69,6 +82,24 @@ class LLMEngine:
             self.device,
             config.seed,
         )
+        self._registry_dir: tempfile.TemporaryDirectory[str] | None = None
+        if config.registry is None:
+            self._registry_dir = tempfile.TemporaryDirectory(prefix="loraserve-adapters-")
+            registry_spec = self._registry_dir.name
+        else:
+            registry_spec = config.registry
+        self.adapter_registry = AdapterRegistry(
+            make_store(registry_spec), BaseModelShapes.from_hf_config(self.hf_config)
+        )
+        self.adapters = AdapterManager(
+            self.adapter_registry,
+            self.pool,
+            self.runner.storage,
+            config.host_adapter_cache_mb * 2**20,
+            num_watermark_pages,
+        )
+        self.scheduler.adapters = self.adapters
+        self.runner.lora_hook = LoRAApplier(self.adapters)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
@@ -94,26 +125,58 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         token_ids = self.encode(prompt)
+        adapter_id = self._resolve_adapter(adapter_name)
+        adapter_pages = self.adapters.num_pages(adapter_id) if adapter_id else 0
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length of {self.max_model_len} tokens"
             )
-        if len(token_ids) + params.max_tokens > self.max_seq_tokens:
+        if len(token_ids) + params.max_tokens + adapter_pages * self.config.block_size > self.max_seq_tokens:
             raise RequestError(
-                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) needs more KV "
-                f"pages than the pool holds ({self.max_seq_tokens} tokens); raise num_pages"
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) plus the adapter's "
+                f"{adapter_pages} pages needs more pages than the pool holds ({self.max_seq_tokens} tokens); "
+                "raise num_pages"
             )
         seqs = [
-            Sequence(request_id, list(token_ids), params, sample_index=i, adapter_name=adapter_name)
+            Sequence(
+                request_id, list(token_ids), params, sample_index=i, adapter_name=adapter_name, adapter_id=adapter_id
+            )
             for i in range(params.n)
         ]
+        if adapter_id is not None:
+            for _ in seqs:
+                self.adapters.add_live_seq(adapter_id)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, seqs, adapter_name)
         self.requests[request_id] = request
         for seq in seqs:
             self.detokenizer.start(seq)
             self.scheduler.add(seq)
         return request
+
+    def _resolve_adapter(self, adapter_name: str | None) -> str | None:
+        if adapter_name is None:
+            return None
+        try:
+            return self.adapters.resolve(adapter_name)
+        except AdapterNotFoundError:
+            raise UnknownAdapterError(f"adapter {adapter_name!r} is not registered") from None
+
+    # ---- adapters -------------------------------------------------------------------
+    def add_adapter(self, name: str, path: str | os.PathLike[str], overwrite: bool = False) -> AdapterInfo:
+        """Register the PEFT directory at ``path`` under ``name`` (validated first)."""
+        return self.adapters.register_from_path(name, str(path), overwrite=overwrite)
+
+    def register_adapter(self, name: str, files: Mapping[str, bytes], overwrite: bool = False) -> AdapterInfo:
+        """Register PEFT files given as bytes (``adapter_config.json``, ``adapter_model.safetensors``)."""
+        return self.adapters.register(name, files, overwrite=overwrite)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unregister ``name``: new requests cannot use it; requests in flight finish on it."""
+        self.adapters.remove(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return [self.adapters.info(name) for name in self.adapter_registry.names()]
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from loraserve.forward_batch import ForwardBatch, PrefillSpan
+from loraserve.lora_batch import LoRABatch
 from loraserve.models.llama import LlamaForCausalLM, LoRAHook
 from loraserve.sampler import Sampler
 from loraserve.scheduler import ScheduledBatch
@@ -60,9 +61,7 @@ class ModelRunner:
         self.model = model
         self.layout = layout
         self.device = device
-        self.storage = torch.zeros(
-            layout.num_layers, num_pages, layout.page_elems, dtype=dtype, device=device
-        )
+        self.storage = torch.zeros(layout.num_layers, num_pages, layout.page_elems, dtype=dtype, device=device)
         self.swap_storage = torch.zeros(
             layout.num_layers,
             num_swap_pages,
@@ -87,9 +86,16 @@ class ModelRunner:
             src, dst = _pairs(batch.copy_pages)
             self.storage[:, dst] = self.storage[:, src]
 
-    def prepare(self, batch: ScheduledBatch, lora: Any = None) -> tuple[ForwardBatch, list[int]]:
-        """Flatten the batch (decode tokens first); also return the seq order used."""
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
+        """Flatten the batch: decode tokens first, and within each part grouped by adapter.
+
+        Also returns the order of ``batch.seqs`` used.
+        """
+        order = sorted(
+            range(len(batch.seqs)),
+            key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].adapter_id or ""),
+        )
+        lora_ranges: list[tuple[int, int, str | None]] = []
         block_size = self.layout.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -103,11 +109,10 @@ class ModelRunner:
             seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
             end = start + num_new
+            lora_ranges.append((len(input_ids), len(input_ids) + num_new, seq.adapter_id))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(
-                seq.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
-            )
+            slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
             if num_new == 1:
                 num_decode += 1
                 decode_tables.append(seq.block_ids)
@@ -125,25 +130,24 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=num_decode,
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev).view(
-                num_decode, max_blocks
-            ),
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev).view(num_decode, max_blocks),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev),
             prefills=prefills,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            lora=lora,
+            lora=LoRABatch.from_ranges(lora_ranges),
         )
         return forward_batch, order
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, lora: Any = None) -> list[int | None]:
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run the step; return the sampled token of each sequence (None mid-prefill)."""
         self.copy_pages(batch)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not batch.seqs:
             return sampled
-        forward_batch, order = self.prepare(batch, lora)
-        logits = self.model(forward_batch, self.kv_caches, self.lora_hook)  # [num_sampled, vocab]
+        forward_batch, order = self.prepare(batch)
+        hook = self.lora_hook if forward_batch.lora is not None else None
+        logits = self.model(forward_batch, self.kv_caches, hook)  # [num_sampled, vocab]
         sampling_index = [i for i in order if batch.samples(i)]
         if sampling_index:
             seqs: list[Sequence] = [batch.seqs[i] for i in sampling_index]

@@ -95,8 +95,7 @@ class PagePool:
         """Take ``num_pages`` pages with refcount 1, evicting idle entries if needed."""
         if num_pages > self.num_available_pages:
             raise OutOfPagesError(
-                f"need {num_pages} pages, only {self.num_available_pages} free or evictable "
-                f"of {self.num_pages}"
+                f"need {num_pages} pages, only {self.num_available_pages} free or evictable of {self.num_pages}"
             )
         while len(self._free_page_ids) < num_pages:
             self.evict_oldest()
@@ -166,9 +165,7 @@ class PagePool:
         self.free(self.decref(page_ids))
 
     # ---- the LRU of idle contents -------------------------------------------------
-    def add_evictable(
-        self, key: Hashable, page_ids: list[int], kind: str, on_evict: Callable[[], None]
-    ) -> None:
+    def add_evictable(self, key: Hashable, page_ids: list[int], kind: str, on_evict: Callable[[], None]) -> None:
         """Keep unreferenced pages as reusable content; the newest entry is evicted last."""
         if key in self._evictable:
             raise RuntimeError(f"evictable entry {key!r} already exists")

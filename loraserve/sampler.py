@@ -60,9 +60,7 @@ class Sampler:
             noise = torch.empty_like(probs)  # exponential race: argmax(p / E) samples from p
             for row, i in enumerate(random_rows):
                 seed = seqs[i].seed
-                generator = (
-                    self.generator if seed is None else _sample_generator(seed, seqs[i].num_output_tokens)
-                )
+                generator = self.generator if seed is None else _sample_generator(seed, seqs[i].num_output_tokens)
                 noise[row].exponential_(generator=generator)
             token_ids[rows] = (probs / noise).argmax(dim=-1)
         sampled = token_ids.tolist()

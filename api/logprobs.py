@@ -1,0 +1,66 @@
+"""Engine logprobs (one ``{token id: logprob}`` per generated token) in the OpenAI shapes."""
+
+from __future__ import annotations
+
+import math
+
+from loraserve.outputs import CompletionOutput
+
+from .openai_protocol import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from .serving import ServerState
+
+_FLOOR = -9999.0  # JSON has no -inf
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else _FLOOR
+
+
+def completion_logprobs(
+    state: ServerState, completion: CompletionOutput, start: int, end: int, text_offset: int
+) -> CompletionLogprobs:
+    """Tokens ``start:end`` of a completion in the legacy completions shape.
+
+    ``top_logprobs`` holds the requested number of most likely tokens plus the sampled one
+    (so up to ``logprobs + 1`` entries, as the OpenAI API documents); ``text_offset`` counts
+    from ``text_offset`` (the length of the text before the first of these tokens).
+    """
+    result = CompletionLogprobs()
+    entries = completion.logprobs or []
+    for position in range(start, min(end, len(entries), len(completion.token_ids))):
+        token_id = completion.token_ids[position]
+        entry = entries[position]
+        text = state.token_text(token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(_finite(entry.get(token_id, _FLOOR)))
+        ranked = sorted(entry.items(), key=lambda item: -item[1])
+        result.top_logprobs.append({state.token_text(tid): _finite(lp) for tid, lp in ranked})
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
+    return result
+
+
+def chat_logprobs(
+    state: ServerState, completion: CompletionOutput, start: int, end: int, num_top: int
+) -> list[ChatTokenLogprob]:
+    """Tokens ``start:end`` of a completion in the chat shape (``num_top`` alternatives each)."""
+    content: list[ChatTokenLogprob] = []
+    entries = completion.logprobs or []
+    for position in range(start, min(end, len(entries), len(completion.token_ids))):
+        token_id = completion.token_ids[position]
+        entry = entries[position]
+        text = state.token_text(token_id)
+        ranked = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+        top = [
+            ChatTopLogprob(token=(t := state.token_text(tid)), logprob=_finite(lp), bytes=list(t.encode()))
+            for tid, lp in ranked
+        ]
+        content.append(
+            ChatTokenLogprob(
+                token=text,
+                logprob=_finite(entry.get(token_id, _FLOOR)),
+                bytes=list(text.encode()),
+                top_logprobs=top,
+            )
+        )
+    return content

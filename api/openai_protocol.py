@@ -1,0 +1,248 @@
+"""Pydantic models of the OpenAI-compatible request and response bodies (and the adapter API's).
+
+Unknown request fields are ignored (clients send many optional fields); fields whose
+non-default values loraserve cannot honour are declared so the route can refuse them with a
+clear 400 instead of silently ignoring them (see :func:`unsupported_fields`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 64
+MAX_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str = Field(description="The base model id, or the name of a registered adapter")
+    temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 is greedy; default 1")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, description="loraserve extension: -1 or None is off")
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, description="loraserve extension")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="loraserve extension: keep generating past EOS")
+    user: str | None = None
+    # Declared only to refuse non-default values (see unsupported_fields).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A string, a list of strings, a list of token ids, or a list of token-id lists"
+    )
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+
+class TextContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = Field(True, description="loraserve extension (as in vLLM)")
+    # Declared only to refuse them (see unsupported_fields).
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def unsupported_fields(request: _SamplingFields) -> list[str]:
+    """Names of fields set to values loraserve cannot honour."""
+    bad = [name for name in ("presence_penalty", "frequency_penalty") if getattr(request, name) not in (None, 0, 0.0)]
+    if request.logit_bias:
+        bad.append("logit_bias")
+    if isinstance(request, CompletionRequest):
+        if request.suffix:
+            bad.append("suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            bad.append("best_of")
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools:
+            bad.append("tools")
+        if request.response_format and request.response_format.get("type") not in (None, "text"):
+            bad.append("response_format")
+    return bad
+
+
+# ---- responses -------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "loraserve"
+    root: str | None = None
+    parent: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- adapters ------------------------------------------------------------------------------
+class AdapterCard(BaseModel):
+    id: str = Field(description="The adapter's name; pass it as `model` to use the adapter")
+    object: Literal["adapter"] = "adapter"
+    rank: int
+    ranks: Any = Field(None, description="Per-module ranks when they differ")
+    target_modules: list[str]
+    digest: str = Field(description="Content digest of the adapter's weights and config")
+    num_bytes: int
+    num_parameters: int
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterCard]
+
+
+class AdapterDeleted(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    deleted: bool = True
+
+
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1, description="A directory under one of the server's --allowed-lora-dir")
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,78 @@
+"""One request's output stream, and the errors that can end it.
+
+The engine thread calls :meth:`RequestStream.deliver`; the consuming coroutine iterates. An
+iteration ends after the finished output, or raises the error that ended the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from loraserve.outputs import RequestOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (stopped, or never started and cannot start)."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; every request in flight at that moment was aborted."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted by someone other than its own stream."""
+
+
+class RequestStream:
+    """Async iterator over one request's outputs (cumulative snapshots).
+
+    When the consumer falls behind, intermediate snapshots are skipped: each output carries
+    the whole text and token ids so far, so nothing is lost. Call :meth:`abort` (or let
+    :meth:`AsyncEngine.generate` do it) when giving up on the request early.
+    """
+
+    def __init__(
+        self, request_id: str, loop: asyncio.AbstractEventLoop, post_abort: Callable[[str], None]
+    ) -> None:
+        self.request_id = request_id
+        self._post_abort = post_abort
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._done = False
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; safe to call repeatedly and from ``finally``."""
+        if not self._done:
+            self._done = True
+            self._post_abort(self.request_id)
+
+    def mark_done(self) -> None:
+        """The request will produce nothing more (it was refused); no abort is needed."""
+        self._done = True
+
+    def deliver(self, item: RequestOutput | BaseException) -> None:
+        """Queue an output or the final error; called on the engine thread."""
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)

@@ -1,0 +1,185 @@
+"""Adapter management: upload, list, inspect, delete, and the vLLM-compatible load/unload calls.
+
+Every change goes through the engine thread (``AsyncEngine.call``), so the engine sees
+registrations and removals between steps. Removing an adapter stops new requests from using
+it; requests already running on it finish (the engine's contract for ``remove_adapter``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from loraserve.adapters import (
+    AdapterError,
+    AdapterExistsError,
+    AdapterNotFoundError,
+    AdapterTooLargeError,
+)
+
+from .auth import require_admin_key, require_api_key
+from .errors import APIError
+from .openai_protocol import (
+    AdapterCard,
+    AdapterDeleted,
+    AdapterList,
+    ErrorResponse,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from .routes_models import list_adapter_infos
+from .serving import ServerState, UnknownAdapterError, get_state
+from .uploads import read_adapter_upload, read_confined_adapter_dir
+
+router = APIRouter(tags=["adapters"])
+
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413)}
+_UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["name", "files"],
+                    "properties": {
+                        "name": {"type": "string", "description": "The adapter's name (used as `model`)"},
+                        "files": {
+                            "type": "array",
+                            "items": {"type": "string", "format": "binary"},
+                            "description": "adapter_config.json and adapter_model.safetensors, or one "
+                            ".zip / .tar.gz / .tar of the adapter directory",
+                        },
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+def adapter_card(info: Any) -> AdapterCard:
+    return AdapterCard(
+        id=info.name,
+        rank=info.rank,
+        ranks=dict(info.ranks) if isinstance(info.ranks, dict) else info.ranks,
+        target_modules=list(info.target_modules),
+        digest=info.digest,
+        num_bytes=info.num_bytes,
+        num_parameters=info.num_parameters,
+    )
+
+
+def _require_adapter_support(state: ServerState) -> None:
+    if not state.supports_adapters:
+        raise APIError(501, "this engine does not support adapters", code="adapters_unsupported")
+
+
+def _check_new_name(state: ServerState, name: str) -> None:
+    if name == state.settings.model_id:
+        raise APIError(409, f"{name!r} is the base model's id; choose another adapter name", code="adapter_exists")
+
+
+async def _engine_call(state: ServerState, fn: Callable[[Any], Any], name: str) -> Any:
+    """Run an adapter operation on the engine thread, mapping adapter errors to HTTP errors."""
+    _require_adapter_support(state)
+    try:
+        return await state.async_engine.call(fn)
+    except AdapterExistsError as error:
+        raise APIError(409, f"an adapter named {name!r} already exists: {error}", code="adapter_exists") from None
+    except (AdapterNotFoundError, UnknownAdapterError):
+        raise APIError(404, f"no adapter named {name!r}", code="adapter_not_found") from None
+    except AdapterTooLargeError as error:
+        raise APIError(413, str(error), code="upload_too_large") from None
+    except AdapterError as error:
+        raise APIError(400, f"invalid adapter {name!r}: {error}", code="invalid_adapter") from None
+
+
+@router.post(
+    "/v1/adapters",
+    status_code=201,
+    response_model=AdapterCard,
+    responses=_ERRORS,
+    dependencies=[Depends(require_admin_key)],
+    openapi_extra=_UPLOAD_BODY,
+    summary="Upload a PEFT LoRA adapter (multipart: `name` plus the files or one archive)",
+)
+async def upload_adapter(request: Request) -> JSONResponse:
+    state = get_state(request)
+    _require_adapter_support(state)
+    upload = await read_adapter_upload(request, state.settings.max_upload_bytes)
+    _check_new_name(state, upload.name)
+    info = await _engine_call(state, lambda engine: engine.register_adapter(upload.name, upload.files), upload.name)
+    return JSONResponse(adapter_card(info).model_dump(), status_code=201)
+
+
+@router.get(
+    "/v1/adapters",
+    response_model=AdapterList,
+    responses={401: {"model": ErrorResponse}},
+    dependencies=[Depends(require_api_key)],
+    summary="List registered adapters",
+)
+async def list_adapters(request: Request) -> AdapterList:
+    state = get_state(request)
+    return AdapterList(data=[adapter_card(info) for info in await list_adapter_infos(state)])
+
+
+@router.get(
+    "/v1/adapters/{name}",
+    response_model=AdapterCard,
+    responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
+    dependencies=[Depends(require_api_key)],
+    summary="Describe one adapter (rank, target modules, digest, size)",
+)
+async def get_adapter(name: str, request: Request) -> AdapterCard:
+    state = get_state(request)
+    return adapter_card(await _engine_call(state, lambda engine: engine.adapter_registry.info(name), name))
+
+
+@router.delete(
+    "/v1/adapters/{name}",
+    response_model=AdapterDeleted,
+    responses=_ERRORS,
+    dependencies=[Depends(require_admin_key)],
+    summary="Delete an adapter (new requests cannot use it; running ones finish)",
+)
+async def delete_adapter(name: str, request: Request) -> AdapterDeleted:
+    state = get_state(request)
+    await _engine_call(state, lambda engine: engine.remove_adapter(name), name)
+    return AdapterDeleted(id=name)
+
+
+@router.post(
+    "/v1/load_lora_adapter",
+    response_class=PlainTextResponse,
+    responses=_ERRORS,
+    dependencies=[Depends(require_admin_key)],
+    summary="vLLM-compatible: register the adapter directory at a server path under --allowed-lora-dir",
+)
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    state = get_state(request)
+    _require_adapter_support(state)
+    _check_new_name(state, body.lora_name)
+    settings = state.settings
+    files = await asyncio.to_thread(
+        read_confined_adapter_dir, body.lora_path, settings.allowed_lora_dirs, settings.max_upload_bytes
+    )
+    await _engine_call(state, lambda engine: engine.register_adapter(body.lora_name, files), body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post(
+    "/v1/unload_lora_adapter",
+    response_class=PlainTextResponse,
+    responses=_ERRORS,
+    dependencies=[Depends(require_admin_key)],
+    summary="vLLM-compatible: unregister an adapter by name",
+)
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    state = get_state(request)
+    await _engine_call(state, lambda engine: engine.remove_adapter(body.lora_name), body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -1,0 +1,174 @@
+"""``POST /v1/chat/completions``: chat through the base model's chat template."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from loraserve.outputs import CompletionOutput, RequestOutput
+from loraserve.sampling_params import SamplingParams
+
+from .async_engine import RequestStream
+from .auth import require_api_key
+from .errors import APIError
+from .logprobs import chat_logprobs
+from .openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+)
+from .routes_completions import ERROR_RESPONSES, usage_for
+from .serving import ServerState, get_state, new_id, resolve_adapter, sampling_params, submit
+from .streaming import (
+    SSE_DONE,
+    ClientDisconnectedError,
+    DeltaTracker,
+    SSEResponse,
+    cancel_on_disconnect,
+    collect_final,
+    merge_streams,
+    sse_error,
+    sse_event,
+)
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(tags=["inference"])
+
+
+def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    400,
+                    f"messages[{index}]: only text content parts are supported, got {part.type!r}",
+                    param=f"messages.{index}.content",
+                )
+            texts.append(part.text)
+        content = "\n".join(texts)
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": content or ""}
+
+
+def render_chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """Apply the base model's chat template and tokenize (the API's tokenizer, on the event loop)."""
+    messages = [_message_dict(message, i) for i, message in enumerate(body.messages)]
+    if getattr(state.tokenizer, "chat_template", None) is None:
+        raise APIError(400, "the base model has no chat template; use /v1/completions", param="messages")
+    try:
+        text = state.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+        )
+    except Exception as error:  # jinja raises for conversations the template refuses
+        raise APIError(400, f"the chat template refused the messages: {error}", param="messages") from None
+    return [int(token) for token in state.tokenizer.encode(text, add_special_tokens=False)]
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES},
+    dependencies=[Depends(require_api_key)],
+    summary="Create a chat completion (OpenAI-compatible; `stream` for server-sent events)",
+)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+    state = get_state(request)
+    adapter_name = resolve_adapter(state, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    prompt_ids = render_chat_prompt(state, body)
+    max_tokens = body.max_completion_tokens or body.max_tokens or state.max_new_tokens(len(prompt_ids))
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    num_top = body.top_logprobs or 0
+    request_id = new_id("chatcmpl")
+    if body.stream:
+        streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SSEResponse(_stream(state, request_id, body.model, streams[0], params, num_top, include_usage))
+
+    async def complete() -> ChatCompletionResponse:
+        streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model)
+        (final,) = await collect_final(streams)
+        choices = [
+            ChatChoice(
+                index=completion.index,
+                message=ChatResponseMessage(content=completion.text),
+                logprobs=_logprobs(state, completion, 0, len(completion.token_ids), params, num_top),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            for completion in final.outputs
+        ]
+        return ChatCompletionResponse(id=request_id, model=body.model, choices=choices, usage=usage_for([final]))
+
+    try:
+        return await cancel_on_disconnect(request, complete())
+    except ClientDisconnectedError:
+        return Response(status_code=499)
+
+
+def _logprobs(
+    state: ServerState, completion: CompletionOutput, start: int, end: int, params: SamplingParams, num_top: int
+) -> ChatLogprobs | None:
+    if params.logprobs is None:
+        return None
+    return ChatLogprobs(content=chat_logprobs(state, completion, start, end, num_top))
+
+
+async def _stream(
+    state: ServerState,
+    request_id: str,
+    model: str,
+    stream: RequestStream,
+    params: SamplingParams,
+    num_top: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> str:
+        return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
+
+    trackers = [DeltaTracker.for_stops(params.stop) for _ in range(params.n)]
+    final: RequestOutput | None = None
+    try:
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(params.n)])
+        async with aclosing(merge_streams([stream])) as merged:
+            async for _, output in merged:
+                final = output if output.finished else None
+                for completion in output.outputs:
+                    tracker = trackers[completion.index]
+                    if tracker.finished:
+                        continue
+                    text = tracker.next_text(completion)
+                    start, end = tracker.next_token_range(completion)
+                    tracker.finished = completion.finish_reason is not None
+                    logprobs = _logprobs(state, completion, start, end, params, num_top) if end > start else None
+                    if not text and not tracker.finished and logprobs is None:
+                        continue
+                    delta = ChatDelta(content=text or None)
+                    choice = ChatChunkChoice(
+                        index=completion.index, delta=delta, logprobs=logprobs, finish_reason=completion.finish_reason
+                    )
+                    yield chunk([choice])
+        if include_usage and final is not None:
+            yield chunk([], usage_for([final]))
+    except Exception as error:
+        yield sse_error(error)
+    finally:
+        stream.abort()
+    yield SSE_DONE

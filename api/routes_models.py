@@ -1,0 +1,77 @@
+"""``GET /v1/models``, ``GET /health`` and ``GET /metrics``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .async_engine import EngineDeadError
+from .auth import require_api_key
+from .metrics import snapshot_engine
+from .openai_protocol import ErrorResponse, ModelCard, ModelList
+from .serving import ServerState, get_state
+
+router = APIRouter()
+
+
+async def list_adapter_infos(state: ServerState) -> list[Any]:
+    """The engine's registered adapters (read on the engine thread); empty without adapter support."""
+    if not state.supports_adapters:
+        return []
+    infos: list[Any] = await state.async_engine.call(lambda engine: list(engine.list_adapters()))
+    return sorted(infos, key=lambda info: info.name)
+
+
+async def list_adapter_names(state: ServerState) -> list[str]:
+    """Registered adapter names (cheap: no adapter is parsed); empty without adapter support."""
+    if not state.supports_adapters:
+        return []
+    names: list[str] = await state.async_engine.call(lambda engine: list(engine.adapter_registry.names()))
+    return sorted(names)
+
+
+@router.get(
+    "/v1/models",
+    response_model=ModelList,
+    responses={401: {"model": ErrorResponse}},
+    dependencies=[Depends(require_api_key)],
+    tags=["models"],
+    summary="List the base model and every registered adapter (each usable as `model`)",
+)
+async def list_models(request: Request) -> ModelList:
+    state = get_state(request)
+    base = state.settings.model_id
+    cards = [ModelCard(id=base, root=str(state.engine.model_dir))]
+    cards += [ModelCard(id=name, root=name, parent=base) for name in await list_adapter_names(state)]
+    return ModelList(data=cards)
+
+
+@router.get("/health", tags=["operations"], summary="200 while the model is loaded and the engine loop runs")
+async def health(request: Request) -> JSONResponse:
+    state = get_state(request)
+    try:
+        state.async_engine.start()
+    except EngineDeadError as error:
+        return JSONResponse({"status": "error", "message": str(error)}, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.settings.model_id})
+
+
+@router.get(
+    "/metrics",
+    tags=["operations"],
+    summary="Prometheus metrics (pages by kind, queues, preemptions, evictions, tokens, latencies)",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}}},
+)
+async def metrics(request: Request) -> Response:
+    state = get_state(request)
+    collector = state.metrics.engine_collector
+    try:
+        collector.snapshot = await state.async_engine.call(snapshot_engine)
+    except EngineDeadError:
+        collector.snapshot = None
+    collector.num_step_errors = state.async_engine.num_step_errors
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

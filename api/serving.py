@@ -1,0 +1,147 @@
+"""What every inference route shares: the server state, model -> adapter resolution, sampling
+parameters, submission of engine requests, and the mapping of engine errors to HTTP errors."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from loraserve.llm_engine import LLMEngine, RequestError
+from loraserve.sampling_params import SamplingParams, SamplingParamsError
+
+from .async_engine import AsyncEngine, EngineDeadError, RequestStream
+from .errors import APIError
+from .metrics import ServerMetrics
+from .openai_protocol import _SamplingFields, unsupported_fields
+from .settings import ServerSettings
+
+try:  # the multi-LoRA engine defines it; until then no adapter name can be valid anyway
+    from loraserve.llm_engine import UnknownAdapterError
+except ImportError:  # pragma: no cover - depends on the engine version
+
+    class UnknownAdapterError(RequestError):  # type: ignore[no-redef]
+        """Stand-in until the engine defines it."""
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """Everything a route needs; one per app (``app.state.server``).
+
+    ``tokenizer`` is the API's own tokenizer instance (chat templates, token strings for
+    logprobs, echo): the engine's is used only on the engine thread.
+    """
+
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    settings: ServerSettings
+    tokenizer: Any
+    metrics: ServerMetrics
+
+    @property
+    def supports_adapters(self) -> bool:
+        return hasattr(self.engine, "adapter_registry")
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as the OpenAI API shows it (decoded, not the BPE symbol)."""
+        return str(self.tokenizer.decode([token_id]))
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The largest max_tokens a prompt of this length can ask for."""
+        limit = min(int(self.engine.max_model_len), int(getattr(self.engine, "max_seq_tokens", 1 << 62)))
+        return max(1, limit - num_prompt_tokens)
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def resolve_adapter(state: ServerState, model: str) -> str | None:
+    """``None`` for the base model id, else the adapter name (checked by the engine at submission)."""
+    if model == state.settings.model_id:
+        return None
+    if not state.supports_adapters:
+        raise model_not_found(model, state)
+    return model
+
+
+def model_not_found(model: str, state: ServerState) -> APIError:
+    return APIError(
+        404,
+        f"the model {model!r} does not exist: use {state.settings.model_id!r} for the base model or the "
+        "name of a registered adapter (GET /v1/models lists them)",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def sampling_params(
+    request: _SamplingFields, max_tokens: int, logprobs: int | None, *, n: int | None = None
+) -> SamplingParams:
+    """Build engine sampling parameters, refusing unsupported fields with a 400."""
+    bad = unsupported_fields(request)
+    if bad:
+        raise APIError(400, f"unsupported parameter(s) {bad}: loraserve does not implement them", param=bad[0])
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    try:
+        return SamplingParams(
+            n=request.n if n is None else n,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k in (None, 0) else int(request.top_k),
+            seed=request.seed,
+            max_tokens=max_tokens,
+            stop=tuple(stop),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+        )
+    except SamplingParamsError as error:
+        raise APIError(400, str(error), code="invalid_value") from None
+
+
+def engine_error(error: Exception, model: str, state: ServerState) -> APIError:
+    """The HTTP error for an exception from ``add_request``."""
+    if isinstance(error, UnknownAdapterError):
+        return model_not_found(model, state)
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"the engine is not running: {error}")
+    if isinstance(error, RequestError | SamplingParamsError | ValueError):
+        return APIError(400, str(error), code="invalid_value")
+    logger.exception("add_request failed")
+    return APIError(500, f"the engine could not accept the request: {type(error).__name__}: {error}")
+
+
+async def submit(
+    state: ServerState,
+    request_id: str,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    adapter_name: str | None,
+    model: str,
+) -> list[RequestStream]:
+    """Add one engine request per prompt (ids ``{request_id}-{i}``); all or nothing."""
+    streams: list[RequestStream] = []
+    try:
+        for index, prompt in enumerate(prompts):
+            streams.append(
+                await state.async_engine.add_request(f"{request_id}-{index}", prompt, params, adapter_name)
+            )
+    except BaseException as error:
+        for stream in streams:
+            stream.abort()
+        if isinstance(error, Exception):
+            raise engine_error(error, model, state) from None
+        raise
+    return streams

@@ -1,0 +1,48 @@
+"""Server-side options of the HTTP layer (everything that is not an engine option)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_UPLOAD_MB = 512
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the API serves one engine.
+
+    * ``model_id``: the id of the base model in ``/v1/models`` and the ``model`` value that
+      selects it (any other ``model`` value names an adapter).
+    * ``api_key``: when set, inference and read endpoints need ``Authorization: Bearer <key>``
+      (the admin key is accepted too).
+    * ``admin_key``: when set, every adapter-changing endpoint needs it. When it is unset,
+      adapter changes need the API key if one is set, and are open only when neither is set.
+    * ``allowed_lora_dirs``: server-side directories ``/v1/load_lora_adapter`` may read from;
+      empty (the default) disables loading from server paths altogether.
+    * ``max_upload_bytes``: the largest adapter upload (request body, and the uncompressed
+      content of an archive); bigger ones get 413.
+    """
+
+    model_id: str
+    api_key: str | None = None
+    admin_key: str | None = None
+    allowed_lora_dirs: tuple[str, ...] = field(default_factory=tuple)
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_MB * 2**20
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must be a non-empty string")
+        if self.max_upload_bytes <= 0:
+            raise ValueError(f"max_upload_bytes must be positive, got {self.max_upload_bytes}")
+        for key_name in ("api_key", "admin_key"):
+            value = getattr(self, key_name)
+            if value is not None and not value:
+                raise ValueError(f"{key_name} must be None or a non-empty string")
+        resolved = tuple(os.path.realpath(os.path.expanduser(path)) for path in self.allowed_lora_dirs)
+        object.__setattr__(self, "allowed_lora_dirs", resolved)
+
+    @property
+    def adapter_key(self) -> str | None:
+        """The key that adapter-changing endpoints require (None: open)."""
+        return self.admin_key or self.api_key

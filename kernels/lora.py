@@ -1,0 +1,78 @@
+"""Batched LoRA for tokens of many adapters of different ranks: torch implementations.
+
+Semantics (Punica's SGMV/BGMV), for token ``t`` using adapter ``a(t)`` (or none):
+
+    v[t]     = x[t] @ A[a(t)].T                       shrink, rank r_a(t)
+    y_m[t]  += scale_m[a(t)] * v_m[t] @ B_m[a(t)].T    expand, per output module m
+
+Projections that read the same input (q/k/v; gate/up) share one shrink over their
+A matrices stacked by rows; ``v_m`` is module m's column slice of ``v``. Nothing is
+padded: each adapter is multiplied at its own rank.
+
+``apply_lora_segments`` is the CPU serving path: tokens of one adapter are
+contiguous (the runner orders the batch that way), so each segment is two small
+GEMMs on views of the pool pages. ``lora_reference`` is the float32 per-token
+reference that every implementation (and the GPU kernels) is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OutputSlice:
+    """Where module m's rank columns sit in ``v`` and its expand weights."""
+
+    column: int
+    rank: int
+    b_t: torch.Tensor  # [rank, out_features], B transposed
+    scale: float
+
+
+@dataclass(frozen=True)
+class LoRASegment:
+    """Tokens ``start:end`` of the batch all use one adapter."""
+
+    start: int
+    end: int
+    a: torch.Tensor  # [sum of the group's ranks, in_features], stacked A rows
+    outputs: tuple[OutputSlice | None, ...]  # one per output tensor; None where not adapted
+
+
+def apply_lora_segments(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    outputs: tuple[torch.Tensor, ...],  # each [num_tokens, out_features_m], updated in place
+    segments: list[LoRASegment],
+) -> None:
+    """Add every segment's LoRA delta to its rows of ``outputs``."""
+    for segment in segments:
+        if segment.a.shape[0] == 0:
+            continue
+        rows = slice(segment.start, segment.end)
+        v = x[rows] @ segment.a.T  # [segment_len, sum_r]
+        for out, part in zip(outputs, segment.outputs, strict=True):
+            if part is None:
+                continue
+            delta = v[:, part.column : part.column + part.rank] @ part.b_t  # [segment_len, out_features]
+            out[rows] += delta * part.scale
+
+
+def lora_reference(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    adapter_indices: torch.Tensor,  # [num_tokens] int64, -1 for no adapter
+    lora_a: list[torch.Tensor],  # per adapter [rank_i, in_features]
+    lora_b: list[torch.Tensor],  # per adapter [out_features, rank_i]
+    scales: list[float],
+) -> torch.Tensor:  # [num_tokens, out_features] float32, the delta only
+    """Per-token float32 reference: ``delta[t] = scale * (x[t] @ A.T) @ B.T`` of adapter a(t)."""
+    out_features = lora_b[0].shape[0] if lora_b else 0
+    delta = torch.zeros(x.shape[0], out_features, dtype=torch.float32)
+    for t, index in enumerate(adapter_indices.tolist()):
+        if index < 0:
+            continue
+        v = x[t].float() @ lora_a[index].float().T  # [rank]
+        delta[t] = scales[index] * (v @ lora_b[index].float().T)
+    return delta

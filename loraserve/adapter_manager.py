@@ -1,0 +1,238 @@
+"""Adapter residency across three tiers: registry (disk or Redis), host memory, page pool.
+
+* Requests name an adapter; it is resolved once, at arrival, to the adapter's content
+  digest, and everything after that (residency, prefix-cache keys) uses the digest.
+* A resident adapter's weights live in pages of the same pool as the KV cache,
+  allocated from the same free list (``PageKind.ADAPTER``). Pages grow linearly with
+  rank (see adapter_layout.py).
+* An adapter used by running sequences is pinned (one pin per running sequence).
+  When the last pin goes, its pages join the pool's single LRU of idle contents and
+  are reclaimed when KV (or another adapter) needs them; using it again before that
+  revives it without a copy.
+* Parsed adapters are kept in a host-memory LRU bounded in bytes; adapters some
+  unfinished request still needs are never dropped from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from loraserve.adapter_layout import AdapterLayout
+from loraserve.adapters import AdapterInfo, AdapterRegistry, LoRAAdapter
+from loraserve.kernels.lora import OutputSlice
+from loraserve.page_pool import PageKind, PagePool
+
+logger = logging.getLogger(__name__)
+
+# Per layer, per group: (stacked A view, one OutputSlice or None per module of the group).
+GroupWeights = tuple[torch.Tensor, tuple[OutputSlice | None, ...]]
+
+
+@dataclass
+class ResidentAdapter:
+    adapter_id: str
+    layout: AdapterLayout
+    page_ids: list[int]
+    num_pins: int = 0
+    # Views into the pool for adapters on consecutive pages (built once at load).
+    views: list[dict[str, GroupWeights]] | None = field(default=None, repr=False)
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.page_ids == list(range(self.page_ids[0], self.page_ids[0] + len(self.page_ids)))
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        registry: AdapterRegistry,
+        pool: PagePool,
+        storage: torch.Tensor,  # [num_layers, num_pages, page_elems]
+        host_cache_bytes: int,
+        num_watermark_pages: int = 0,
+    ) -> None:
+        self.registry = registry
+        self.pool = pool
+        self.storage = storage
+        self.num_layers, _, self.page_elems = storage.shape
+        self.host_cache_bytes = host_cache_bytes
+        self.num_watermark_pages = num_watermark_pages
+        self._name_to_id: dict[str, str] = {}
+        self._infos: dict[str, AdapterInfo] = {}
+        self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self._layouts: dict[str, AdapterLayout] = {}
+        self._num_live_seqs: dict[str, int] = {}
+        self.resident: dict[str, ResidentAdapter] = {}
+        self.num_loads = 0
+        self.num_evictions = 0
+
+    # ---- names ----------------------------------------------------------------------
+    def register(self, name: str, files: Mapping[str, bytes], overwrite: bool = False) -> AdapterInfo:
+        info = self.registry.register(name, files, overwrite=overwrite)
+        self._name_to_id.pop(name, None)
+        self._infos[name] = info
+        return info
+
+    def register_from_path(self, name: str, path: str, overwrite: bool = False) -> AdapterInfo:
+        info = self.registry.register_from_path(name, path, overwrite=overwrite)
+        self._name_to_id.pop(name, None)
+        self._infos[name] = info
+        return info
+
+    def remove(self, name: str) -> None:
+        """Unregister; requests already holding the adapter's digest keep running on it."""
+        self.registry.delete(name)
+        self._name_to_id.pop(name, None)
+        self._infos.pop(name, None)
+
+    def info(self, name: str) -> AdapterInfo:
+        """Summary of ``name``, parsed once per registration seen by this engine."""
+        info = self._infos.get(name)
+        if info is None:
+            info = self._infos[name] = self.registry.info(name)
+        return info
+
+    def resolve(self, name: str) -> str:
+        """The content digest of the adapter registered as ``name`` (loaded into host memory)."""
+        adapter_id = self._name_to_id.get(name)
+        if adapter_id is not None and (adapter_id in self._host or adapter_id in self.resident):
+            return adapter_id
+        adapter = self.registry.load(name)
+        self._name_to_id[name] = adapter.digest
+        self._put_host(adapter)
+        return adapter.digest
+
+    def add_live_seq(self, adapter_id: str) -> None:
+        """Count an unfinished sequence on the adapter (its host copy is kept meanwhile)."""
+        self._num_live_seqs[adapter_id] = self._num_live_seqs.get(adapter_id, 0) + 1
+        self._trim_host()
+
+    def drop_live_seq(self, adapter_id: str) -> None:
+        remaining = self._num_live_seqs[adapter_id] - 1
+        if remaining:
+            self._num_live_seqs[adapter_id] = remaining
+        else:
+            del self._num_live_seqs[adapter_id]
+            self._trim_host()
+
+    def layout(self, adapter_id: str) -> AdapterLayout:
+        return self._layouts[adapter_id]
+
+    def num_pages(self, adapter_id: str) -> int:
+        return self._layouts[adapter_id].num_pages(self.page_elems)
+
+    # ---- host tier ------------------------------------------------------------------
+    def _put_host(self, adapter: LoRAAdapter) -> None:
+        self._host[adapter.digest] = adapter
+        self._host.move_to_end(adapter.digest)
+        if adapter.digest not in self._layouts:
+            self._layouts[adapter.digest] = AdapterLayout.for_adapter(adapter, self.num_layers)
+
+    def _trim_host(self) -> None:
+        total = sum(a.num_bytes for a in self._host.values())
+        for adapter_id in list(self._host):
+            if total <= self.host_cache_bytes:
+                break
+            if adapter_id in self._num_live_seqs:
+                continue
+            total -= self._host.pop(adapter_id).num_bytes
+            if adapter_id not in self.resident:
+                self._layouts.pop(adapter_id, None)
+
+    # ---- the pool tier --------------------------------------------------------------
+    def acquire(self, adapter_id: str) -> bool:
+        """Pin the adapter for one running sequence, loading it into pages if needed.
+
+        Returns False, changing nothing, when the pool cannot make room while keeping
+        the watermark free.
+        """
+        resident = self.resident.get(adapter_id)
+        if resident is not None:
+            if resident.num_pins == 0 and self.pool.take_evictable(("adapter", adapter_id)) is None:
+                raise RuntimeError(f"idle adapter {adapter_id[:12]} lost its pages")
+            resident.num_pins += 1
+            return True
+        num_pages = self.num_pages(adapter_id)
+        if not self.pool.can_allocate(num_pages, reserve=self.num_watermark_pages):
+            return False
+        page_ids = self.pool.allocate_contiguous(num_pages, PageKind.ADAPTER)
+        if page_ids is None:
+            page_ids = self.pool.allocate(num_pages, PageKind.ADAPTER)
+        resident = ResidentAdapter(adapter_id, self._layouts[adapter_id], page_ids, num_pins=1)
+        self._write_pages(resident)
+        self.resident[adapter_id] = resident
+        self.num_loads += 1
+        logger.debug("loaded adapter %s into %d pages", adapter_id[:12], num_pages)
+        return True
+
+    def release(self, adapter_id: str) -> None:
+        """Drop one pin; an unpinned adapter stays resident but evictable."""
+        resident = self.resident[adapter_id]
+        resident.num_pins -= 1
+        if resident.num_pins == 0:
+            unreferenced = self.pool.decref(resident.page_ids)
+            assert len(unreferenced) == len(resident.page_ids)
+            self.pool.add_evictable(
+                ("adapter", adapter_id), resident.page_ids, "adapter_idle", lambda: self._evicted(adapter_id)
+            )
+
+    def _evicted(self, adapter_id: str) -> None:
+        self.resident.pop(adapter_id)
+        self.num_evictions += 1
+        if adapter_id not in self._host:
+            self._layouts.pop(adapter_id, None)
+
+    def _adapter_weights(self, adapter_id: str) -> LoRAAdapter:
+        adapter = self._host.get(adapter_id)
+        if adapter is None:
+            raise RuntimeError(f"adapter {adapter_id[:12]} is neither resident nor in host memory")
+        self._host.move_to_end(adapter_id)
+        return adapter
+
+    def _write_pages(self, resident: ResidentAdapter) -> None:
+        adapter = self._adapter_weights(resident.adapter_id)
+        page_ids = torch.tensor(resident.page_ids)
+        for layer in range(self.num_layers):
+            staging = torch.zeros(len(resident.page_ids) * self.page_elems, dtype=torch.float32)
+            resident.layout.write(adapter, layer, staging)
+            pages = staging.view(len(resident.page_ids), self.page_elems)
+            self.storage[layer, page_ids] = pages.to(self.storage.dtype).to(self.storage.device)
+        if resident.is_contiguous:
+            resident.views = [self._group_views(resident, layer) for layer in range(self.num_layers)]
+
+    def _layer_buffer(self, resident: ResidentAdapter, layer: int) -> torch.Tensor:
+        first, count = resident.page_ids[0], len(resident.page_ids)
+        if resident.is_contiguous:
+            return self.storage[layer, first : first + count].view(-1)
+        return self.storage[layer, torch.tensor(resident.page_ids)].view(-1)  # a gathered copy
+
+    def _group_views(self, resident: ResidentAdapter, layer: int) -> dict[str, GroupWeights]:
+        buffer = self._layer_buffer(resident, layer)
+        views: dict[str, GroupWeights] = {}
+        for group, slot in resident.layout.layers[layer].items():
+            a = buffer[slot.a_offset : slot.a_offset + slot.num_rows * slot.in_features]
+            outputs = tuple(
+                None
+                if m is None
+                else OutputSlice(
+                    m.column,
+                    m.rank,
+                    buffer[m.b_offset : m.b_offset + m.rank * m.out_features].view(m.rank, m.out_features),
+                    m.scale,
+                )
+                for m in slot.modules
+            )
+            views[group] = (a.view(slot.num_rows, slot.in_features), outputs)
+        return views
+
+    def layer_weights(self, adapter_id: str, layer: int) -> dict[str, GroupWeights]:
+        """Per group, the adapter's shrink and expand weights in ``layer``, read from its pages."""
+        resident = self.resident[adapter_id]
+        if resident.views is not None:
+            return resident.views[layer]
+        return self._group_views(resident, layer)

@@ -1,0 +1,70 @@
+"""The ``serve`` subcommand's arguments (no model is loaded)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from loraserve.cli_serve import add_serve_parser, build_engine_config, build_settings
+from loraserve.config import ConfigError, EngineConfig
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="loraserve")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LORASERVE_API_KEY", raising=False)
+    monkeypatch.delenv("LORASERVE_ADMIN_KEY", raising=False)
+    args = parse()
+    assert (args.host, args.port, args.model, args.api_key, args.admin_key) == ("127.0.0.1", 8000, None, None, None)
+    assert args.allowed_lora_dir == [] and args.max_upload_mb == 512
+    config = build_engine_config(args)
+    if hasattr(config, "registry"):
+        assert config.registry and "adapters" in config.registry
+        config = dataclasses.replace(config, registry=EngineConfig().registry)
+    assert config == EngineConfig()
+    settings = build_settings(args, Path("/models/SmolLM2-135M-Instruct"))
+    assert settings.model_id == "SmolLM2-135M-Instruct" and settings.adapter_key is None
+    assert settings.allowed_lora_dirs == ()
+
+
+def test_every_option(tmp_path: Path) -> None:
+    args = parse(
+        "--model", str(tmp_path), "--served-model-name", "base", "--host", "0.0.0.0", "--port", "9000",
+        "--api-key", "k1", "--admin-key", "k2", "--allowed-lora-dir", str(tmp_path),
+        "--allowed-lora-dir", str(tmp_path / "b"), "--max-upload-mb", "3", "--block-size", "32",
+        "--num-pages", "100", "--memory-budget-mb", "64", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "128", "--device", "cpu", "--dtype", "bfloat16",
+    )  # fmt: skip
+    config = build_engine_config(args)
+    assert (config.model, config.block_size, config.num_pages, config.memory_budget_mb) == (str(tmp_path), 32, 100, 64)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.dtype) == (4, 128, "bfloat16")
+    settings = build_settings(args, tmp_path)
+    assert (settings.model_id, settings.api_key, settings.admin_key) == ("base", "k1", "k2")
+    assert settings.allowed_lora_dirs == (str(tmp_path.resolve()), str((tmp_path / "b").resolve()))
+    assert settings.max_upload_bytes == 3 * 2**20
+
+
+def test_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORASERVE_API_KEY", "env-user")
+    monkeypatch.setenv("LORASERVE_ADMIN_KEY", "env-admin")
+    args = parse()
+    assert (args.api_key, args.admin_key) == ("env-user", "env-admin")
+
+
+def test_bad_engine_options_name_the_option() -> None:
+    with pytest.raises(ConfigError, match="block_size"):
+        build_engine_config(parse("--block-size", "3"))
+
+
+def test_every_option_has_help() -> None:
+    parser = argparse.ArgumentParser(prog="loraserve")
+    serve = add_serve_parser(parser.add_subparsers(dest="command"))
+    for action in serve._actions:
+        assert action.help, action.option_strings

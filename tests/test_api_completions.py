@@ -1,0 +1,250 @@
+"""The HTTP API on the base model, through a real uvicorn server: completions, chat, streaming,
+errors in the OpenAI shape, models, health, metrics, OpenAPI, and cancellation on disconnect."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from loraserve.api import ServerSettings, ServerThread, create_app
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraserve.config import EngineConfig
+from loraserve.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smol"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[ServerThread, LLMEngine]]:
+    engine = LLMEngine(EngineConfig(num_pages=96, max_num_seqs=8, max_num_batched_tokens=512))
+    with ServerThread(create_app(engine, ServerSettings(model_id=MODEL))) as running:
+        yield running, engine
+
+
+@pytest.fixture(scope="module")
+def http(server: tuple[ServerThread, LLMEngine]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server[0].url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: tuple[ServerThread, LLMEngine]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric_values(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    values = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+def wait_until_idle(http: httpx.Client, engine: LLMEngine, timeout: float = 30.0) -> dict[Any, float]:
+    """Poll /metrics (read on the engine thread) until nothing runs and every page is free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metric_values(http)
+        free = values[("loraserve_pool_pages", (("kind", "free"),))]
+        cached = values[("loraserve_pool_pages", (("kind", "prefix_cache"),))]  # unreferenced, evictable
+        idle = values[("loraserve_requests_running", ())] == 0 and values[("loraserve_requests_waiting", ())] == 0
+        if idle and free + cached == engine.pool.num_pages:
+            return values
+        assert time.monotonic() < deadline, f"engine still busy: free={free} of {engine.pool.num_pages}"
+        time.sleep(0.1)
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+def test_health_models_and_openapi(http: httpx.Client, client: openai.OpenAI) -> None:
+    assert http.get("/health").json()["status"] == "ok"
+    assert [model.id for model in client.models.list()] == [MODEL]
+    paths = http.get("/openapi.json").json()["paths"]
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/adapters",
+        "/v1/adapters/{name}",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/health",
+        "/metrics",
+    ):
+        assert path in paths, path
+    assert "multipart/form-data" in paths["/v1/adapters"]["post"]["requestBody"]["content"]
+    assert http.get("/docs").status_code == 200
+
+
+def test_completion_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert full.object == "text_completion" and full.model == MODEL
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 6 and full.usage.prompt_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 6
+    assert full.usage.prompt_tokens_details is not None and full.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert len({chunk.id for chunk in chunks}) == 1
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_completion_prompts_n_seed_and_token_ids(client: openai.OpenAI, server: tuple[Any, LLMEngine]) -> None:
+    engine = server[1]
+    kwargs: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 1.0, "seed": 7, "n": 2}
+    first = client.completions.create(prompt=[PROMPT, "Once upon a time"], **kwargs)
+    assert [choice.index for choice in first.choices] == [0, 1, 2, 3]
+    again = client.completions.create(prompt=[PROMPT, "Once upon a time"], **kwargs)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.usage is not None and first.usage.completion_tokens == 16
+    ids = engine.tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, echo=True)
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == engine.tokenizer.decode(ids) + by_text.choices[0].text
+
+
+def test_logprobs_and_stop(client: openai.OpenAI, http: httpx.Client) -> None:
+    result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and len(logprobs.tokens or []) == 4
+    assert "".join(logprobs.tokens or []) == result.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in (logprobs.tokens or [])[:i]) for i in range(4)]
+    rows = zip(logprobs.tokens or [], logprobs.token_logprobs or [], logprobs.top_logprobs or [], strict=True)
+    for token, value, top in rows:
+        assert value is not None and value <= 0 and top is not None and 2 <= len(top) <= 3
+        assert token in top and max(top.values()) == top[token]  # greedy picks the most likely
+    stop_at = result.choices[0].text[3:6]
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stop=[stop_at])
+    assert stopped.choices[0].finish_reason == "stop" and stop_at not in stopped.choices[0].text
+    assert stopped.choices[0].text == result.choices[0].text[: result.choices[0].text.index(stop_at)]
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stop=[stop_at], stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == stopped.choices[0].text
+    error = assert_openai_error(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}), 400
+    )
+    assert "echo" in error["message"]
+
+
+def test_chat_stream_and_non_stream(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content and full.usage is not None and full.usage.completion_tokens <= 5
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+            top_logprobs=2,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    assert len(tokens) == full.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in tokens)
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 3, "n": 2, "seed": 3}
+    pair = client.chat.completions.create(**kwargs)
+    assert [choice.index for choice in pair.choices] == [0, 1]
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [choice.message.content for choice in pair.choices]
+
+
+def test_errors_use_the_openai_shape(http: httpx.Client, client: openai.OpenAI) -> None:
+    error = assert_openai_error(http.post("/v1/completions", json={"model": "no-such", "prompt": "x"}), 404)
+    assert error["code"] == "model_not_found" and "no-such" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    error = assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0}), 400)
+    assert error["param"] == "n"
+    assert assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}), 400)["param"] == "model"
+    bad_json = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_openai_error(bad_json, 400)
+    penalty = {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}
+    assert "presence_penalty" in assert_openai_error(http.post("/v1/completions", json=penalty), 400)["message"]
+    too_long = {"model": MODEL, "prompt": "x", "max_tokens": 10**6}
+    assert "max_tokens" in assert_openai_error(http.post("/v1/completions", json=too_long), 400)["message"]
+    assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": ""}), 400)
+    assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [10**9]}), 400)
+    image = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    assert_openai_error(http.post("/v1/chat/completions", json=image), 400)
+    assert_openai_error(http.get("/v1/nothing-here"), 404)
+    assert_openai_error(http.get("/v1/completions"), 405)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+
+
+def test_metrics_parse(http: httpx.Client, client: openai.OpenAI, server: tuple[Any, LLMEngine]) -> None:
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    values = wait_until_idle(http, server[1])
+    assert values[("loraserve_pool_pages", (("kind", "total"),))] == server[1].pool.num_pages
+    for kind in ("kv", "adapter", "prefix_cache"):
+        assert ("loraserve_pool_pages", (("kind", kind),)) in values
+    assert values[("loraserve_generation_tokens_total", (("model", MODEL),))] >= 3
+    assert values[("loraserve_time_to_first_token_seconds_count", (("model", MODEL),))] >= 1
+    assert values[("loraserve_inter_token_latency_seconds_count", (("model", MODEL),))] >= 2
+    assert values[("loraserve_request_success_total", (("finish_reason", "length"), ("model", MODEL)))] >= 1
+    for name in ("loraserve_preemptions_total", "loraserve_adapter_loads_total", "loraserve_adapter_evictions_total"):
+        assert (name, ()) in values
+    assert ("loraserve_prefix_cache_hits_total", (("model", MODEL),)) in values
+
+
+def test_stream_disconnect_frees_all_pages(http: httpx.Client, server: tuple[Any, LLMEngine]) -> None:
+    engine = server[1]
+    before = metric_values(http)[("loraserve_generation_tokens_total", (("model", MODEL),))]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    chunks: list[dict[str, Any]] = []
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(json.loads(line[len("data: ") :]))
+                if len(chunks) == 2:
+                    break  # leaving the block closes the connection mid-stream
+    assert chunks[0]["choices"][0]["text"]
+    values = wait_until_idle(http, engine, timeout=20)
+    assert values[("loraserve_generation_tokens_total", (("model", MODEL),))] - before < 400
+    assert engine.pool.num_free_pages + engine.pool.num_evictable_pages == engine.pool.num_pages
+
+
+def test_non_stream_disconnect_aborts(server: tuple[ServerThread, LLMEngine], http: httpx.Client) -> None:
+    url = server[0].url
+    before = metric_values(http)[("loraserve_generation_tokens_total", (("model", MODEL),))]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=1.0))
+    values = wait_until_idle(http, server[1], timeout=20)
+    assert values[("loraserve_generation_tokens_total", (("model", MODEL),))] - before < 400
