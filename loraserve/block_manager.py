@@ -1,14 +1,30 @@
-"""KV-cache manager: per-sequence block tables over the page pool.
+"""KV-cache manager: per-sequence block tables over the page pool, prefix caching, copy-on-write.
 
 A sequence's block ``j`` holds the KV of its tokens ``j*block_size ..
 (j+1)*block_size-1`` in page ``seq.block_ids[j]``. Blocks are allocated one at a
 time, only when the tokens scheduled for a step need them.
+
+Prefix caching: every block that fills up is registered under its content hash
+(prefix_cache.py). A new sequence starts from the longest run of its leading full
+blocks already in the pool, sharing those pages (refcount + 1). When the last
+reference to a registered page goes, the page stays in the pool's LRU of idle
+contents (kind ``prefix_cache``), the same LRU as idle adapters, and is reused on a
+hit or reclaimed oldest-first. Registered pages are never written again.
+
+Copy-on-write: a sequence about to write into a page that is shared (forked
+samples of one prompt) or registered gets a private copy of that one page first;
+the copy is returned to the scheduler, which hands it to the runner.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from loraserve.page_pool import PageKind, PagePool
+from loraserve.prefix_cache import PrefixCacheIndex, extend_block_hashes
 from loraserve.sequence import Sequence
+
+PREFIX_CACHE_KIND = "prefix_cache"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -16,7 +32,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Grows and frees block tables; swaps them to a host pool and back."""
+    """Grows, shares and frees block tables; swaps them to a host pool and back."""
 
     def __init__(
         self,
@@ -24,35 +40,124 @@ class KVCacheManager:
         block_size: int,
         num_watermark_pages: int = 0,
         host_pool: PagePool | None = None,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.num_watermark_pages = num_watermark_pages
         self.host_pool = host_pool
+        self.prefix_cache = PrefixCacheIndex() if enable_prefix_caching else None
 
     def num_pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to add so the cache can hold ``num_computed + num_new_tokens`` tokens."""
+        """Pages to add so the cache can hold ``num_computed + num_new_tokens`` tokens."""
         num_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(0, num_blocks - len(seq.block_ids))
+        return max(0, num_blocks - len(seq.block_ids)) + int(self._needs_copy(seq))
 
     def can_admit(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Admission of a waiting sequence keeps the watermark of pages free."""
         needed = self.num_pages_needed(seq, num_new_tokens)
         return self.pool.can_allocate(needed, reserve=self.num_watermark_pages)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Append the blocks the next ``num_new_tokens`` need; False if the pool is short."""
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Make room for the next ``num_new_tokens``; None (nothing changed) if the pool is short.
+
+        Returns the ``(source, destination)`` page copies that must happen first.
+        """
         needed = self.num_pages_needed(seq, num_new_tokens)
         if not self.pool.can_allocate(needed):
-            return False
+            return None
+        copies: list[tuple[int, int]] = []
+        if self._needs_copy(seq):
+            index = seq.num_computed_tokens // self.block_size
+            source = seq.block_ids[index]
+            (destination,) = self.pool.allocate(1, PageKind.KV)
+            seq.block_ids[index] = destination
+            self._release([source])
+            copies.append((source, destination))
+            needed -= 1
         if needed:
             seq.block_ids.extend(self.pool.allocate(needed, PageKind.KV))
-        return True
+        return copies
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        """Whether the first page to be written is shared or registered (so immutable)."""
+        index = seq.num_computed_tokens // self.block_size
+        if index >= len(seq.block_ids):
+            return False
+        page_id = seq.block_ids[index]
+        registered = self.prefix_cache is not None and self.prefix_cache.hash_of(page_id) is not None
+        return registered or self.pool.ref_count(page_id) > 1
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks (shared blocks stay for their other owners)."""
-        self.pool.release(reversed(seq.block_ids))
+        """Release the sequence's blocks, last block first (so it is evicted first)."""
+        self._release(reversed(seq.block_ids))
         seq.block_ids = []
+
+    def _release(self, page_ids: Iterable[int]) -> None:
+        for page_id in self.pool.decref(page_ids):
+            block_hash = self.prefix_cache.hash_of(page_id) if self.prefix_cache else None
+            if block_hash is None:
+                self.pool.free([page_id])
+            else:
+                self.pool.add_evictable(
+                    ("kv", block_hash), [page_id], PREFIX_CACHE_KIND, lambda p=page_id: self._forget(p)
+                )
+
+    def _forget(self, page_id: int) -> None:
+        assert self.prefix_cache is not None
+        self.prefix_cache.remove_page(page_id)
+
+    # ---- prefix caching -------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> int:
+        """Start a fresh sequence from its cached leading blocks; return the tokens reused.
+
+        The last prompt token is always computed (its logits are needed), so at most
+        ``(num_tokens - 1) // block_size`` blocks are reused.
+        """
+        if self.prefix_cache is None:
+            return 0
+        assert not seq.block_ids and seq.num_computed_tokens == 0, "match_prefix needs a fresh sequence"
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self.prefix_cache.num_queried_tokens += seq.num_tokens
+        for block_hash in extend_block_hashes(seq, max_blocks, self.block_size):
+            page_id = self.prefix_cache.lookup(block_hash)
+            if page_id is None:
+                break
+            if self.pool.take_evictable(("kv", block_hash)) is None:
+                self.pool.incref([page_id])
+            seq.block_ids.append(page_id)
+        num_hit_tokens = len(seq.block_ids) * self.block_size
+        seq.num_computed_tokens = num_hit_tokens
+        seq.num_cached_tokens = num_hit_tokens
+        self.prefix_cache.num_hit_tokens += num_hit_tokens
+        return num_hit_tokens
+
+    def unmatch_prefix(self, seq: Sequence) -> None:
+        """Undo ``match_prefix`` for a sequence that could not be admitted after all."""
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache.num_hit_tokens -= seq.num_cached_tokens
+        self.prefix_cache.num_queried_tokens -= seq.num_tokens
+        self.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks this sequence has filled since the last call."""
+        if self.prefix_cache is None:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+        for index, block_hash in enumerate(extend_block_hashes(seq, num_full, self.block_size)):
+            page_id = seq.block_ids[index]
+            if self.prefix_cache.hash_of(page_id) is None and self.prefix_cache.lookup(block_hash) is None:
+                self.prefix_cache.insert(block_hash, page_id)
+
+    # ---- forking ----------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` the parent's blocks, shared (copy-on-write)."""
+        self.pool.incref(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
 
     # ---- swapping -------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
@@ -63,7 +168,7 @@ class KVCacheManager:
         assert self.host_pool is not None
         host_page_ids = self.host_pool.allocate(len(seq.block_ids))
         mapping = list(zip(seq.block_ids, host_page_ids, strict=True))
-        self.pool.release(seq.block_ids)
+        self._release(seq.block_ids)
         seq.block_ids = host_page_ids
         return mapping
 

@@ -51,6 +51,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     registry: str | None = None
+    enable_prefix_caching: bool = True
     host_adapter_cache_mb: int = 2048
 
     def __post_init__(self) -> None:

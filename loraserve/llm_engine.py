@@ -6,7 +6,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.page_pool import PagePool
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
-from loraserve.sequence import FinishReason, Sequence
+from loraserve.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,14 @@ class UnknownAdapterError(RequestError, KeyError):
 
 @dataclass
 class Request:
+    """One request's samples. With ``n > 1`` only the first is scheduled at first; the
+    others are forked from it, sharing its prompt blocks, once its prompt is computed."""
+
     request_id: str
     prompt: str | None
     seqs: list[Sequence]
     adapter_name: str | None
+    pending_forks: list[Sequence] = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:
@@ -69,7 +73,9 @@ class LLMEngine:
         self.pool = PagePool(num_pages)
         host_pool = PagePool(config.num_swap_pages) if config.num_swap_pages else None
         num_watermark_pages = int(config.watermark * num_pages)
-        self.kv_manager = KVCacheManager(self.pool, config.block_size, num_watermark_pages, host_pool)
+        self.kv_manager = KVCacheManager(
+            self.pool, config.block_size, num_watermark_pages, host_pool, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode
         )
@@ -120,7 +126,9 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         adapter_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
+        """Queue a request; ``cache_salt`` keeps its prefix cache apart from other salts'."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -140,18 +148,24 @@ class LLMEngine:
             )
         seqs = [
             Sequence(
-                request_id, list(token_ids), params, sample_index=i, adapter_name=adapter_name, adapter_id=adapter_id
+                request_id,
+                list(token_ids),
+                params,
+                sample_index=i,
+                adapter_name=adapter_name,
+                adapter_id=adapter_id,
+                cache_salt=cache_salt,
             )
             for i in range(params.n)
         ]
         if adapter_id is not None:
             for _ in seqs:
                 self.adapters.add_live_seq(adapter_id)
-        request = Request(request_id, prompt if isinstance(prompt, str) else None, seqs, adapter_name)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, seqs, adapter_name, seqs[1:])
         self.requests[request_id] = request
         for seq in seqs:
             self.detokenizer.start(seq)
-            self.scheduler.add(seq)
+        self.scheduler.add(seqs[0])
         return request
 
     def _resolve_adapter(self, adapter_name: str | None) -> str | None:
@@ -195,6 +209,12 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        for seq in request.pending_forks:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.ABORT
+            if seq.adapter_id is not None:
+                self.adapters.drop_live_seq(seq.adapter_id)
+        request.pending_forks = []
         for seq in request.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
 
@@ -216,8 +236,13 @@ class LLMEngine:
             if token is None or seq.is_finished:
                 continue
             seq.append_token(token)
+            request = self.requests[seq.request_id]
+            if request.pending_forks and seq is request.seqs[0]:
+                for child in reversed(request.pending_forks):
+                    self.scheduler.add_fork(seq, child)
+                request.pending_forks = []
             self._check_stop(seq, token)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            touched[seq.request_id] = request
         outputs = [self._make_output(request) for request in touched.values()]
         for output in outputs:
             if output.finished:

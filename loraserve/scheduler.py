@@ -78,6 +78,17 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """Queue a sample forked from ``parent`` first in line, sharing its blocks.
+
+        The child recomputes the parent's last prompt token (writing into a private
+        copy of that block) so that it samples its own first token.
+        """
+        self.kv_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_prompt_tokens - 1
+        child.status = SequenceStatus.WAITING
+        self.waiting.appendleft(child)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(seqs=[], num_new_tokens=[])
         budget = self.max_num_batched_tokens
@@ -95,13 +106,14 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv_manager.allocate_slots(seq, num_new):
+            while (copies := self.kv_manager.allocate_slots(seq, num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim, batch)
                 preempted = True
                 if victim is seq:
                     break
             else:
+                batch.copy_pages.extend(copies)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
@@ -120,7 +132,7 @@ class Scheduler:
                 break
             self.swapped.popleft()
             batch.swap_in.extend(self.kv_manager.swap_in(seq))
-            self.kv_manager.allocate_slots(seq, num_new)
+            batch.copy_pages.extend(self.kv_manager.allocate_slots(seq, num_new) or [])
             self._start_running(seq, num_new, batch)
             budget -= num_new
         return budget
@@ -128,14 +140,19 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._acquire_adapter(seq):
                 break
+            fresh = not seq.block_ids and seq.num_computed_tokens == 0
+            if fresh:
+                self.kv_manager.match_prefix(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.kv_manager.can_admit(seq, num_new):
+                if fresh:
+                    self.kv_manager.unmatch_prefix(seq)
                 self._release_adapter(seq)
                 break
             self.waiting.popleft()
-            self.kv_manager.allocate_slots(seq, num_new)
+            batch.copy_pages.extend(self.kv_manager.allocate_slots(seq, num_new) or [])
             self._start_running(seq, num_new, batch)
             budget -= num_new
 
@@ -173,6 +190,7 @@ class Scheduler:
         """Account the tokens the runner computed this step."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
+            self.kv_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """End a sequence wherever it is and free its pages."""

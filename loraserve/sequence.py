@@ -41,10 +41,13 @@ class Sequence:
     sample_index: int = 0
     adapter_name: str | None = None
     adapter_id: str | None = None  # content digest of the adapter, resolved at arrival
+    cache_salt: str | None = None  # isolates prefix-cache sharing between tenants
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     num_prompt_tokens: int = -1
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Memo of the content hashes of this sequence's full blocks (see prefix_cache.py).
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

@@ -14,7 +14,7 @@ def make_seq(num_prompt_tokens: int) -> Sequence:
 
 def run_step(manager: KVCacheManager, seq: Sequence, num_new_tokens: int) -> None:
     """Allocate for ``num_new_tokens``, compute them, and sample a token if the step reaches the end."""
-    assert manager.allocate_slots(seq, num_new_tokens)
+    assert manager.allocate_slots(seq, num_new_tokens) == []
     seq.num_computed_tokens += num_new_tokens
     if seq.num_computed_tokens == seq.num_tokens:
         seq.append_token(7)
@@ -61,10 +61,10 @@ def test_allocate_slots_is_all_or_nothing() -> None:
     pool = PagePool(3)
     manager = KVCacheManager(pool, block_size=4)
     seq = make_seq(16)
-    assert not manager.allocate_slots(seq, 16)
+    assert manager.allocate_slots(seq, 16) is None
     assert seq.block_ids == []
     assert pool.num_free_pages == 3
-    assert manager.allocate_slots(seq, 12)
+    assert manager.allocate_slots(seq, 12) == []
     assert seq.block_ids == [0, 1, 2]
 
 
@@ -83,7 +83,7 @@ def test_watermark_blocks_admission_but_not_growth() -> None:
     assert a.block_ids == [0, 1, 2, 3, 4, 5, 6]
     assert pool.num_free_pages == 1
     assert not manager.can_admit(small, 4)
-    assert manager.allocate_slots(small, 4)  # allocation itself ignores the watermark
+    assert manager.allocate_slots(small, 4) == []  # allocation itself ignores the watermark
 
 
 def test_free_returns_pages_in_reverse_block_order() -> None:
