@@ -18,6 +18,7 @@ the copy is returned to the scheduler, which hands it to the runner.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from loraserve.page_pool import PageKind, PagePool
@@ -100,7 +101,7 @@ class KVCacheManager:
                 self.pool.free([page_id])
             else:
                 self.pool.add_evictable(
-                    ("kv", block_hash), [page_id], PREFIX_CACHE_KIND, lambda p=page_id: self._forget(p)
+                    ("kv", block_hash), [page_id], PREFIX_CACHE_KIND, functools.partial(self._forget, page_id)
                 )
 
     def _forget(self, page_id: int) -> None:
