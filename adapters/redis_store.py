@@ -1,12 +1,14 @@
 """An adapter store in Redis, so that every server replica sees the same adapter set.
 
-Layout under ``prefix``: ``{prefix}adapter:{name}`` is a hash of file name -> bytes, and
-``{prefix}names`` is a set of adapter names. Both change together in one MULTI/EXEC transaction.
+Layout under ``prefix``: ``{prefix}adapter:{name}`` is a hash of file name -> bytes,
+``{prefix}version:{name}`` a fresh random token per write, and ``{prefix}names`` a set of
+adapter names. They change together in one MULTI/EXEC transaction.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +39,9 @@ class RedisStore(AdapterStore):
     def _key(self, name: str) -> str:
         return f"{self.prefix}adapter:{validate_adapter_name(name)}"
 
+    def _version_key(self, name: str) -> str:
+        return f"{self.prefix}version:{validate_adapter_name(name)}"
+
     def put(self, name: str, files: Mapping[str, bytes], *, overwrite: bool = False) -> None:
         key = self._key(name)
         validate_file_names(files)
@@ -54,6 +59,7 @@ class RedisStore(AdapterStore):
             pipe.multi()
             pipe.delete(key)
             pipe.hset(key, mapping=mapping)
+            pipe.set(self._version_key(name), uuid.uuid4().hex)
             pipe.sadd(self._names_key, name)
 
         self._client.transaction(publish, key)
@@ -69,8 +75,9 @@ class RedisStore(AdapterStore):
         key = self._key(name)
         pipe = self._client.pipeline(transaction=True)
         pipe.delete(key)
+        pipe.delete(self._version_key(name))
         pipe.srem(self._names_key, name)
-        num_deleted, _ = pipe.execute()
+        num_deleted, _, _ = pipe.execute()
         if not num_deleted:
             raise AdapterNotFoundError(f"adapter {name!r} not found")
 
@@ -80,6 +87,12 @@ class RedisStore(AdapterStore):
 
     def contains(self, name: str) -> bool:
         return bool(self._client.exists(self._key(name)))
+
+    def version(self, name: str) -> str:
+        token = self._client.get(self._version_key(name))
+        if token is None:
+            raise AdapterNotFoundError(f"adapter {name!r} not found")
+        return token.decode() if isinstance(token, bytes) else str(token)
 
     def close(self) -> None:
         """Release the connection pool."""

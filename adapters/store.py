@@ -69,6 +69,13 @@ class AdapterStore(abc.ABC):
         """Sorted names of all stored adapters."""
 
     @abc.abstractmethod
+    def version(self, name: str) -> str:
+        """A token that changes whenever ``name`` is written again (cheap; no file contents read).
+
+        Raises :class:`AdapterNotFoundError` if ``name`` is not stored.
+        """
+
+    @abc.abstractmethod
     def contains(self, name: str) -> bool:
         """Whether ``name`` is stored."""
 
@@ -154,6 +161,12 @@ class LocalDirStore(AdapterStore):
 
     def contains(self, name: str) -> bool:
         return (self.root / validate_adapter_name(name)).is_symlink()
+
+    def version(self, name: str) -> str:
+        version = self._current_version(validate_adapter_name(name))
+        if version is None:
+            raise AdapterNotFoundError(f"adapter {name!r} not found")
+        return version.name
 
     def _current_version(self, name: str) -> Path | None:
         try:

@@ -62,8 +62,8 @@ class AdapterManager:
         self.num_layers, _, self.page_elems = storage.shape
         self.host_cache_bytes = host_cache_bytes
         self.num_watermark_pages = num_watermark_pages
-        self._name_to_id: dict[str, str] = {}
-        self._infos: dict[str, AdapterInfo] = {}
+        self._name_to_id: dict[str, tuple[str, str]] = {}  # name -> (store version, digest)
+        self._infos: dict[str, tuple[str, AdapterInfo]] = {}  # name -> (store version, info)
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._layouts: dict[str, AdapterLayout] = {}
         self._num_live_seqs: dict[str, int] = {}
@@ -75,13 +75,13 @@ class AdapterManager:
     def register(self, name: str, files: Mapping[str, bytes], overwrite: bool = False) -> AdapterInfo:
         info = self.registry.register(name, files, overwrite=overwrite)
         self._name_to_id.pop(name, None)
-        self._infos[name] = info
+        self._infos.pop(name, None)
         return info
 
     def register_from_path(self, name: str, path: str, overwrite: bool = False) -> AdapterInfo:
         info = self.registry.register_from_path(name, path, overwrite=overwrite)
         self._name_to_id.pop(name, None)
-        self._infos[name] = info
+        self._infos.pop(name, None)
         return info
 
     def remove(self, name: str) -> None:
@@ -91,19 +91,28 @@ class AdapterManager:
         self._infos.pop(name, None)
 
     def info(self, name: str) -> AdapterInfo:
-        """Summary of ``name``, parsed once per registration seen by this engine."""
-        info = self._infos.get(name)
-        if info is None:
-            info = self._infos[name] = self.registry.info(name)
-        return info
+        """Summary of ``name``, parsed once per stored version."""
+        version = self.registry.store.version(name)
+        cached = self._infos.get(name)
+        if cached is None or cached[0] != version:
+            cached = self._infos[name] = (version, self.registry.info(name))
+        return cached[1]
 
     def resolve(self, name: str) -> str:
-        """The content digest of the adapter registered as ``name`` (loaded into host memory)."""
-        adapter_id = self._name_to_id.get(name)
-        if adapter_id is not None and (adapter_id in self._host or adapter_id in self.resident):
-            return adapter_id
+        """The content digest of the adapter registered as ``name`` (loaded into host memory).
+
+        The store's cheap version token is checked on every call, so a name re-registered
+        with other weights (by this or another replica sharing the store) is reloaded.
+        """
+        version = self.registry.store.version(name)
+        cached = self._name_to_id.get(name)
+        if cached is not None:
+            cached_version, adapter_id = cached
+            if cached_version == version and (adapter_id in self._host or adapter_id in self.resident):
+                return adapter_id
         adapter = self.registry.load(name)
-        self._name_to_id[name] = adapter.digest
+        self._name_to_id[name] = (version, adapter.digest)
+        self._infos.pop(name, None)
         self._put_host(adapter)
         return adapter.digest
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 
 
@@ -61,3 +67,44 @@ def tiny_hf_model(tiny_model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A throwaway redis-server without persistence, on a free port; stopped after the session."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server not found: run `apt-get install -y redis-server` (the Redis store tests need it)")
+    data_dir = tmp_path_factory.mktemp("redis")
+    port = _free_port()
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
+    command += ["--save", "", "--appendonly", "no"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    try:
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    stderr = process.stderr.read().decode() if process.stderr else ""
+                    pytest.fail(f"redis-server did not start on port {port}: {stderr}")
+                time.sleep(0.05)
+        yield url
+    finally:
+        client.close()
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

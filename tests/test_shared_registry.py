@@ -1,0 +1,52 @@
+"""Two engines ("replicas") sharing one Redis registry see the same, current adapters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from adapter_factory import make_peft_adapter
+
+from loraserve import LLM, SamplingParams
+
+PROMPT = "Shared registries keep every replica in step. " * 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("replica-adapters")
+    return {
+        name: make_peft_adapter(tiny_hf_model, root / name, rank=8, target_modules=["q_proj", "v_proj"], seed=seed)
+        for seed, name in enumerate(["old", "new"])
+    }
+
+
+def _run(llm: LLM, adapter: str) -> Any:
+    return llm.generate([PROMPT], GREEDY, adapters=adapter, use_tqdm=False)[0]
+
+
+def test_replicas_share_adapters_and_never_serve_stale_weights(
+    tiny_model_dir: Path, adapter_dirs: dict[str, Path], redis_url: str
+) -> None:
+    registry = f"{redis_url}"
+    replica_a = LLM(str(tiny_model_dir), registry=registry, num_pages=128)
+    replica_b = LLM(str(tiny_model_dir), registry=registry, num_pages=128)
+    replica_a.add_adapter("shared", adapter_dirs["old"])
+    assert [info.name for info in replica_b.list_adapters()] == ["shared"]
+    old_on_b = _run(replica_b, "shared")
+    assert _run(replica_b, "shared").num_cached_tokens > 0
+    assert old_on_b.token_ids == _run(replica_a, "shared").token_ids
+
+    replica_a.remove_adapter("shared")
+    replica_a.add_adapter("shared", adapter_dirs["new"])
+    new_on_b = _run(replica_b, "shared")
+    assert new_on_b.num_cached_tokens == 0  # the old weights' KV is never reused
+    assert new_on_b.token_ids == _run(replica_a, "shared").token_ids
+    assert new_on_b.token_ids != old_on_b.token_ids
+    assert replica_b.list_adapters()[0].digest == replica_a.list_adapters()[0].digest
+
+    replica_a.remove_adapter("shared")
+    with pytest.raises(KeyError, match="not registered"):
+        _run(replica_b, "shared")
