@@ -56,8 +56,8 @@ def apply_lora_segments(
         for out, part in zip(outputs, segment.outputs, strict=True):
             if part is None:
                 continue
-            delta = v[:, part.column : part.column + part.rank] @ part.b_t  # [segment_len, out_features]
-            out[rows] += delta * part.scale
+            # out += scale * (v_m @ B_m^T): one fused GEMM into the rows, no temporary.
+            out[rows].addmm_(v[:, part.column : part.column + part.rank], part.b_t, alpha=part.scale)
 
 
 def lora_reference(

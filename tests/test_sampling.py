@@ -1,0 +1,127 @@
+"""Sampling parameters end to end on a tiny model: seeds, top-k/top-p, stops, n, limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraserve import LLM, SamplingParams
+from loraserve.config import ConfigError
+from loraserve.llm_engine import RequestError
+from loraserve.sampler import Sampler, _filter_top_k_top_p
+from loraserve.sampling_params import SamplingParamsError
+from loraserve.sequence import Sequence
+
+PROMPTS = ["The weather today is", "In a galaxy far away", "Numbers: 1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    return LLM(str(tiny_model_dir), num_pages=256)
+
+
+def _tokens(llm: LLM, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    alone = _tokens(llm, [PROMPTS[0]], params)[0]
+    batched = _tokens(llm, PROMPTS, params)[0]
+    assert alone == batched
+    other_seed = _tokens(llm, [PROMPTS[0]], SamplingParams(temperature=1.0, seed=8, max_tokens=12, ignore_eos=True))
+    assert other_seed[0] != alone
+
+
+def test_top_k_one_is_greedy(llm: LLM) -> None:
+    greedy = _tokens(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    top1 = _tokens(llm, PROMPTS, SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=10, ignore_eos=True))
+    assert greedy == top1
+    tiny_p = _tokens(llm, PROMPTS, SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=10, ignore_eos=True))
+    assert greedy == tiny_p
+
+
+def test_filter_keeps_exactly_top_k_and_nucleus() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = _filter_top_k_top_p(logits, torch.tensor([3]), torch.tensor([1.0])).isfinite()
+    assert kept.tolist() == [[True, True, True, False, False]]
+    kept = _filter_top_k_top_p(logits, torch.tensor([5]), torch.tensor([0.7])).isfinite()
+    assert kept.tolist() == [[True, True, False, False, False]]  # 0.5 + 0.2 reaches 0.7
+
+
+def test_sampler_follows_the_distribution() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    sampler = Sampler(seed=0)
+    seq = Sequence("r", [1], SamplingParams(temperature=1.0))
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sampler(probs.log()[None, :], [seq])[0]] += 1
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
+
+
+def test_max_tokens_stop_token_ids_and_stop_strings(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    full = llm.generate([PROMPTS[1]], greedy, use_tqdm=False)[0]
+    assert len(full.token_ids) == 12 and full.finish_reason == "length"
+    stop_id = full.token_ids[4]
+    first = full.token_ids.index(stop_id)
+    by_id = llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_id,)), use_tqdm=False
+    )[0]
+    assert by_id.token_ids == full.token_ids[: first + 1]
+    assert by_id.finish_reason == "stop" and by_id.outputs[0].stop_reason == stop_id
+    text = full.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip()
+    by_text = llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=(stop,)), use_tqdm=False
+    )[0]
+    assert by_text.finish_reason == "stop" and by_text.outputs[0].stop_reason == stop
+    assert by_text.text == text[: text.index(stop)]
+
+
+def test_eos_ends_generation_unless_ignored(llm: LLM) -> None:
+    eos = llm.tokenizer.eos_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    full = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]
+    engine = llm.engine
+    engine.eos_token_ids = frozenset({full.token_ids[2]})
+    try:
+        stopped = llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+        assert stopped.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[2]) + 1]
+        assert stopped.finish_reason == "stop"
+        assert len(llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].token_ids) == 8
+    finally:
+        engine.eos_token_ids = frozenset({eos})
+
+
+def test_n_samples_and_logprobs(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=5, ignore_eos=True, logprobs=2)
+    output = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    assert [o.index for o in output.outputs] == [0, 1, 2]
+    for sample in output.outputs:
+        assert len(sample.token_ids) == 5 and sample.logprobs is not None and len(sample.logprobs) == 5
+        for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
+            assert token in entry and len(entry) >= 2 and all(v <= 0.0 for v in entry.values())
+
+
+def test_bad_input_is_named(llm: LLM) -> None:
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(SamplingParamsError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(RequestError, match="empty"):
+        llm.generate([""], use_tqdm=False)
+    with pytest.raises(RequestError, match="vocabulary"):
+        llm.generate([[10**9]], use_tqdm=False)
+    with pytest.raises(RequestError, match="context length"):
+        llm.generate(["hi"], SamplingParams(max_tokens=10**6), use_tqdm=False)
+    with pytest.raises(KeyError, match="not registered"):
+        llm.generate(["hi"], adapters="nope", use_tqdm=False)
+    with pytest.raises(ConfigError, match="block_size"):
+        LLM(block_size=3)
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        LLM(bogus=1)
+    assert llm.engine.pool.num_free_pages + llm.engine.pool.num_evictable_pages == llm.engine.pool.num_pages
