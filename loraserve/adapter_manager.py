@@ -108,7 +108,10 @@ class AdapterManager:
         cached = self._name_to_id.get(name)
         if cached is not None:
             cached_version, adapter_id = cached
-            if cached_version == version and (adapter_id in self._host or adapter_id in self.resident):
+            # The host copy must exist while requests need the adapter: its pages may be
+            # evicted before they run, and only the host copy can refill them.
+            if cached_version == version and adapter_id in self._host:
+                self._host.move_to_end(adapter_id)
                 return adapter_id
         adapter = self.registry.load(name)
         self._name_to_id[name] = (version, adapter.digest)
@@ -154,6 +157,17 @@ class AdapterManager:
                 self._layouts.pop(adapter_id, None)
 
     # ---- the pool tier --------------------------------------------------------------
+    def num_pages_to_pin(self, adapter_id: str) -> int:
+        """Pages that pinning the adapter takes from what allocations can get.
+
+        Zero if it is already pinned; otherwise its size, whether it must be loaded or is
+        idle (reviving takes its pages out of the evictable set).
+        """
+        resident = self.resident.get(adapter_id)
+        if resident is not None and resident.num_pins > 0:
+            return 0
+        return self.num_pages(adapter_id)
+
     def acquire(self, adapter_id: str) -> bool:
         """Pin the adapter for one running sequence, loading it into pages if needed.
 

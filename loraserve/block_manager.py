@@ -54,9 +54,12 @@ class KVCacheManager:
         num_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, num_blocks - len(seq.block_ids)) + int(self._needs_copy(seq))
 
-    def can_admit(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Admission of a waiting sequence keeps the watermark of pages free."""
-        needed = self.num_pages_needed(seq, num_new_tokens)
+    def can_admit(self, seq: Sequence, num_new_tokens: int, num_other_pages: int = 0) -> bool:
+        """Admission of a waiting sequence keeps the watermark of pages free.
+
+        ``num_other_pages``: pages the admission also takes (its adapter's).
+        """
+        needed = self.num_pages_needed(seq, num_new_tokens) + num_other_pages
         return self.pool.can_allocate(needed, reserve=self.num_watermark_pages)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:

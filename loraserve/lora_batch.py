@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.adapter_manager import AdapterManager
+from loraserve.adapter_manager import AdapterManager, GroupWeights
 from loraserve.forward_batch import ForwardBatch
 from loraserve.kernels.lora import LoRASegment, apply_lora_segments
 
@@ -36,10 +36,16 @@ class LoRABatch:
 
 
 class LoRAApplier:
-    """The model's LoRA hook: adds each segment's delta, reading weights from its pages."""
+    """The model's LoRA hook: adds each segment's delta, reading weights from its pages.
+
+    Per forward it resolves each segment's resident adapter once; per layer and group
+    it only picks that adapter's views and runs the segment GEMMs.
+    """
 
     def __init__(self, manager: AdapterManager) -> None:
         self.manager = manager
+        self._batch: LoRABatch | None = None
+        self._segments: list[tuple[int, int, str, list[dict[str, GroupWeights]] | None]] = []
 
     def __call__(
         self,
@@ -52,9 +58,16 @@ class LoRAApplier:
         lora: LoRABatch | None = batch.lora
         if lora is None:
             return
+        if lora is not self._batch:
+            self._batch = lora
+            self._segments = [
+                (start, end, adapter_id, self.manager.resident[adapter_id].views)
+                for start, end, adapter_id in lora.segments
+            ]
         segments: list[LoRASegment] = []
-        for start, end, adapter_id in lora.segments:
-            weights = self.manager.layer_weights(adapter_id, layer).get(group)
+        for start, end, adapter_id, views in self._segments:
+            layer_views = views[layer] if views is not None else self.manager.layer_weights(adapter_id, layer)
+            weights = layer_views.get(group)
             if weights is not None:
                 segments.append(LoRASegment(start, end, weights[0], weights[1]))
         apply_lora_segments(x, outputs, segments)

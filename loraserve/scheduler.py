@@ -124,12 +124,12 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            blocks_after_swap_in = len(seq.block_ids) + self.kv_manager.num_pages_needed(seq, num_new)
-            if not self._acquire_adapter(seq):
+            pages_after_swap_in = len(seq.block_ids) + self.kv_manager.num_pages_needed(seq, num_new)
+            pages_after_swap_in += self._adapter_pages_to_pin(seq)
+            if not self.kv_manager.pool.can_allocate(pages_after_swap_in, reserve=self.kv_manager.num_watermark_pages):
                 break
-            if not self.kv_manager.pool.can_allocate(blocks_after_swap_in, reserve=self.kv_manager.num_watermark_pages):
-                self._release_adapter(seq)
-                break
+            acquired = self._acquire_adapter(seq)
+            assert acquired, "swap-in checked the adapter's pages"
             self.swapped.popleft()
             batch.swap_in.extend(self.kv_manager.swap_in(seq))
             batch.copy_pages.extend(self.kv_manager.allocate_slots(seq, num_new) or [])
@@ -140,17 +140,18 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._acquire_adapter(seq):
-                break
             fresh = not seq.block_ids and seq.num_computed_tokens == 0
             if fresh:
                 self.kv_manager.match_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.kv_manager.can_admit(seq, num_new):
+            # Adapter and KV pages are checked together, so a request that cannot start
+            # loads (and evicts) nothing.
+            if not self.kv_manager.can_admit(seq, num_new, self._adapter_pages_to_pin(seq)):
                 if fresh:
                     self.kv_manager.unmatch_prefix(seq)
-                self._release_adapter(seq)
                 break
+            acquired = self._acquire_adapter(seq)
+            assert acquired, "admission checked the adapter's pages"
             self.waiting.popleft()
             batch.copy_pages.extend(self.kv_manager.allocate_slots(seq, num_new) or [])
             self._start_running(seq, num_new, batch)
@@ -161,6 +162,11 @@ class Scheduler:
         self.running.append(seq)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
+
+    def _adapter_pages_to_pin(self, seq: Sequence) -> int:
+        if self.adapters is None or seq.adapter_id is None:
+            return 0
+        return self.adapters.num_pages_to_pin(seq.adapter_id)
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """Pin the sequence's adapter in the pool (loading it); False if it does not fit."""

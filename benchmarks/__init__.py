@@ -1,0 +1,1 @@
+"""Benchmarks of loraserve (run as modules, e.g. ``python -m benchmarks.throughput``)."""

@@ -1,0 +1,313 @@
+"""CPU performance (issue 6): loraserve without and with LoRA vs PEFT's mixed-adapter batches, in one run.
+
+Measures tokens/s of (a) loraserve with no adapters, (b) loraserve with the workload's adapters
+(round robin), (c) PEFT's mixed-adapter ``generate(adapter_names=...)`` in left-padded batches,
+the ratios (b)/(a) and (b)/(c), and a ``torch.profiler`` breakdown of a full-batch decode step.
+See ``benchmarks/CPU_PERF.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+from tqdm.auto import tqdm
+
+from benchmarks._workload import Workload, adapter_name, add_workload_args, check_workload_args, ensure_adapters
+
+TARGET_LORA_VS_BASE = 0.8
+TARGET_VS_PEFT = 5.0
+SCOPE = "cpu_perf::"
+MATMULS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm"})
+PARTS = ("attention", "base matmuls", "lora", "sampling", "other ops", "python overhead")
+
+
+@dataclass
+class Run:
+    """One measured system; ``tokens`` are generated tokens, ``wall_s`` the time to generate them."""
+
+    system: str
+    requests: int
+    tokens: int
+    wall_s: float
+    cpu_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def run_loraserve(llm: Any, work: Workload, with_adapters: bool) -> Run:
+    """All requests through ``LLM.generate`` (continuous batching); wall = add first to finish last."""
+    from loraserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=work.max_tokens, ignore_eos=True)
+    adapters = [adapter_name(a) for a in work.adapter_of] if with_adapters else None
+    start, cpu = time.perf_counter(), time.process_time()
+    outputs = llm.generate(work.prompts, params, adapters=adapters)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    lens = [len(o.outputs[0].token_ids) for o in outputs]
+    if lens != [work.max_tokens] * len(work.prompts):
+        raise RuntimeError("loraserve did not generate exactly max_tokens for every request")
+    system = "(b) loraserve, adapters round robin" if with_adapters else "(a) loraserve, no adapters"
+    return Run(
+        system, len(lens), sum(lens), wall, cpu, {"cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs)}
+    )
+
+
+def run_peft(args: argparse.Namespace, work: Workload, adapters: list[tuple[str, Path]]) -> Run:
+    """PEFT's mixed-adapter batches: one PeftModel holding every adapter, ``generate(adapter_names=...)``."""
+    import transformers
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.models.loader import default_model_dir
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", module="transformers|peft")
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=dtype).eval()
+    peft_model = PeftModel.from_pretrained(model, str(adapters[0][1]), adapter_name=adapters[0][0])
+    for name, path in adapters[1:]:
+        peft_model.load_adapter(str(path), adapter_name=name)
+    peft_model = peft_model.to(dtype).eval()
+    pad = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+
+    @torch.inference_mode()
+    def generate(prompts: list[list[int]], names: list[str], new: int) -> int:
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):  # left padding
+            ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
+        out = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=pad, adapter_names=names)  # fmt: skip
+        if out.shape[1] - width != new:
+            raise RuntimeError(f"PEFT generated {out.shape[1] - width} tokens, expected {new}")
+        return len(prompts) * new
+
+    generate([work.prompts[0][:8]], [adapters[0][0]], 2)  # warm-up
+    tokens, start, cpu = 0, time.perf_counter(), time.process_time()
+    for lo in tqdm(range(0, len(work.prompts), args.peft_batch), desc=f"PEFT batch {args.peft_batch}", unit="batch"):
+        hi = min(len(work.prompts), lo + args.peft_batch)
+        tokens += generate(work.prompts[lo:hi], [adapter_name(a) for a in work.adapter_of[lo:hi]], work.max_tokens)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return Run(f"(c) PEFT mixed-adapter batch of {args.peft_batch}", len(work.prompts), tokens, wall, cpu)
+
+
+@contextlib.contextmanager
+def profiler_scopes(engine: Any) -> Iterator[None]:
+    """Wrap engine parts in ``record_function`` scopes (monkeypatching this engine; undone on exit).
+
+    attention: every function the model imports from ``kernels/paged_attention.py``; lora: the
+    runner's LoRA hook and every function imported from ``kernels/lora.py``; sampling: the
+    sampler; schedule and prepare: the scheduler's and the batch builder's Python.
+    """
+    import loraserve.lora_batch
+    import loraserve.models.llama
+
+    patched: list[tuple[Any, str, Any, bool]] = []
+
+    def wrap(owner: Any, attr: str, scope: str) -> None:
+        original: Callable[..., Any] = getattr(owner, attr)
+
+        def scoped(*a: Any, **k: Any) -> Any:
+            with record_function(SCOPE + scope):
+                return original(*a, **k)
+
+        patched.append((owner, attr, original, attr in vars(owner)))
+        setattr(owner, attr, scoped)
+
+    kernels = {"loraserve.kernels.paged_attention": "attention", "loraserve.kernels.lora": "lora"}
+    for module in (loraserve.models.llama, loraserve.lora_batch):
+        for name, value in list(vars(module).items()):
+            if callable(value) and getattr(value, "__module__", None) in kernels:
+                wrap(module, name, kernels[value.__module__])
+    runner = engine.runner
+    if runner.lora_hook is not None:
+        wrap(runner, "lora_hook", "lora")
+    wrap(runner, "sampler", "sampling")
+    wrap(runner, "prepare", "prepare")
+    wrap(engine.scheduler, "schedule", "schedule")
+    try:
+        yield
+    finally:
+        for owner, attr, original, own in reversed(patched):
+            if own:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)
+
+
+def _ancestors(event: Any) -> list[str]:
+    """Names of ``event`` and of every event enclosing it."""
+    chain: list[str] = []
+    while event is not None:
+        chain.append(event.name)
+        event = event.cpu_parent
+    return chain
+
+
+def _bucket(event: Any) -> str:
+    chain = _ancestors(event)
+    for scope in ("attention", "lora", "sampling"):
+        if SCOPE + scope in chain:
+            return scope
+    return "base matmuls" if MATMULS.intersection(chain) else "other ops"
+
+
+def profile_decode(llm: Any, work: Workload, with_adapters: bool, steps: int) -> dict[str, Any]:
+    """Fill the batch, run until every sequence decodes, time ``steps`` steps, then profile ``steps`` more."""
+    from loraserve import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=work.max_tokens, ignore_eos=True)
+    count = min(len(work.prompts), engine.config.max_num_seqs)
+    ids = [f"profile-{with_adapters}-{i}" for i in range(count)]
+    for i, request_id in enumerate(ids):
+        engine.add_request(
+            request_id, work.prompts[i], params, adapter_name(work.adapter_of[i]) if with_adapters else None
+        )
+    seqs = [seq for request_id in ids for seq in engine.requests[request_id].seqs]
+    while not all(seq.num_output_tokens >= 1 for seq in seqs):  # prefill (chunked) until all decode
+        engine.step()
+    engine.step()  # warm
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    plain_ms = (time.perf_counter() - start) * 1e3 / steps
+    walls: list[float] = []
+    with profiler_scopes(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+    for request_id in ids:
+        engine.abort_request(request_id)
+    ops: dict[str, float] = defaultdict(float)
+    scopes: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.name.startswith(SCOPE):
+            if event.name not in _ancestors(event.cpu_parent):  # nested scopes of one name count once
+                scopes[event.name[len(SCOPE) :]] += event.cpu_time_total / 1e3 / steps
+        else:
+            ops[_bucket(event)] += event.self_cpu_time_total / 1e3 / steps
+    step_ms = sum(walls) * 1e3 / steps
+    ops["python overhead"] = step_ms - sum(ops.values())
+    return {"batch": count, "steps": steps, "step_ms": step_ms, "unprofiled_step_ms": plain_ms,
+            "parts_ms": {part: ops.get(part, 0.0) for part in PARTS}, "scopes_ms": dict(scopes)}  # fmt: skip
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs: list[Run],
+           ratios: list[dict[str, Any]], profiles: dict[str, dict[str, Any]]) -> str:  # fmt: skip
+    """Markdown: machine, workload, tokens/s per system, target ratios, decode-step profile."""
+    lines = [
+        f"Machine: {info['cpu']}, {info['usable_cores']} usable of {info['logical_cores']} cores, torch "
+        f"{info['torch']} ({info['torch_threads']} threads), transformers {info['transformers']}, {args.dtype}; "
+        f"load average {info['load_avg_at_start']} at start, {info['load_avg_at_end']} at end",
+        f"Workload: {work.describe(args)}; loraserve max_num_seqs={args.max_num_seqs}",
+        "",
+    ]
+    rows = [[r.system, str(r.requests), str(r.tokens), f"{r.wall_s:.1f}", f"{r.tok_s:.1f}", f"{r.cpu_s / r.wall_s:.2f}"]
+            for r in runs]  # fmt: skip
+    lines += [*_table(["system", "requests", "gen. tokens", "wall s", "tok/s", "cores busy"], rows), ""]
+    rows = [[r["name"], f"{r['ratio']:.2f}x", f"{r['target']}x", "yes" if r["met"] else "NO"] for r in ratios]
+    lines += _table(["ratio", "value", "target", "met"], rows)
+    if not profiles:
+        return "\n".join(lines)
+    first = next(iter(profiles.values()))
+    lines += ["", f"Decode step at batch {first['batch']}, mean of {first['steps']} steps under torch.profiler "
+              "(op self times bucketed by scope; python overhead = step wall - all op self times):", ""]  # fmt: skip
+    rows = [[part] + [f"{p['parts_ms'][part]:.1f} ({p['parts_ms'][part] / p['step_ms']:.0%})" for p in
+                      profiles.values()] for part in PARTS]  # fmt: skip
+    rows.append(["step (profiled)"] + [f"{p['step_ms']:.1f}" for p in profiles.values()])
+    rows.append(["step (unprofiled)"] + [f"{p['unprofiled_step_ms']:.1f}" for p in profiles.values()])
+    lines += _table(["part", *(f"{name}: ms/step (%)" for name in profiles)], rows)
+    scopes = sorted({s for p in profiles.values() for s in p["scopes_ms"]})
+    rows = [[scope] + [f"{p['scopes_ms'].get(scope, 0.0):.1f}" for p in profiles.values()] for scope in scopes]
+    lines += ["", "Inclusive wall of each scope (its ops and its Python):", ""]
+    lines += _table(["scope", *(f"{name}: ms/step" for name in profiles)], rows)
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(parser)
+    add = parser.add_argument
+    add("--max-num-seqs", type=int, default=64, help="loraserve batch size (max_num_seqs, default 64)")
+    add("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and KV dtype (default float32)")
+    add("--threads", type=int, default=None, help="torch threads for every system (default: torch's)")
+    add("--memory-budget-mb", type=int, default=None, help="loraserve page pool size (default: the engine's)")
+    add("--peft-batch", type=int, default=16, help="PEFT mixed-adapter batch size (default 16)")
+    add("--no-peft", action="store_true", help="skip PEFT (c)")
+    add("--profile-steps", type=int, default=8, help="decode steps timed and then profiled (default 8, 0: none)")
+    add("--json", type=Path, default=None, help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    check_workload_args(parser, args)
+    args.profile_steps = max(0, min(args.profile_steps, (args.max_tokens - 2) // 2))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from benchmarks.throughput import machine_info
+    from loraserve import LLM, SamplingParams
+    from loraserve.models.loader import default_model_dir, load_hf_config
+
+    hf_config = load_hf_config(default_model_dir())
+    work = Workload.make(args, int(hf_config.vocab_size))
+    adapters = ensure_adapters(args, hf_config)
+    info = {**machine_info(), "dtype": args.dtype}
+    options = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype, "num_threads": args.threads,
+               "memory_budget_mb": args.memory_budget_mb}  # fmt: skip
+    llm = LLM(**{k: v for k, v in options.items() if v is not None})
+    for name, path in adapters:
+        llm.add_adapter(name, path)
+    names: list[str | None] = [None, *(name for name, _ in adapters)]
+    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([work.prompts[0][:8]] * len(names), warm, use_tqdm=False, adapters=names)  # warm-up, adapters loaded
+    runs = [run_loraserve(llm, work, with_adapters=False), run_loraserve(llm, work, with_adapters=True)]
+    profiles: dict[str, dict[str, Any]] = {}
+    if args.profile_steps:
+        for label, with_adapters in (("no adapters", False), ("adapters", True)):
+            profiles[label] = profile_decode(llm, work, with_adapters, args.profile_steps)
+    del llm
+    gc.collect()
+    if not args.no_peft:
+        runs.append(run_peft(args, work, adapters))
+    info["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    pairs = [("(b)/(a): LoRA vs no adapters", runs[1], runs[0], TARGET_LORA_VS_BASE)]
+    if not args.no_peft:
+        pairs.append(("(b)/(c): LoRA vs PEFT", runs[1], runs[2], TARGET_VS_PEFT))
+    ratios = [{"name": name, "ratio": a.tok_s / b.tok_s, "target": target, "met": a.tok_s / b.tok_s >= target}
+              for name, a, b, target in pairs]  # fmt: skip
+    print(report(info, work, args, runs, ratios, profiles), flush=True)
+    if args.json:
+        results = [{**asdict(r), "tok_s": r.tok_s} for r in runs]
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        payload = {"machine": info, "args": settings, "results": results, "ratios": ratios, "profile": profiles}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
