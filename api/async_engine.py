@@ -66,6 +66,7 @@ class _Add:
     stream: RequestStream
     accepted: concurrent.futures.Future[None]
     arrival_time: float
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -133,15 +134,17 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         adapter_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Submit a request; return its stream once the engine accepted it.
 
-        Raises whatever ``LLMEngine.add_request`` raises for a bad request (``RequestError``
-        and subclasses), or :class:`EngineDeadError`.
+        ``cache_salt`` keeps its prefix cache apart from other salts'. Raises whatever
+        ``LLMEngine.add_request`` raises for a bad request (``RequestError`` and subclasses), or
+        :class:`EngineDeadError`.
         """
         stream = RequestStream(request_id, asyncio.get_running_loop(), self.post_abort)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._post(_Add(request_id, prompt, params, adapter_name, stream, accepted, time.monotonic()))
+        self._post(_Add(request_id, prompt, params, adapter_name, stream, accepted, time.monotonic(), cache_salt))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -225,7 +228,11 @@ class AsyncEngine:
             if not command.accepted.set_running_or_notify_cancel():
                 return  # the caller gave up before we got here; its abort follows
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params, command.adapter_name)
+                args = (command.request_id, command.prompt, command.params, command.adapter_name)
+                if command.cache_salt is None:  # so engines without salts (test fakes) work too
+                    self.engine.add_request(*args)
+                else:
+                    self.engine.add_request(*args, cache_salt=command.cache_salt)
             except Exception as error:
                 command.accepted.set_exception(error)
                 return

@@ -12,12 +12,18 @@ Exposed names (``model`` is the base model id or the adapter name):
   ``prefix_cache`` (and any other kind the pool reports). ``total`` is the pool size; the
   other kinds add up to it.
 * ``loraserve_requests_running``, ``loraserve_requests_waiting``, ``loraserve_requests_swapped``
-* ``loraserve_preemptions_total``, ``loraserve_pool_evictions_total{kind}``,
+* ``loraserve_preemptions_total``, ``loraserve_pool_evictions_total{kind}`` (``kind="prefix_cache"``:
+  idle cached KV blocks reclaimed; ``adapter``: idle adapters),
   ``loraserve_adapter_loads_total``, ``loraserve_adapter_evictions_total``,
   ``loraserve_adapters_registered``, ``loraserve_engine_step_errors_total``
 * ``loraserve_prompt_tokens_total{model}``, ``loraserve_generation_tokens_total{model}``,
   ``loraserve_prefix_cache_hits_total{model}`` (requests that reused cached prompt tokens),
   ``loraserve_prefix_cache_hit_tokens_total{model}``, ``loraserve_request_success_total{model,finish_reason}``
+* engine-wide prefix cache: ``loraserve_prefix_cache_enabled`` (0/1), ``loraserve_prefix_cache_hit_rate``
+  (matched / queried prompt tokens since start), ``loraserve_prefix_cache_queried_tokens_total`` and
+  ``loraserve_prefix_cache_matched_tokens_total`` (lookups at admission, counted again when a preempted
+  sequence is re-admitted), ``loraserve_prefix_cache_blocks`` (blocks registered, in use or idle; the
+  idle ones are ``loraserve_pool_pages{kind="prefix_cache"}``)
 * histograms ``loraserve_time_to_first_token_seconds{model}``,
   ``loraserve_inter_token_latency_seconds{model}``, ``loraserve_e2e_request_latency_seconds{model}``
 """
@@ -56,6 +62,11 @@ class EngineSnapshot:
     num_adapter_loads: int
     num_adapter_evictions: int
     num_adapters: int
+    prefix_cache_enabled: bool = False
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_matched_tokens: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_blocks: int = 0
 
 
 def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
@@ -64,6 +75,7 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
     evictions = dict(engine.pool.num_evictions)
     manager = getattr(engine, "adapters", None)  # the engine's AdapterManager, when it has one
     registry = getattr(engine, "adapter_registry", None)
+    index = getattr(getattr(engine, "kv_manager", None), "prefix_cache", None)  # None when disabled
     return EngineSnapshot(
         num_pages=engine.pool.num_pages,
         pages_by_kind=dict(engine.pool.num_pages_by_kind()),
@@ -75,6 +87,11 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         num_adapter_loads=int(getattr(manager, "num_loads", 0)),
         num_adapter_evictions=int(getattr(manager, "num_evictions", evictions.get("adapter", 0))),
         num_adapters=len(registry.names()) if registry is not None else 0,
+        prefix_cache_enabled=index is not None,
+        prefix_cache_queried_tokens=int(index.num_queried_tokens) if index is not None else 0,
+        prefix_cache_matched_tokens=int(index.num_hit_tokens) if index is not None else 0,
+        prefix_cache_hit_rate=float(index.hit_rate) if index is not None else 0.0,
+        prefix_cache_blocks=len(index) if index is not None else 0,
     )
 
 
@@ -102,9 +119,10 @@ class EngineSnapshotCollector(Collector):
         yield GaugeMetricFamily("loraserve_requests_swapped", "Sequences swapped out", value=snap.num_swapped)
         yield CounterMetricFamily("loraserve_preemptions", "Sequence preemptions", value=snap.num_preemptions)
         evictions = CounterMetricFamily("loraserve_pool_evictions", "Idle pool entries evicted", labels=["kind"])
-        for kind, count in sorted(snap.evictions_by_kind.items()):
+        for kind, count in sorted({"adapter": 0, "prefix_cache": 0, **snap.evictions_by_kind}.items()):
             evictions.add_metric([kind], count)
         yield evictions
+        yield from _prefix_cache_metrics(snap)
         yield CounterMetricFamily(
             "loraserve_adapter_loads", "Adapter weight loads into the pool", value=snap.num_adapter_loads
         )
@@ -117,6 +135,31 @@ class EngineSnapshotCollector(Collector):
         yield CounterMetricFamily(
             "loraserve_engine_step_errors", "Engine steps that raised", value=self.num_step_errors
         )
+
+
+def _prefix_cache_metrics(snap: EngineSnapshot) -> Iterator[Metric]:
+    """The engine-wide prefix cache statistics (zeros when prefix caching is disabled)."""
+    yield GaugeMetricFamily(
+        "loraserve_prefix_cache_enabled", "1 if automatic prefix caching is on", value=int(snap.prefix_cache_enabled)
+    )
+    yield GaugeMetricFamily(
+        "loraserve_prefix_cache_hit_rate",
+        "Prompt tokens found in the prefix cache / prompt tokens looked up, since start",
+        value=snap.prefix_cache_hit_rate,
+    )
+    yield CounterMetricFamily(
+        "loraserve_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache at admission",
+        value=snap.prefix_cache_queried_tokens,
+    )
+    yield CounterMetricFamily(
+        "loraserve_prefix_cache_matched_tokens",
+        "Prompt tokens found in the prefix cache at admission",
+        value=snap.prefix_cache_matched_tokens,
+    )
+    yield GaugeMetricFamily(
+        "loraserve_prefix_cache_blocks", "KV blocks registered in the prefix cache", value=snap.prefix_cache_blocks
+    )
 
 
 @dataclass

@@ -39,6 +39,11 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="loraserve extension: keep generating past EOS")
     user: str | None = None
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        description="vLLM extension: requests share cached prompt blocks only with requests of the same salt",
+    )
     # Declared only to refuse non-default values (see unsupported_fields).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

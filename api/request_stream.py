@@ -33,9 +33,7 @@ class RequestStream:
     :meth:`AsyncEngine.generate` do it) when giving up on the request early.
     """
 
-    def __init__(
-        self, request_id: str, loop: asyncio.AbstractEventLoop, post_abort: Callable[[str], None]
-    ) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, post_abort: Callable[[str], None]) -> None:
         self.request_id = request_id
         self._post_abort = post_abort
         self._loop = loop

@@ -96,12 +96,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     num_top = body.top_logprobs or 0
     request_id = new_id("chatcmpl")
     if body.stream:
-        streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model)
+        streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model, body.cache_salt)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(_stream(state, request_id, body.model, streams[0], params, num_top, include_usage))
 
     async def complete() -> ChatCompletionResponse:
-        streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model)
+        streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model, body.cache_salt)
         (final,) = await collect_final(streams)
         choices = [
             ChatChoice(

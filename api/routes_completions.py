@@ -40,9 +40,7 @@ from .streaming import (
 router = APIRouter(tags=["inference"])
 
 MAX_CHOICES = 256
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
-}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 
 
 def usage_for(finals: list[RequestOutput]) -> UsageInfo:
@@ -86,12 +84,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     request_id = new_id("cmpl")
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
     if body.stream:
-        streams = await submit(state, request_id, prompts, params, adapter_name, body.model)
+        streams = await submit(state, request_id, prompts, params, adapter_name, body.model, body.cache_salt)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(_stream(state, request_id, body.model, streams, params, echoes, include_usage))
 
     async def complete() -> CompletionResponse:
-        streams = await submit(state, request_id, prompts, params, adapter_name, body.model)
+        streams = await submit(state, request_id, prompts, params, adapter_name, body.model, body.cache_salt)
         finals = await collect_final(streams)
         return _response(state, request_id, body.model, finals, params, echoes)
 

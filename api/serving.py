@@ -130,13 +130,16 @@ async def submit(
     params: SamplingParams,
     adapter_name: str | None,
     model: str,
+    cache_salt: str | None = None,
 ) -> list[RequestStream]:
     """Add one engine request per prompt (ids ``{request_id}-{i}``); all or nothing."""
     streams: list[RequestStream] = []
     try:
         for index, prompt in enumerate(prompts):
             streams.append(
-                await state.async_engine.add_request(f"{request_id}-{index}", prompt, params, adapter_name)
+                await state.async_engine.add_request(
+                    f"{request_id}-{index}", prompt, params, adapter_name, cache_salt=cache_salt
+                )
             )
     except BaseException as error:
         for stream in streams:

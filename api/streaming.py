@@ -42,8 +42,10 @@ def sse_error(error: BaseException) -> str:
     if isinstance(error, APIError):
         return sse_event(error.body())
     status = 503 if isinstance(error, EngineDeadError) else 500
-    message = str(error) if isinstance(error, EngineStepError | RequestAbortedError | EngineDeadError) else (
-        f"internal error: {type(error).__name__}"
+    message = (
+        str(error)
+        if isinstance(error, EngineStepError | RequestAbortedError | EngineDeadError)
+        else (f"internal error: {type(error).__name__}")
     )
     return sse_event(error_body(message, "server_error", code=str(status)))
 

@@ -1,19 +1,16 @@
 """Prefix-caching benchmark: one long shared system prompt, many requests on many adapters.
 
-Every request is ``system prompt + a short distinct question`` (token ids, so the shared
-prefix is exact) on adapter ``i % num_adapters``; outputs are greedy with ``ignore_eos``,
-so every request generates exactly ``--output-tokens`` tokens. All requests are queued at
-once and the engine is stepped until they finish, once with ``enable_prefix_caching=True``
-and once with ``False`` (a fresh engine each, same pool size), sampling the page pool after
-every step. Cached KV is keyed by the adapter's content digest, so requests share the
-system prompt's blocks only with requests on the same adapter.
+Request ``i`` is ``system prompt + a short distinct question`` (token ids, so the prefix is
+exact) on adapter ``i % num_adapters``, greedy with ``ignore_eos`` (exactly
+``--output-tokens`` tokens). All requests are queued at once and the engine is stepped to the
+end, with ``enable_prefix_caching`` on and off (a fresh engine each, same pool), sampling the
+pool after every step. Cached KV is keyed by adapter digest: only same-adapter requests share.
 
 Columns: ``cpu s`` is this process's CPU time (all threads; less sensitive than wall time to
-other load on the machine). ``tok/s`` counts prompt + generated tokens per wall second (cached prompt tokens
-included: they were served), ``gen tok/s`` only generated ones. ``live pages`` are pages
-referenced by running sequences or resident adapters (``num_pages - free - evictable``);
-``cached pages`` are idle prefix-cache blocks (evictable, kind ``prefix_cache``). Both are
-peaks over the steps. ``hit rate`` is matched / looked-up prompt tokens.
+other load). ``tok/s`` = (prompt + generated tokens) / wall s, cached prompt tokens included;
+``gen tok/s`` generated only. ``live pages``: referenced by running sequences or resident
+adapters (``num_pages - free - evictable``); ``kv pages``: the KV part; ``cached pages``: idle
+prefix-cache blocks (evictable); all peaks. ``hit rate``: matched / looked-up prompt tokens.
 
     python -m benchmarks.prefix_cache --quick
 """
@@ -207,21 +204,22 @@ def machine_info(device: str) -> dict[str, Any]:
     return info
 
 
-def format_table(results: list[Result]) -> str:
+def table_header() -> str:
     header = (
         f"{'prefix caching':<15}{'wall s':>8}{'cpu s':>8}{'tok/s':>9}{'gen tok/s':>10}{'live pages':>11}{'kv pages':>9}"
         f"{'cached pages':>13}{'hit rate':>9}{'cached tok':>11}{'evictions':>10}"
     )
-    rows = [header, "-" * len(header)]
-    for r in results:
-        hit = f"{r.hit_rate:.1%}" if r.hit_rate is not None else "-"
-        rows.append(
-            f"{'on' if r.prefix_caching else 'off':<15}{r.wall_s:>8.1f}{r.cpu_s:>8.1f}"
-            f"{r.tokens_per_s:>9.1f}{r.generated_per_s:>10.2f}"
-            f"{r.peak_live_pages:>11}{r.peak_kv_pages:>9}{r.peak_cached_pages:>13}{hit:>9}{r.cached_tokens:>11}"
-            f"{r.prefix_cache_evictions:>10}"
-        )
-    return "\n".join(rows)
+    return header + "\n" + "-" * len(header)
+
+
+def table_row(r: Result) -> str:
+    hit = f"{r.hit_rate:.1%}" if r.hit_rate is not None else "-"
+    return (
+        f"{'on' if r.prefix_caching else 'off':<15}{r.wall_s:>8.1f}{r.cpu_s:>8.1f}"
+        f"{r.tokens_per_s:>9.1f}{r.generated_per_s:>10.2f}"
+        f"{r.peak_live_pages:>11}{r.peak_kv_pages:>9}{r.peak_cached_pages:>13}{hit:>9}{r.cached_tokens:>11}"
+        f"{r.prefix_cache_evictions:>10}"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -246,10 +244,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path.home() / ".cache" / "loraserve" / "bench-prefix-adapters",
         help="where the generated adapters are cached (per model)",
     )
-    parser.add_argument("--quick", action="store_true", help="a smaller workload (about a minute on 2 idle cores)")
+    parser.add_argument(
+        "--modes", default="on,off", help="prefix caching modes to run, in order (default on,off; e.g. off)"
+    )
+    parser.add_argument("--quick", action="store_true", help="8 requests, 2 adapters, 512-token system prompt")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     args = parser.parse_args(argv)
+    args.modes = [mode.strip() for mode in args.modes.split(",")]
+    if not args.modes or any(mode not in ("on", "off") for mode in args.modes):
+        parser.error(f"--modes takes 'on', 'off' or both, got {args.modes}")
     preset = QUICK if args.quick else FULL
     for name, value in preset.items():
         if getattr(args, name) is None:
@@ -267,27 +271,32 @@ def main(argv: list[str] | None = None) -> None:
 
     prompts, system_len = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.system_tokens, args.num_requests)
     machine = machine_info(args.device)
-    results, outputs = [], []
-    for caching in (True, False):
-        result, token_ids = run(args, caching, prompts, adapters)
-        results.append(result)
-        outputs.append(token_ids)
-    same = sum(a == b for a, b in zip(*outputs, strict=True))
-    on, off = results
     print(f"machine: {machine['cpu']}, {machine['usable_cores']} cores, torch {machine['torch']}", end="")
     print(f" ({machine['torch_threads']} threads), device {args.device} {machine.get('gpu', '')}".rstrip())
     print(f"load average at start: {machine['load_avg_at_start']}")
     print(
         f"model {model_dir.name}; {args.num_requests} requests on {args.num_adapters} adapters; system prompt "
         f"{system_len} tokens; prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "
-        f"{args.output_tokens} output tokens each (greedy, ignore_eos); pool {on.num_pages} pages of "
-        f"{on.block_size} tokens"
+        f"{args.output_tokens} output tokens each (greedy, ignore_eos)"
     )
-    print(format_table(results))
-    print(
-        f"speed-up {on.tokens_per_s / off.tokens_per_s:.2f}x, peak live pages {off.peak_live_pages} -> "
-        f"{on.peak_live_pages}; outputs identical on/off: {same}/{len(prompts)}"
-    )
+    print(table_header(), flush=True)
+    results, outputs = [], []
+    for mode in args.modes:  # each row is printed as soon as its run ends
+        result, token_ids = run(args, mode == "on", prompts, adapters)
+        print(table_row(result), flush=True)
+        results.append(result)
+        outputs.append(token_ids)
+    summary = f"pool {results[0].num_pages} pages of {results[0].block_size} tokens"
+    same = None
+    if len(results) == 2 and results[0].prefix_caching != results[1].prefix_caching:
+        on, off = sorted(results, key=lambda r: not r.prefix_caching)
+        same = sum(a == b for a, b in zip(*outputs, strict=True))
+        summary += (
+            f"; speed-up {on.tokens_per_s / off.tokens_per_s:.2f}x (cpu time {off.cpu_s / on.cpu_s:.2f}x less); "
+            f"peak live pages {off.peak_live_pages} -> {on.peak_live_pages}; outputs identical on/off: "
+            f"{same}/{len(prompts)}"
+        )
+    print(f"{summary}; load average at end: {[round(x, 2) for x in os.getloadavg()]}")
     if args.json:
         payload = {"machine": machine, "args": {k: str(v) for k, v in vars(args).items()}, "identical": same}
         payload["results"] = [asdict(r) for r in results]

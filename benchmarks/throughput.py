@@ -74,17 +74,10 @@ def machine_info() -> dict[str, Any]:
             for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("model name")
         )
-    return {
-        "cpu": cpu,
-        "logical_cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-        "dtype": "float32",
-        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    return {"cpu": cpu, "logical_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "torch_threads": torch.get_num_threads(), "dtype": "float32",
+            "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
 
 
 def run_loraserve(work: Workload, count: int, concurrency: int, options: dict[str, Any]) -> Row:
@@ -124,15 +117,10 @@ def run_loraserve(work: Workload, count: int, concurrency: int, options: dict[st
     progress.close()
     if out_lens != {i: work.output_lens[i] for i in range(count)}:
         raise RuntimeError("loraserve did not generate exactly max_tokens for every request")
-    extra = {
-        "steps": steps,
-        "decode_step_tok_s": decode_tokens / decode_s if decode_s else None,
-        "prefill_step_time_frac": 1 - decode_s / wall,
-        "preemptions": engine.scheduler.num_preemptions,
-        "kv_util_min": min(utils, default=None),
-        "pages_in_pool": pool.num_pages,
-        "pages_left_allocated": pool.num_pages - pool.num_free_pages - pool.num_evictable_pages,
-    }
+    extra = {"steps": steps, "decode_step_tok_s": decode_tokens / decode_s if decode_s else None,
+             "prefill_step_time_frac": 1 - decode_s / wall, "preemptions": engine.scheduler.num_preemptions,
+             "kv_util_min": min(utils, default=None), "pages_in_pool": pool.num_pages,
+             "pages_left_allocated": pool.num_pages - pool.num_free_pages - pool.num_evictable_pages}  # fmt: skip
     del llm, engine
     gc.collect()
     util = sum(utils) / len(utils) if utils else None
@@ -174,7 +162,7 @@ def hf_batch(model: Any, prompts: list[list[int]], outs: list[int]) -> tuple[flo
 def run_hf(model: Any, work: Workload, count: int, batch_size: int) -> Row:
     """HF ``generate`` over the first ``count`` requests in consecutive batches of ``batch_size``."""
     hf_batch(model, [work.prompts[0][:8]], [2])  # warm-up
-    seconds, cpu, utils = 0.0, 0.0, []
+    seconds, cpu, utils = 0.0, 0.0, list[float]()
     with tqdm(total=count, desc=f"hf batch={batch_size}", unit="req") as progress:
         for lo in range(0, count, batch_size):
             hi = min(count, lo + batch_size)
@@ -273,6 +261,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_json(path: Path, info: dict[str, Any], args: argparse.Namespace, rows: list[Row]) -> None:
+    results = [{**asdict(r), "tok_s": r.tok_s, "cores_busy": r.cpu_s / r.wall_s} for r in rows]
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    payload = {"machine": info, "args": settings, "results": results, "ratios": ratios(rows)}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
@@ -286,20 +281,29 @@ def main(argv: list[str] | None = None) -> None:
                "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     options = {k: v for k, v in options.items() if v is not None}
     count = lambda size: min(args.requests, args.rounds * size)  # noqa: E731
-    rows = [run_loraserve(work, count(c), c, options) for c in args.concurrency]
+    rows: list[Row] = []
+
+    def record(row: Row) -> None:
+        """Keep a finished row; print it and update the JSON at once, so an interrupted run leaves results."""
+        rows.append(row)
+        tqdm.write(f"{row.system} {row.mode} {row.size}: {row.requests} requests, {row.tokens} tokens in "
+                   f"{row.wall_s:.1f} s = {row.tok_s:.1f} tok/s (cores busy {row.cpu_s / row.wall_s:.2f})")  # fmt: skip
+        if args.json:
+            info["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+            write_json(args.json, info, args, rows)
+
+    for c in args.concurrency:
+        record(run_loraserve(work, count(c), c, options))
     if not args.no_hf:
         model = load_hf_model()
         if args.hf_batch1_requests:
-            rows.append(run_hf(model, work, min(args.requests, args.hf_batch1_requests), 1))
-        rows += [run_hf(model, work, count(b), b) for b in args.hf_batch_sizes]
+            record(run_hf(model, work, min(args.requests, args.hf_batch1_requests), 1))
+        for b in args.hf_batch_sizes:
+            record(run_hf(model, work, count(b), b))
     info["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    found = ratios(rows)
-    print(report(info, args, rows, found), flush=True)
+    print("\n" + report(info, args, rows, ratios(rows)), flush=True)
     if args.json:
-        results = [{**asdict(r), "tok_s": r.tok_s, "cores_busy": r.cpu_s / r.wall_s} for r in rows]
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        payload = {"machine": info, "args": settings, "results": results, "ratios": found}
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, info, args, rows)
 
 
 if __name__ == "__main__":
