@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from loraserve.adapters import BaseModelShapes
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils.other import get_pattern_key
@@ -191,20 +192,7 @@ def make_peft_adapter_for_config(
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,
     )
-    hidden = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q_out = config.num_attention_heads * head_dim
-    kv_out = (config.num_key_value_heads or config.num_attention_heads) * head_dim
-    inter = config.intermediate_size
-    shapes = {
-        "q_proj": (hidden, q_out),
-        "k_proj": (hidden, kv_out),
-        "v_proj": (hidden, kv_out),
-        "o_proj": (q_out, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
+    shapes = BaseModelShapes.from_hf_config(config).module_shapes
     keys = [
         f"model.layers.{layer}.{_PARENTS[module]}.{module}"
         for layer in range(config.num_hidden_layers)
