@@ -112,10 +112,14 @@ def run_peft(args: argparse.Namespace, work: Workload, adapters: list[tuple[str,
 def profiler_scopes(engine: Any) -> Iterator[None]:
     """Wrap engine parts in ``record_function`` scopes (monkeypatching this engine; undone on exit).
 
-    attention: every function the model imports from ``kernels/paged_attention.py``; lora: the
-    runner's LoRA hook and every function imported from ``kernels/lora.py``; sampling: the
-    sampler; schedule and prepare: the scheduler's and the batch builder's Python.
+    attention: every function the model imports from ``kernels/paged_attention.py`` and each
+    layer's decode-attention kernel; lora: the runner's LoRA hook and every function imported
+    from ``kernels/lora.py``; sampling: the sampler; schedule and prepare: the scheduler's and
+    the batch builder's Python. Calls into the compiled CPU kernels are recorded as ops of
+    their own (``cpu_kernels.*``), so their time counts as kernel time, not Python overhead.
     """
+    from loraserve.kernels import cpu
+
     import loraserve.lora_batch
     import loraserve.models.llama
 
@@ -136,6 +140,14 @@ def profiler_scopes(engine: Any) -> Iterator[None]:
         for name, value in list(vars(module).items()):
             if callable(value) and getattr(value, "__module__", None) in kernels:
                 wrap(module, name, kernels[value.__module__])
+    for layer in engine.model.model.layers:
+        wrap(layer.self_attn, "decode_attention", "attention")
+    extension = cpu.load_extension()
+    if extension is not None:
+        for name in ("paged_decode_attention", "lora_segments"):
+            original = getattr(extension, name)
+            patched.append((extension, name, original, True))
+            setattr(extension, name, _recorded(f"cpu_kernels.{name}", original))
     runner = engine.runner
     if runner.lora_hook is not None:
         wrap(runner, "lora_hook", "lora")
@@ -150,6 +162,14 @@ def profiler_scopes(engine: Any) -> Iterator[None]:
                 setattr(owner, attr, original)
             else:
                 delattr(owner, attr)
+
+
+def _recorded(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    def recorded(*a: Any, **k: Any) -> Any:
+        with record_function(name):
+            return function(*a, **k)
+
+    return recorded
 
 
 def _ancestors(event: Any) -> list[str]:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loraserve.config import DTYPES, EngineConfig
+from loraserve.config import DTYPES, KERNEL_CHOICES, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--dtype", "dtype", str, f"weights and pool dtype, one of {sorted(DTYPES)} (default float32)"),
     ("--seed", "seed", int, "seed of unseeded sampling (default 0)"),
     ("--num-threads", "num_threads", int, "torch CPU threads (default: torch's choice)"),
+    ("--kernels", "kernels", str, f"kernel backend, one of {KERNEL_CHOICES} (default auto: compiled C++ on CPU)"),
 )
 
 

@@ -18,6 +18,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 PREEMPTION_MODES = ("recompute", "swap")
+KERNEL_CHOICES = ("auto", "torch", "cpu")  # see loraserve/kernel_backend.py
 
 
 class ConfigError(ValueError):
@@ -33,7 +34,9 @@ class EngineConfig:
     cache and the resident adapters. ``registry`` is where adapters are registered:
     a directory (``dir:/path`` or a plain path) or ``redis://...``; ``None`` is a
     private temporary directory. ``host_adapter_cache_mb`` bounds the parsed
-    adapters kept in host memory.
+    adapters kept in host memory. ``kernels`` picks the kernel backend: ``torch``
+    (the reference implementations), ``cpu`` (compiled C++), ``auto`` (``cpu`` on a
+    CPU device when it builds, else ``torch``).
     """
 
     model: str | None = None
@@ -53,6 +56,7 @@ class EngineConfig:
     registry: str | None = None
     enable_prefix_caching: bool = True
     host_adapter_cache_mb: int = 2048
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         _require(
@@ -91,6 +95,7 @@ class EngineConfig:
         _require(
             self.host_adapter_cache_mb >= 0, f"host_adapter_cache_mb must be >= 0, got {self.host_adapter_cache_mb}"
         )
+        _require(self.kernels in KERNEL_CHOICES, f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         try:
             torch.device(self.device)
         except RuntimeError as error:

@@ -16,7 +16,7 @@ from loraserve.adapters import AdapterInfo, AdapterNotFoundError, AdapterRegistr
 from loraserve.block_manager import KVCacheManager
 from loraserve.config import EngineConfig
 from loraserve.detokenizer import Detokenizer, find_stop_string
-from loraserve.lora_batch import LoRAApplier
+from loraserve.kernel_backend import select_backend
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.loader import load_hf_config, load_model, resolve_model_dir
 from loraserve.outputs import CompletionOutput, RequestOutput
@@ -105,7 +105,9 @@ class LLMEngine:
             num_watermark_pages,
         )
         self.scheduler.adapters = self.adapters
-        self.runner.lora_hook = LoRAApplier(self.adapters)
+        self.kernels = select_backend(config.kernels, self.device, config.torch_dtype)
+        self.model.use_decode_attention(self.kernels.decode_attention)
+        self.runner.lora_hook = self.kernels.make_lora_hook(self.adapters)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)

@@ -58,8 +58,11 @@ def _assert_all_pages_free(llm: LLM) -> None:
     assert not llm.engine.requests
 
 
-def test_batch_matches_hf(prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
-    llm = LLM(max_num_batched_tokens=512)
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+def test_batch_matches_hf(prompt_ids: list[list[int]], reference: list[list[int]], kernels: str) -> None:
+    """Both kernel backends: the compiled C++ one (the CPU default) and the torch references."""
+    llm = LLM(max_num_batched_tokens=512, kernels=kernels)
+    assert llm.engine.kernels.name == kernels
     assert _generate(llm, prompt_ids) == reference
     assert llm.engine.scheduler.num_preemptions == 0
     _assert_all_pages_free(llm)

@@ -82,9 +82,12 @@ def _run(llm: LLM, paths: dict[str, Path]) -> list[list[int]]:
     return [o.token_ids for o in outputs]
 
 
-def test_mixed_adapter_batch_matches_peft(adapters_and_reference: tuple[dict[str, Path], list]) -> None:
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+def test_mixed_adapter_batch_matches_peft(adapters_and_reference: tuple[dict[str, Path], list], kernels: str) -> None:
+    """Both LoRA paths: grouped MKL GEMMs over pool pages (C++) and the torch segment loop."""
     paths, reference = adapters_and_reference
-    llm = LLM()
+    llm = LLM(kernels=kernels)
+    assert llm.engine.kernels.name == kernels
     assert _run(llm, paths) == reference
     assert llm.engine.adapters.num_loads == len(ADAPTERS)
     assert llm.engine.adapters.num_evictions == 0

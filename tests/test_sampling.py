@@ -124,4 +124,6 @@ def test_bad_input_is_named(llm: LLM) -> None:
         LLM(block_size=3)
     with pytest.raises(ConfigError, match="unknown engine option"):
         LLM(bogus=1)
+    with pytest.raises(ConfigError, match="kernels must be one of"):
+        LLM(kernels="gpu")
     assert llm.engine.pool.num_free_pages + llm.engine.pool.num_evictable_pages == llm.engine.pool.num_pages

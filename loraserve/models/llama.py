@@ -19,6 +19,8 @@ from loraserve.kernels.paged_attention import paged_decode_attention, paged_pref
 # (input, layer_index, group, outputs, batch): adds the LoRA deltas of one input group
 # ("qkv", "o", "gate_up", "down") to its projections' outputs in place.
 LoRAHook = Callable[[torch.Tensor, int, str, tuple[torch.Tensor, ...], ForwardBatch], None]
+# (query, kv, block_tables, context_lens, scale) -> out: see kernels/paged_attention.py.
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -92,6 +94,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.decode_attention: DecodeAttention = paged_decode_attention
 
     def forward(
         self,
@@ -114,7 +117,7 @@ class LlamaAttention(nn.Module):
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         num_decode = batch.num_decode_tokens
         if num_decode:
-            out[:num_decode] = paged_decode_attention(
+            out[:num_decode] = self.decode_attention(
                 q[:num_decode], kv, batch.decode_block_tables, batch.decode_context_lens, self.scale
             )
         for span in batch.prefills:
@@ -188,6 +191,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_decode_attention(self, kernel: DecodeAttention) -> None:
+        """Run decode attention with ``kernel`` (a backend of loraserve.kernel_backend)."""
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.self_attn.decode_attention = kernel
 
     def forward(
         self, batch: ForwardBatch, kv_caches: list[torch.Tensor], lora: LoRAHook | None = None

@@ -1,0 +1,110 @@
+"""Compiled CPU kernels (C++ in ``csrc/cpu_kernels.cpp``, built once per machine).
+
+``paged_decode_attention`` has the semantics of ``paged_attention.paged_decode_attention``
+but reads K and V straight from the pages named by each block table (no gathered copy
+of the context): one (sequence, KV head) pair per work item over torch's thread pool,
+float32 scores and accumulation.
+
+    query:        [num_seqs, num_heads, head_dim]                     float32 | bfloat16 | float16, contiguous
+    kv:           [num_pages, 2, block_size, num_kv_heads, head_dim]  same dtype, rows contiguous
+    block_tables: [num_seqs, max_blocks] int64;  context_lens: [num_seqs] int64
+    returns       [num_seqs, num_heads, head_dim]
+
+``lora_segments`` has the semantics of ``lora.apply_lora_segments`` (SGMV: for each
+segment ``s`` of tokens ``start:end`` using one adapter, ``v = x[seg] @ A_s^T`` and
+``out_m[seg] += scale_m * v[:, col_m:col_m + r_m] @ B_m^T``) with the weights read in
+place from the pool's storage. All segments' shrinks run as one grouped MKL GEMM call,
+then all expands as another: no Python loop over adapters. float32 only.
+
+    x:        [num_tokens, in_features] float32, contiguous
+    outputs:  per module of the group, [num_tokens, out_m] float32, contiguous, updated in place
+    storage:  [num_layers, num_pages, page_elems] float32, the pool
+    scratch:  [num_layers, n] float32, gathered copies of adapters on non-consecutive pages
+    bounds:   [num_segments, 4] int64: start, end, source (0 storage, 1 scratch), element
+              offset of the adapter's layer buffer within that source's layer row
+    meta:     [num_layers, num_groups, num_segments, 14] int64: a_offset, num_rows, then
+              (column, rank, b_offset, out_features) for up to 3 modules (rank 0: absent)
+    scales:   [num_layers, num_groups, num_segments, 3] float32
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` into
+``~/.cache/loraserve/torch_extensions`` on first use (about a minute); when a compiler is
+missing the engine logs why and falls back to the torch implementations.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_lock = threading.Lock()
+_state: dict[str, ModuleType | str] = {}
+
+
+def build_dir() -> Path:
+    root = os.environ.get("LORASERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "loraserve")
+    return Path(root) / "torch_extensions"
+
+
+def load_extension() -> ModuleType | None:
+    """The compiled module, building it on first call; None (with the reason logged) if it cannot be built."""
+    with _lock:
+        if "module" in _state:
+            module = _state["module"]
+            return module if isinstance(module, ModuleType) else None
+        try:
+            from torch.utils.cpp_extension import load
+
+            directory = build_dir()
+            directory.mkdir(parents=True, exist_ok=True)
+            logger.info("building the CPU kernels (once per machine) in %s", directory)
+            module = load(
+                name="loraserve_cpu_kernels",
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=False,
+            )
+        except Exception as error:  # a missing compiler or headers: serve with the torch kernels
+            logger.warning("CPU kernels unavailable, using the torch implementations: %s", error)
+            _state["module"] = str(error)
+            return None
+        _state["module"] = module
+        return module
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    context_lens: torch.Tensor,  # [num_seqs] int64
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    module = load_extension()
+    assert module is not None, "paged_decode_attention needs the compiled CPU kernels"
+    out: torch.Tensor = module.paged_decode_attention(query.contiguous(), kv, block_tables, context_lens, scale)
+    return out
+
+
+def lora_segments(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    outputs: tuple[torch.Tensor, ...],  # each [num_tokens, out_m]
+    storage: torch.Tensor,  # [num_layers, num_pages, page_elems]
+    scratch: torch.Tensor,  # [num_layers, n]
+    layer: int,
+    group: int,
+    bounds: torch.Tensor,  # [num_segments, 4] int64
+    meta: torch.Tensor,  # [num_layers, num_groups, num_segments, 14] int64
+    scales: torch.Tensor,  # [num_layers, num_groups, num_segments, 3] float32
+) -> None:
+    module = load_extension()
+    assert module is not None, "lora_segments needs the compiled CPU kernels"
+    module.lora_segments(x.contiguous(), list(outputs), storage, scratch, layer, group, bounds, meta, scales)

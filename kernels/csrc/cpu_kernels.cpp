@@ -1,0 +1,231 @@
+// Compiled CPU kernels of loraserve: paged decode attention and segmented LoRA.
+// Semantics and argument shapes are documented in kernels/cpu.py; the torch
+// references they are tested against are kernels/paged_attention.py and kernels/lora.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+extern "C" {
+// MKL's grouped batch GEMM, exported by libtorch_cpu (LP64: 32-bit ints).
+void cblas_sgemm_batch(int layout, const int* transa, const int* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float** a, const int* lda, const float** b, const int* ldb,
+                       const float* beta, float** c, const int* ldc, int group_count, const int* group_size);
+}
+
+namespace {
+
+constexpr int kRowMajor = 101;
+constexpr int kNoTrans = 111;
+constexpr int kTrans = 112;
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (Cephes' expf: range reduction
+// by ln 2, degree-6 polynomial, exponent bits; about 1 ulp). Inputs below -87 give ~0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// One sequence per work item (dynamic schedule: contexts differ in length): every query
+// head reads the cached rows of its KV head (GQA: h / group), each page's rows are read
+// front to back for all heads at once. Scores and accumulation are float32.
+template <typename scalar_t>
+void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = kv.size(2), num_kv_heads = kv.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t page_stride = kv.stride(0), kv_stride = kv.stride(1), row_stride = kv.stride(2);
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* kv_ptr = kv.data_ptr<scalar_t>();
+  const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
+  const int64_t* len_ptr = context_lens.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+  const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_seqs)));
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores, acc(num_heads * head_dim), q(num_heads * head_dim), sums(num_heads);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+      const int64_t n = len_ptr[seq];
+      const int64_t* table = table_ptr + seq * max_blocks;
+      const int64_t num_blocks = (n + block_size - 1) / block_size;
+      scores.resize(num_heads * n);
+      const scalar_t* src = q_ptr + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = to_float(src[i]) * fscale;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const scalar_t* page = kv_ptr + table[b] * page_stride;
+        const int64_t rows = std::min(block_size, n - b * block_size);
+        for (int64_t r = 0; r < rows; ++r) {
+          const scalar_t* row = page + r * row_stride;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const scalar_t* key = row + (h / group) * head_dim;
+            const float* qh = q.data() + h * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * to_float(key[d]);
+            scores[h * n + b * block_size + r] = dot;
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * n;
+        float max_score = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max_score)
+        for (int64_t j = 0; j < n; ++j) max_score = std::max(max_score, s[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = exp_nonpositive(s[j] - max_score);
+          sum += s[j];
+        }
+        sums[h] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const scalar_t* page = kv_ptr + table[b] * page_stride + kv_stride;
+        const int64_t rows = std::min(block_size, n - b * block_size);
+        for (int64_t r = 0; r < rows; ++r) {
+          const scalar_t* row = page + r * row_stride;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const scalar_t* value = row + (h / group) * head_dim;
+            const float p = scores[h * n + b * block_size + r];
+            float* a = acc.data() + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(value[d]);
+          }
+        }
+      }
+      scalar_t* dst = out_ptr + seq * num_heads * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float inv = 1.f / sums[h];
+        for (int64_t d = 0; d < head_dim; ++d) dst[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [num_seqs, heads, head_dim]");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "kv must be [num_pages, 2, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == kv.size(4), "kv rows must be contiguous");
+  TORCH_CHECK(query.size(1) % kv.size(3) == 0 && query.size(2) == kv.size(4), "query and kv heads do not match");
+  TORCH_CHECK(query.scalar_type() == kv.scalar_type(), "query and kv dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: int64");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "context_lens: int64");
+  at::Tensor out = at::empty_like(query);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_impl<scalar_t>(query, kv, block_tables, context_lens, scale, out);
+  });
+  return out;
+}
+
+// meta[layer, group, s] = [a_offset, num_rows, (column, rank, b_offset, out_features) x 3]
+constexpr int64_t kMetaWidth = 14;
+constexpr int64_t kMaxModules = 3;
+
+void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
+                   const at::Tensor& scratch, int64_t layer, int64_t group, const at::Tensor& bounds,
+                   const at::Tensor& meta, const at::Tensor& scales) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && storage.scalar_type() == at::kFloat, "lora_segments is float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [num_tokens, in_features]");
+  TORCH_CHECK(storage.is_contiguous() && scratch.is_contiguous(), "storage and scratch must be contiguous");
+  TORCH_CHECK(meta.dim() == 4 && meta.size(3) == kMetaWidth && meta.is_contiguous(), "meta: [L, G, S, 14] int64");
+  TORCH_CHECK(scales.dim() == 4 && scales.size(3) == kMaxModules && scales.is_contiguous(), "scales: [L, G, S, 3]");
+  TORCH_CHECK(bounds.dim() == 2 && bounds.size(1) == 4 && bounds.is_contiguous(), "bounds: [S, 4] int64");
+  TORCH_CHECK(static_cast<int64_t>(outputs.size()) <= kMaxModules, "at most 3 outputs per group");
+  for (const auto& out : outputs) {
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0),
+                "outputs must be contiguous float32 [num_tokens, out_features]");
+  }
+  const int64_t num_segments = bounds.size(0), in_features = x.size(1);
+  const int64_t* meta_ptr = meta.data_ptr<int64_t>() + (layer * meta.size(1) + group) * num_segments * kMetaWidth;
+  const float* scale_ptr = scales.data_ptr<float>() + (layer * scales.size(1) + group) * num_segments * kMaxModules;
+  const int64_t* bound_ptr = bounds.data_ptr<int64_t>();
+  const float* sources[2] = {storage.data_ptr<float>() + layer * storage.stride(0),
+                             scratch.numel() ? scratch.data_ptr<float>() + layer * scratch.stride(0) : nullptr};
+  int64_t max_rows = 0;
+  for (int64_t s = 0; s < num_segments; ++s) max_rows = std::max(max_rows, meta_ptr[s * kMetaWidth + 1]);
+  if (max_rows == 0) return;
+  at::Tensor v = at::empty({x.size(0), max_rows}, x.options());  // [num_tokens, max_rows]
+  float* v_ptr = v.data_ptr<float>();
+  const float* x_ptr = x.data_ptr<float>();
+  const int ldv = static_cast<int>(max_rows);
+
+  // Shrink: one GEMM per segment, v[seg, :rows] = x[seg] @ A^T, all in one grouped call.
+  std::vector<int> ta, tb, ms, ns, ks, lda, ldb, ldc, sizes;
+  std::vector<float> alpha, beta;
+  std::vector<const float*> a_ptrs, b_ptrs;
+  std::vector<float*> c_ptrs;
+  auto add = [&](int trans_b, int m, int n, int k, float al, const float* a, int la, const float* b, int lb, float be,
+                 float* c, int lc) {
+    ta.push_back(kNoTrans); tb.push_back(trans_b); ms.push_back(m); ns.push_back(n); ks.push_back(k);
+    alpha.push_back(al); a_ptrs.push_back(a); lda.push_back(la); b_ptrs.push_back(b); ldb.push_back(lb);
+    beta.push_back(be); c_ptrs.push_back(c); ldc.push_back(lc); sizes.push_back(1);
+  };
+  auto base_of = [&](int64_t s) { return sources[bound_ptr[s * 4 + 2]] + bound_ptr[s * 4 + 3]; };
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const int64_t* m = meta_ptr + s * kMetaWidth;
+    const int64_t start = bound_ptr[s * 4], num = bound_ptr[s * 4 + 1] - start;
+    if (m[1] == 0 || num == 0) continue;
+    add(kTrans, num, m[1], in_features, 1.f, x_ptr + start * in_features, in_features, base_of(s) + m[0], in_features,
+        0.f, v_ptr + start * ldv, ldv);
+  }
+  if (sizes.empty()) return;
+  cblas_sgemm_batch(kRowMajor, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(), alpha.data(), a_ptrs.data(),
+                    lda.data(), b_ptrs.data(), ldb.data(), beta.data(), c_ptrs.data(), ldc.data(),
+                    static_cast<int>(sizes.size()), sizes.data());
+  // Expand: out_m[seg] += scale_m * v[seg, column:column+rank] @ B_m^T, one GEMM per (segment, module).
+  ta.clear(); tb.clear(); ms.clear(); ns.clear(); ks.clear(); lda.clear(); ldb.clear(); ldc.clear(); sizes.clear();
+  alpha.clear(); beta.clear(); a_ptrs.clear(); b_ptrs.clear(); c_ptrs.clear();
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const int64_t* m = meta_ptr + s * kMetaWidth;
+    const int64_t start = bound_ptr[s * 4], num = bound_ptr[s * 4 + 1] - start;
+    if (m[1] == 0 || num == 0) continue;
+    for (int64_t module = 0; module < static_cast<int64_t>(outputs.size()); ++module) {
+      const int64_t* mm = m + 2 + 4 * module;
+      const int64_t column = mm[0], rank = mm[1], b_offset = mm[2], out_features = mm[3];
+      if (rank == 0) continue;
+      TORCH_CHECK(outputs[module].size(1) == out_features, "output ", module, " width does not match the adapter");
+      add(kNoTrans, num, out_features, rank, scale_ptr[s * kMaxModules + module], v_ptr + start * ldv + column, ldv,
+          base_of(s) + b_offset, out_features, 1.f, outputs[module].data_ptr<float>() + start * out_features,
+          out_features);
+    }
+  }
+  if (sizes.empty()) return;
+  cblas_sgemm_batch(kRowMajor, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(), alpha.data(), a_ptrs.data(),
+                    lda.data(), b_ptrs.data(), ldb.data(), beta.data(), c_ptrs.data(), ldc.data(),
+                    static_cast<int>(sizes.size()), sizes.data());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (see kernels/cpu.py)");
+  m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)");
+}

@@ -1,0 +1,107 @@
+"""The LoRA hook over the compiled CPU kernel: one call per input group and layer.
+
+Per step (once per ``LoRABatch``) it packs, for every segment, where its adapter's
+weights sit (``bounds``) and the offsets of every group's A and B matrices in every
+layer (``meta``, ``scales``: each resident adapter's part is built once and cached).
+The model's hook then hands those tensors to ``kernels.cpu.lora_segments``, which runs
+all segments' GEMMs in two grouped MKL calls: no Python loop over adapters or layers'
+segments inside the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraserve.adapter_layout import LORA_GROUPS, AdapterLayout
+from loraserve.adapter_manager import AdapterManager, ResidentAdapter
+from loraserve.forward_batch import ForwardBatch
+from loraserve.kernels import cpu
+from loraserve.lora_batch import LoRABatch
+
+GROUP_INDEX = {group: index for index, group in enumerate(LORA_GROUPS)}
+META_WIDTH = 14  # a_offset, num_rows, then (column, rank, b_offset, out_features) x 3 modules
+MAX_MODULES = 3
+
+
+def layout_meta(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``meta [num_layers, num_groups, 14]`` int64 and ``scales [num_layers, num_groups, 3]`` float32."""
+    num_layers, num_groups = len(layout.layers), len(LORA_GROUPS)
+    meta = torch.zeros(num_layers, num_groups, META_WIDTH, dtype=torch.long)
+    scales = torch.zeros(num_layers, num_groups, MAX_MODULES, dtype=torch.float32)
+    for layer, groups in enumerate(layout.layers):
+        for group, slot in groups.items():
+            g = GROUP_INDEX[group]
+            meta[layer, g, 0], meta[layer, g, 1] = slot.a_offset, slot.num_rows
+            for index, module in enumerate(slot.modules):
+                if module is None:
+                    continue
+                meta[layer, g, 2 + 4 * index : 6 + 4 * index] = torch.tensor(
+                    [module.column, module.rank, module.b_offset, module.out_features]
+                )
+                scales[layer, g, index] = module.scale
+    return meta, scales
+
+
+class CompiledLoRAApplier:
+    """``LoRAHook`` reading adapter weights in place from the pool's storage (float32)."""
+
+    def __init__(self, manager: AdapterManager) -> None:
+        self.manager = manager
+        self.storage = manager.storage  # [num_layers, num_pages, page_elems]
+        self._layout_meta: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._batch: LoRABatch | None = None
+        self._packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _meta(self, resident: ResidentAdapter) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._layout_meta.get(resident.adapter_id)
+        if cached is None:
+            if len(self._layout_meta) > 2 * len(self.manager.resident) + 64:
+                self._layout_meta = {k: v for k, v in self._layout_meta.items() if k in self.manager.resident}
+            cached = self._layout_meta[resident.adapter_id] = layout_meta(resident.layout)
+        return cached
+
+    def _pack(self, lora: LoRABatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """bounds [S, 4], scratch [num_layers, n], meta [L, G, S, 14], scales [L, G, S, 3]."""
+        page_elems = self.storage.shape[2]
+        bounds: list[tuple[int, int, int, int]] = []
+        metas: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
+        scratch_parts: list[torch.Tensor] = []
+        scratch_elems = 0
+        for start, end, adapter_id in lora.segments:
+            resident = self.manager.resident[adapter_id]
+            meta, scale = self._meta(resident)
+            metas.append(meta)
+            scales.append(scale)
+            if resident.is_contiguous:
+                bounds.append((start, end, 0, resident.page_ids[0] * page_elems))
+            else:
+                # Pages not consecutive: this step reads a gathered copy of the adapter.
+                part = self.storage[:, torch.tensor(resident.page_ids)].flatten(1)  # [num_layers, pages * elems]
+                bounds.append((start, end, 1, scratch_elems))
+                scratch_parts.append(part)
+                scratch_elems += part.shape[1]
+        num_layers = self.storage.shape[0]
+        scratch = torch.cat(scratch_parts, dim=1) if scratch_parts else self.storage.new_empty(num_layers, 0)
+        return (
+            torch.tensor(bounds, dtype=torch.long),
+            scratch.contiguous(),
+            torch.stack(metas, dim=2),
+            torch.stack(scales, dim=2),
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [num_tokens, in_features]
+        layer: int,
+        group: str,
+        outputs: tuple[torch.Tensor, ...],  # each [num_tokens, out_features_m], updated in place
+        batch: ForwardBatch,
+    ) -> None:
+        lora: LoRABatch | None = batch.lora
+        if lora is None:
+            return
+        if lora is not self._batch or self._packed is None:
+            self._batch, self._packed = lora, self._pack(lora)
+        bounds, scratch, meta, scales = self._packed
+        cpu.lora_segments(x, outputs, self.storage, scratch, layer, GROUP_INDEX[group], bounds, meta, scales)

@@ -1,0 +1,188 @@
+"""The compiled CPU kernels (``kernels/cpu.py``) against the torch references.
+
+Paged decode attention: GQA and MHA, scattered pages, contexts of 1 token, exact
+multiples of the block size and padded block tables, float32 and bfloat16. Segmented
+LoRA: adapters of mixed ranks laid out in pool pages as ``adapter_layout.py`` does
+(stacked A rows, then B^T per module, modules absent in some adapters), read in place
+or from the gathered scratch copy, under Punica's adapter popularity patterns.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from loraserve.kernels import cpu
+from loraserve.kernels.lora import lora_reference
+from loraserve.kernels.paged_attention import paged_decode_attention
+
+pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
+
+
+def make_paged(
+    lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages with random K/V and block tables on shuffled page ids, padded with page 0."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in lens]
+    num_pages = sum(blocks) + 5
+    kv = torch.randn(num_pages, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    ids = torch.randperm(num_pages, generator=gen).tolist()
+    tables, used = [], 0
+    for count in blocks:
+        tables.append(ids[used : used + count] + [0] * (max(blocks) - count))
+        used += count
+    return kv, torch.tensor(tables, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 4)],
+    ids=["gqa3", "mha", "mqa"],
+)
+def test_decode_attention_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    lens = [1, block_size, block_size + 1, 3 * block_size, 77, 2]
+    kv, tables = make_paged(lens, num_kv_heads, head_dim, block_size, torch.float32, seed=num_heads)
+    query = torch.randn(len(lens), num_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    context_lens = torch.tensor(lens)
+    scale = head_dim**-0.5
+    expected = paged_decode_attention(query, kv, tables, context_lens, scale)
+    out = cpu.paged_decode_attention(query, kv, tables, context_lens, scale)
+    torch.testing.assert_close(out, expected, rtol=0, atol=2e-6)
+
+
+def test_decode_attention_bfloat16_close_to_float32_reference() -> None:
+    lens = [5, 40, 129]
+    kv, tables = make_paged(lens, 2, 32, 16, torch.bfloat16, seed=7)
+    query = torch.randn(len(lens), 6, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    expected = paged_decode_attention(query.float(), kv.float(), tables, torch.tensor(lens), 0.2)
+    out = cpu.paged_decode_attention(query, kv, tables, torch.tensor(lens), 0.2)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=0, atol=2e-2)
+
+
+# ---- segmented LoRA --------------------------------------------------------------------
+HIDDEN, OUTS = 48, (48, 16, 16)  # a q/k/v-like group: three outputs of one input
+NUM_ADAPTERS, BS, PAGE_ELEMS, NUM_LAYERS = 12, 29, 256, 2
+
+
+def random_adapters(seed: int) -> list[list[tuple[torch.Tensor, torch.Tensor, float] | None]]:
+    """Per adapter, per module: (A [r, in], B [out, r], scale) or None (module not adapted)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    adapters = []
+    for i in range(NUM_ADAPTERS):
+        modules: list[tuple[torch.Tensor, torch.Tensor, float] | None] = []
+        for m, out in enumerate(OUTS):
+            if i % 4 == 3 and m == 1:
+                modules.append(None)  # some adapters do not target every module
+                continue
+            rank = rng.choice([1, 4, 8, 16, 33, 64])
+            a = torch.randn(rank, HIDDEN, generator=gen) / math.sqrt(HIDDEN)
+            b = torch.randn(out, rank, generator=gen) / math.sqrt(rank)
+            modules.append((a, b, rng.uniform(0.25, 2.0)))
+        adapters.append(modules)
+    return adapters
+
+
+def pack(adapters: list, order: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Lay adapters in ``order`` into storage ``[L, P, E]`` (layer l holds weights * (l + 1)).
+
+    Returns the storage, each adapter's first page, and ``meta [L, 1, NUM_ADAPTERS, 14]``.
+    """
+    flats, metas = [], []
+    for modules in adapters:
+        a_rows = [mod[0] for mod in modules if mod is not None]
+        flat, meta, column = [torch.cat(a_rows).reshape(-1)], [0, sum(a.shape[0] for a in a_rows)], 0
+        offset = flat[0].numel()
+        for mod, out in zip(modules, OUTS, strict=True):
+            if mod is None:
+                meta += [0, 0, 0, 0]
+                continue
+            rank = mod[0].shape[0]
+            meta += [column, rank, offset, out]
+            flat.append(mod[1].T.reshape(-1))
+            column, offset = column + rank, offset + rank * out
+        flats.append(torch.cat(flat))
+        metas.append(meta)
+    first_pages, page = [0] * len(adapters), 1  # page 0 stays unused
+    for i in order:
+        first_pages[i], page = page, page + -(-flats[i].numel() // PAGE_ELEMS)
+    storage = torch.full((NUM_LAYERS, page + 1, PAGE_ELEMS), float("nan"))
+    for layer in range(NUM_LAYERS):
+        row = storage[layer].view(-1)
+        for i, flat in enumerate(flats):
+            row[first_pages[i] * PAGE_ELEMS : first_pages[i] * PAGE_ELEMS + flat.numel()] = flat * (layer + 1)
+    meta = torch.tensor(metas, dtype=torch.long)[None, None].expand(NUM_LAYERS, 1, -1, -1).contiguous()
+    return storage, first_pages, meta
+
+
+def run_segments(indices: list[int], seed: int, use_scratch: bool, layer: int) -> None:
+    adapters = random_adapters(seed)
+    storage, first_pages, meta_all = pack(adapters, list(reversed(range(NUM_ADAPTERS))))
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(len(indices), HIDDEN, generator=gen)
+    bases = [torch.randn(len(indices), out, generator=gen) for out in OUTS]
+    runs = []  # (start, end, adapter) per run of one adapter, base-model runs dropped
+    start = 0
+    for t in range(1, len(indices) + 1):
+        if t == len(indices) or indices[t] != indices[start]:
+            if indices[start] >= 0:
+                runs.append((start, t, indices[start]))
+            start = t
+    scratch = torch.empty(NUM_LAYERS, 0)
+    if use_scratch:  # the adapters' pages copied out, as for adapters on scattered pages
+        scratch = storage.reshape(NUM_LAYERS, -1).clone()
+        storage = torch.full_like(storage, float("nan"))
+    bounds = torch.tensor([(s, e, int(use_scratch), first_pages[i] * PAGE_ELEMS) for s, e, i in runs], dtype=torch.long)
+    meta = meta_all[:, :, [i for _, _, i in runs]].contiguous()
+    scales = torch.tensor([[0.0 if m is None else m[2] for m in adapters[i]] for _, _, i in runs])
+    scales = scales[None, None].expand(NUM_LAYERS, 1, -1, -1).contiguous()
+    outputs = tuple(base.clone() for base in bases)
+    if runs:
+        cpu.lora_segments(x, outputs, storage, scratch, layer, 0, bounds, meta, scales)
+    for m, (base, out) in enumerate(zip(bases, outputs, strict=True)):
+        has = [adapter[m] is not None for adapter in adapters]
+        per_module = torch.tensor([i if i >= 0 and has[i] else -1 for i in indices])
+        dummy = (torch.zeros(1, HIDDEN), torch.zeros(OUTS[m], 1), 0.0)
+        a, b, s = zip(*[adapter[m] or dummy for adapter in adapters], strict=True)
+        factor = layer + 1  # both A and B of layer l were stored times (l + 1)
+        expected = base + lora_reference(x, per_module, [t * factor for t in a], [t * factor for t in b], list(s))
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+        assert torch.equal(out[per_module < 0], base[per_module < 0])  # base tokens bit for bit
+
+
+POPULARITY = {
+    "distinct": lambda rng: rng.sample(range(NUM_ADAPTERS), NUM_ADAPTERS),
+    "uniform": lambda rng: rng.choices(range(NUM_ADAPTERS), k=BS),
+    "skewed": lambda rng: rng.choices(range(NUM_ADAPTERS), [1 / (k + 1) ** 1.5 for k in range(NUM_ADAPTERS)], k=BS),
+    "identical": lambda rng: [rng.randrange(NUM_ADAPTERS)] * BS,
+    "with-base": lambda rng: rng.choices([-1, *range(NUM_ADAPTERS)], k=BS),
+}
+
+
+@pytest.mark.parametrize("use_scratch", [False, True], ids=["in-place", "scratch"])
+@pytest.mark.parametrize("pattern", list(POPULARITY))
+def test_lora_segments_match_reference(pattern: str, use_scratch: bool) -> None:
+    indices = POPULARITY[pattern](random.Random(pattern))
+    run_segments(sorted(indices), seed=len(pattern), use_scratch=use_scratch, layer=1)
+    run_segments(indices, seed=3, use_scratch=use_scratch, layer=0)  # interleaved: many short segments
+
+
+@pytest.mark.parametrize(
+    "indices", [[5] + [11] * (BS - 1), [11] * (BS - 1) + [0], [-1] * 4, [3]], ids=["1+bs-1", "bs-1+1", "base", "one"]
+)
+def test_lora_segments_skewed_sizes(indices: list[int]) -> None:
+    run_segments(indices, seed=9, use_scratch=False, layer=0)
+
+
+def test_lora_segments_refuse_other_dtypes() -> None:
+    x = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
+    meta = torch.zeros(1, 1, 1, 14, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        cpu.lora_segments(
+            x, (torch.zeros(2, 4),), torch.zeros(1, 1, 8), torch.empty(1, 0), 0, 0,
+            torch.tensor([[0, 2, 0, 0]]), meta, torch.zeros(1, 1, 1, 3),
+        )  # fmt: skip
