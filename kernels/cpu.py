@@ -26,6 +26,10 @@ then all expands as another: no Python loop over adapters. float32 only.
               (column, rank, b_offset, out_features) for up to 3 modules (rank 0: absent)
     scales:   [num_layers, num_groups, num_segments, 3] float32
 
+``rms_norm`` (optionally adding ``residual += x`` in place first) and ``rope_`` (in place)
+are the float32 elementwise parts of a Llama layer fused into one pass each; their
+semantics are those of ``RMSNorm`` and ``apply_rope`` in ``models/llama.py``.
+
 The extension is compiled with ``torch.utils.cpp_extension.load`` into
 ``~/.cache/loraserve/torch_extensions`` on first use (about a minute); when a compiler is
 missing the engine logs why and falls back to the torch implementations.
@@ -108,3 +112,25 @@ def lora_segments(
     module = load_extension()
     assert module is not None, "lora_segments needs the compiled CPU kernels"
     module.lora_segments(x.contiguous(), list(outputs), storage, scratch, layer, group, bounds, meta, scales)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden] float32
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]: residual += x first, norm of the sum
+) -> torch.Tensor:  # [num_tokens, hidden]
+    module = load_extension()
+    assert module is not None, "rms_norm needs the compiled CPU kernels"
+    out: torch.Tensor = module.rms_norm(x.contiguous(), weight, eps, residual)
+    return out
+
+
+def rope_(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim] float32, contiguous, rotated in place
+    cos: torch.Tensor,  # [num_tokens, head_dim]
+    sin: torch.Tensor,  # [num_tokens, head_dim]
+) -> None:
+    module = load_extension()
+    assert module is not None, "rope_ needs the compiled CPU kernels"
+    module.rope_(x, cos, sin)

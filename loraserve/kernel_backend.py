@@ -1,8 +1,8 @@
 """Which kernels the engine runs: a small registry of backends chosen by ``EngineConfig.kernels``.
 
 * ``torch``: the torch implementations in ``kernels/`` (the references; any device, any dtype).
-* ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU; LoRA part float32 only,
-  other dtypes keep the torch LoRA path).
+* ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention
+  (any dtype), and for float32 also the LoRA segments and fused RMSNorm / RoPE.
 * ``auto``: ``cpu`` on a CPU device when the extension builds, else ``torch``.
 """
 
@@ -19,16 +19,20 @@ from loraserve.kernels import cpu
 from loraserve.kernels.paged_attention import paged_decode_attention
 from loraserve.lora_batch import LoRAApplier
 from loraserve.lora_compiled import CompiledLoRAApplier
-from loraserve.models.llama import DecodeAttention, LoRAHook
+from loraserve.models.llama import DecodeAttention, FusedRMSNorm, FusedRope, LoRAHook
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class KernelBackend:
+    """Kernels of one backend; ``rms_norm``/``rope`` None means the model's torch ops."""
+
     name: str
     decode_attention: DecodeAttention
     make_lora_hook: Callable[[AdapterManager], LoRAHook]
+    rms_norm: FusedRMSNorm | None = None
+    rope: FusedRope | None = None
 
 
 def _torch_backend(dtype: torch.dtype) -> KernelBackend:
@@ -38,8 +42,9 @@ def _torch_backend(dtype: torch.dtype) -> KernelBackend:
 def _cpu_backend(dtype: torch.dtype) -> KernelBackend:
     if cpu.load_extension() is None:
         raise RuntimeError("kernels='cpu' needs the compiled CPU kernels, which could not be built (see the log)")
-    lora: Callable[[AdapterManager], LoRAHook] = CompiledLoRAApplier if dtype == torch.float32 else LoRAApplier
-    return KernelBackend("cpu", cpu.paged_decode_attention, lora)
+    if dtype != torch.float32:  # the fused and LoRA kernels are float32; attention takes any dtype
+        return KernelBackend("cpu", cpu.paged_decode_attention, LoRAApplier)
+    return KernelBackend("cpu", cpu.paged_decode_attention, CompiledLoRAApplier, cpu.rms_norm, cpu.rope_)
 
 
 BACKENDS: dict[str, Callable[[torch.dtype], KernelBackend]] = {"torch": _torch_backend, "cpu": _cpu_backend}

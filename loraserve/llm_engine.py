@@ -106,7 +106,7 @@ class LLMEngine:
         )
         self.scheduler.adapters = self.adapters
         self.kernels = select_backend(config.kernels, self.device, config.torch_dtype)
-        self.model.use_decode_attention(self.kernels.decode_attention)
+        self.model.use_kernels(self.kernels.decode_attention, self.kernels.rms_norm, self.kernels.rope)
         self.runner.lora_hook = self.kernels.make_lora_hook(self.adapters)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)

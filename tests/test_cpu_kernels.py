@@ -186,3 +186,32 @@ def test_lora_segments_refuse_other_dtypes() -> None:
             x, (torch.zeros(2, 4),), torch.zeros(1, 1, 8), torch.empty(1, 0), 0, 0,
             torch.tensor([[0, 2, 0, 0]]), meta, torch.zeros(1, 1, 1, 3),
         )  # fmt: skip
+
+
+# ---- fused elementwise ops ---------------------------------------------------------------
+def test_rms_norm_matches_the_model_norm() -> None:
+    from loraserve.models.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96, generator=gen)
+    x, residual = torch.randn(37, 96, generator=gen) * 3, torch.randn(37, 96, generator=gen)
+    torch.testing.assert_close(cpu.rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-6, atol=1e-6)
+    expected_sum = residual + x
+    expected = norm(expected_sum)
+    out = cpu.rms_norm(x, norm.weight, 1e-5, residual)
+    assert torch.equal(residual, expected_sum)  # the residual stream is updated in place, exactly
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_in_place_equals_apply_rope_bit_for_bit() -> None:
+    from loraserve.models.llama import apply_rope
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(23, 6, 64, generator=gen)
+    angles = torch.rand(23, 32, generator=gen) * 100
+    emb = torch.cat((angles, angles), dim=-1)  # [num_tokens, head_dim], as RotaryEmbedding builds it
+    cos, sin = emb.cos() * 1.1, emb.sin() * 1.1
+    expected = apply_rope(x, cos, sin)
+    cpu.rope_(x, cos, sin)
+    assert torch.equal(x, expected)

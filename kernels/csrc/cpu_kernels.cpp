@@ -150,6 +150,50 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv,
 // meta[layer, group, s] = [a_offset, num_rows, (column, rank, b_offset, out_features) x 3]
 constexpr int64_t kMetaWidth = 14;
 constexpr int64_t kMaxModules = 3;
+// Segments of at most this many tokens (decode steps over many adapters) are GEMV-shaped and
+// bound by reading the weights: they run as plain loops that read each weight row once for all
+// of the segment's tokens, several segments in parallel. Longer ones go to MKL.
+constexpr int64_t kSmallSegment = 2;  // measured: MKL is faster from 4 tokens on
+
+void small_segment(const float* x, int64_t in_features, const float* base, const int64_t* m, const float* scale,
+                   int64_t start, int64_t num, float* v, int64_t ldv, float* const* outs, int64_t num_outputs,
+                   std::vector<float>& tmp) {
+  const float* a = base + m[0];
+  for (int64_t c = 0; c < m[1]; ++c) {
+    const float* a_row = a + c * in_features;
+    for (int64_t t = 0; t < num; ++t) {
+      const float* x_row = x + (start + t) * in_features;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t k = 0; k < in_features; ++k) dot += x_row[k] * a_row[k];
+      v[(start + t) * ldv + c] = dot;
+    }
+  }
+  for (int64_t module = 0; module < num_outputs; ++module) {
+    const int64_t* mm = m + 2 + 4 * module;
+    const int64_t column = mm[0], rank = mm[1], out_features = mm[3];
+    if (rank == 0) continue;
+    const float* b = base + mm[2];
+    // tmp[t] = v_m[t] @ B_m^T first, then out[t] += scale * tmp[t], as one GEMM with alpha would.
+    tmp.assign(num * out_features, 0.f);
+    for (int64_t r = 0; r < rank; ++r) {
+      const float* b_row = b + r * out_features;
+      for (int64_t t = 0; t < num; ++t) {
+        const float coef = v[(start + t) * ldv + column + r];
+        float* acc = tmp.data() + t * out_features;
+#pragma omp simd
+        for (int64_t o = 0; o < out_features; ++o) acc[o] += coef * b_row[o];
+      }
+    }
+    const float s = scale[module];
+    for (int64_t t = 0; t < num; ++t) {
+      float* out = outs[module] + (start + t) * out_features;
+      const float* acc = tmp.data() + t * out_features;
+#pragma omp simd
+      for (int64_t o = 0; o < out_features; ++o) out[o] += s * acc[o];
+    }
+  }
+}
 
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    const at::Tensor& scratch, int64_t layer, int64_t group, const at::Tensor& bounds,
@@ -178,6 +222,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
   float* v_ptr = v.data_ptr<float>();
   const float* x_ptr = x.data_ptr<float>();
   const int ldv = static_cast<int>(max_rows);
+  std::vector<float*> out_ptrs;
 
   // Shrink: one GEMM per segment, v[seg, :rows] = x[seg] @ A^T, all in one grouped call.
   std::vector<int> ta, tb, ms, ns, ks, lda, ldb, ldc, sizes;
@@ -191,10 +236,35 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     beta.push_back(be); c_ptrs.push_back(c); ldc.push_back(lc); sizes.push_back(1);
   };
   auto base_of = [&](int64_t s) { return sources[bound_ptr[s * 4 + 2]] + bound_ptr[s * 4 + 3]; };
+  for (const auto& out : outputs) out_ptrs.push_back(out.data_ptr<float>());
+  std::vector<int64_t> small, large;
   for (int64_t s = 0; s < num_segments; ++s) {
     const int64_t* m = meta_ptr + s * kMetaWidth;
-    const int64_t start = bound_ptr[s * 4], num = bound_ptr[s * 4 + 1] - start;
+    const int64_t num = bound_ptr[s * 4 + 1] - bound_ptr[s * 4];
     if (m[1] == 0 || num == 0) continue;
+    for (int64_t module = 0; module < static_cast<int64_t>(outputs.size()); ++module) {
+      TORCH_CHECK(m[3 + 4 * module] == 0 || outputs[module].size(1) == m[5 + 4 * module], "output ", module,
+                  " width does not match the adapter");
+    }
+    (num <= kSmallSegment ? small : large).push_back(s);
+  }
+  if (!small.empty()) {
+    const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(small.size())));
+#pragma omp parallel num_threads(num_threads)
+    {
+      std::vector<float> tmp;
+#pragma omp for schedule(dynamic, 1)
+      for (size_t i = 0; i < small.size(); ++i) {
+        const int64_t s = small[i];
+        small_segment(x_ptr, in_features, base_of(s), meta_ptr + s * kMetaWidth, scale_ptr + s * kMaxModules,
+                      bound_ptr[s * 4], bound_ptr[s * 4 + 1] - bound_ptr[s * 4], v_ptr, ldv, out_ptrs.data(),
+                      static_cast<int64_t>(outputs.size()), tmp);
+      }
+    }
+  }
+  for (const int64_t s : large) {
+    const int64_t* m = meta_ptr + s * kMetaWidth;
+    const int64_t start = bound_ptr[s * 4], num = bound_ptr[s * 4 + 1] - start;
     add(kTrans, num, m[1], in_features, 1.f, x_ptr + start * in_features, in_features, base_of(s) + m[0], in_features,
         0.f, v_ptr + start * ldv, ldv);
   }
@@ -205,17 +275,15 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
   // Expand: out_m[seg] += scale_m * v[seg, column:column+rank] @ B_m^T, one GEMM per (segment, module).
   ta.clear(); tb.clear(); ms.clear(); ns.clear(); ks.clear(); lda.clear(); ldb.clear(); ldc.clear(); sizes.clear();
   alpha.clear(); beta.clear(); a_ptrs.clear(); b_ptrs.clear(); c_ptrs.clear();
-  for (int64_t s = 0; s < num_segments; ++s) {
+  for (const int64_t s : large) {
     const int64_t* m = meta_ptr + s * kMetaWidth;
     const int64_t start = bound_ptr[s * 4], num = bound_ptr[s * 4 + 1] - start;
-    if (m[1] == 0 || num == 0) continue;
     for (int64_t module = 0; module < static_cast<int64_t>(outputs.size()); ++module) {
       const int64_t* mm = m + 2 + 4 * module;
       const int64_t column = mm[0], rank = mm[1], b_offset = mm[2], out_features = mm[3];
       if (rank == 0) continue;
-      TORCH_CHECK(outputs[module].size(1) == out_features, "output ", module, " width does not match the adapter");
       add(kNoTrans, num, out_features, rank, scale_ptr[s * kMaxModules + module], v_ptr + start * ldv + column, ldv,
-          base_of(s) + b_offset, out_features, 1.f, outputs[module].data_ptr<float>() + start * out_features,
+          base_of(s) + b_offset, out_features, 1.f, out_ptrs[module] + start * out_features,
           out_features);
     }
   }
@@ -225,7 +293,86 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
                     static_cast<int>(sizes.size()), sizes.data());
 }
 
+// ---- fused elementwise ops of a Llama layer (float32) ----------------------------------
+// RMSNorm as Hugging Face's LlamaRMSNorm computes it in float32:
+//   out[t] = weight * (x[t] * (1 / sqrt(mean(x[t]^2) + eps)))
+// With ``residual``: residual[t] += x[t] first, and the norm is taken of the sum.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm is float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: x [num_tokens, hidden] contiguous, weight [hidden]");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  float* sum_ptr = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->is_contiguous() && residual->sizes() == x.sizes(),
+                "rms_norm: residual must match x");
+    sum_ptr = residual->data_ptr<float>();
+  }
+  at::Tensor out = at::empty_like(x);
+  const float* x_ptr = x.data_ptr<float>();
+  const float* w_ptr = weight.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* src = x_ptr + t * hidden;
+      if (sum_ptr != nullptr) {
+        float* acc = sum_ptr + t * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) acc[i] += src[i];
+        src = acc;
+      }
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < hidden; ++i) squares += src[i] * src[i];
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + feps);
+      float* dst = out_ptr + t * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) dst[i] = w_ptr[i] * (src[i] * inv);
+    }
+  });
+  return out;
+}
+
+// Rotary embedding in place, as apply_rope in models/llama.py (rotate-half form):
+//   x[t, h, i]        = x[t, h, i] * cos[t, i] - x[t, h, i + D/2] * sin[t, i]
+//   x[t, h, i + D/2]  = x[t, h, i + D/2] * cos[t, i + D/2] + x[t, h, i] * sin[t, i + D/2]
+// (built without FMA contraction, so each product is rounded as torch rounds it).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rope_ is float32 only");
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "rope_: x [num_tokens, heads, head_dim] contiguous, cos/sin [num_tokens, head_dim]");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(cos.size(0) == tokens && cos.size(1) == dim && sin.sizes() == cos.sizes(), "rope_: cos/sin shape");
+  float* x_ptr = x.data_ptr<float>();
+  const float* c_ptr = cos.data_ptr<float>();
+  const float* s_ptr = sin.data_ptr<float>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = c_ptr + t * dim;
+      const float* s = s_ptr + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = x_ptr + (t * heads + h) * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float lo = v[i], hi = v[i + half];
+          const float lo_cos = lo * c[i], hi_sin = -hi * s[i];
+          const float hi_cos = hi * c[i + half], lo_sin = lo * s[i + half];
+          v[i] = lo_cos + hi_sin;
+          v[i + half] = hi_cos + lo_sin;
+        }
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (see kernels/cpu.py)");
   m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)");
+  m.def("rope_", &rope_, "rotary embedding in place (see kernels/cpu.py)");
 }

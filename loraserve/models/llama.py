@@ -21,6 +21,10 @@ from loraserve.kernels.paged_attention import paged_decode_attention, paged_pref
 LoRAHook = Callable[[torch.Tensor, int, str, tuple[torch.Tensor, ...], ForwardBatch], None]
 # (query, kv, block_tables, context_lens, scale) -> out: see kernels/paged_attention.py.
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (x, weight, eps, residual or None) -> out; with a residual, residual += x in place first.
+FusedRMSNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], torch.Tensor]
+# (x [num_tokens, heads, head_dim], cos, sin) -> None: rotates x in place.
+FusedRope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class RMSNorm(nn.Module):
@@ -28,8 +32,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused: FusedRMSNorm | None = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Norm of ``hidden``; with ``residual``, first ``residual += hidden`` (in place) and norm of that."""
+        if self.fused is not None:
+            return self.fused(hidden, self.weight, self.eps, residual)
+        if residual is not None:
+            hidden = residual.add_(hidden)
         dtype = hidden.dtype
         hidden = hidden.to(torch.float32)
         variance = hidden.pow(2).mean(-1, keepdim=True)
@@ -95,6 +105,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.decode_attention: DecodeAttention = paged_decode_attention
+        self.fused_rope: FusedRope | None = None
 
     def forward(
         self,
@@ -112,7 +123,11 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.fused_rope is not None:
+            self.fused_rope(q, cos, sin)
+            self.fused_rope(k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(kv, k, v, batch.slot_mapping)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         num_decode = batch.num_decode_tokens
@@ -168,8 +183,10 @@ class LlamaDecoderLayer(nn.Module):
         batch: ForwardBatch,
         lora: LoRAHook | None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv, batch, lora)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), batch, lora)
+        """``hidden`` is the residual stream; it is updated in place and returned."""
+        attn = self.self_attn(self.input_layernorm(hidden), cos_sin, kv, batch, lora)
+        normed = self.post_attention_layernorm(attn, residual=hidden)  # hidden += attn
+        return hidden.add_(self.mlp(normed, batch, lora))
 
 
 class LlamaModel(nn.Module):
@@ -192,11 +209,17 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def use_decode_attention(self, kernel: DecodeAttention) -> None:
-        """Run decode attention with ``kernel`` (a backend of loraserve.kernel_backend)."""
+    def use_kernels(
+        self, decode_attention: DecodeAttention, rms_norm: FusedRMSNorm | None, rope: FusedRope | None
+    ) -> None:
+        """Run with these kernels (a backend of loraserve.kernel_backend); None: the torch ops."""
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
-            layer.self_attn.decode_attention = kernel
+            layer.self_attn.decode_attention = decode_attention
+            layer.self_attn.fused_rope = rope
+            layer.input_layernorm.fused = rms_norm
+            layer.post_attention_layernorm.fused = rms_norm
+        self.model.norm.fused = rms_norm
 
     def forward(
         self, batch: ForwardBatch, kv_caches: list[torch.Tensor], lora: LoRAHook | None = None
