@@ -19,9 +19,11 @@ then all expands as another: no Python loop over adapters. float32 only.
     x:        [num_tokens, in_features] float32, contiguous
     outputs:  per module of the group, [num_tokens, out_m] float32, contiguous, updated in place
     storage:  [num_layers, num_pages, page_elems] float32, the pool
-    scratch:  [num_layers, n] float32, gathered copies of adapters on non-consecutive pages
-    bounds:   [num_segments, 4] int64: start, end, source (0 storage, 1 scratch), element
-              offset of the adapter's layer buffer within that source's layer row
+    bounds:   [num_segments, 4] int64: start, end, paged, offset. paged 0: the adapter is on
+              consecutive pages and its layer buffer starts at element ``offset`` of the layer's
+              pages; paged 1: its buffer is the concatenation of the pages in ``page_tables[s]``
+              (the kernel copies out just the matrices it needs, page by page)
+    page_tables: [num_segments, max_pages] int64 (rows of in-place segments are ignored)
     meta:     [num_layers, num_groups, num_segments, 14] int64: a_offset, num_rows, then
               (column, rank, b_offset, out_features) for up to 3 modules (rank 0: absent)
     scales:   [num_layers, num_groups, num_segments, 3] float32
@@ -102,16 +104,16 @@ def lora_segments(
     x: torch.Tensor,  # [num_tokens, in_features]
     outputs: tuple[torch.Tensor, ...],  # each [num_tokens, out_m]
     storage: torch.Tensor,  # [num_layers, num_pages, page_elems]
-    scratch: torch.Tensor,  # [num_layers, n]
     layer: int,
     group: int,
     bounds: torch.Tensor,  # [num_segments, 4] int64
+    page_tables: torch.Tensor,  # [num_segments, max_pages] int64
     meta: torch.Tensor,  # [num_layers, num_groups, num_segments, 14] int64
     scales: torch.Tensor,  # [num_layers, num_groups, num_segments, 3] float32
 ) -> None:
     module = load_extension()
     assert module is not None, "lora_segments needs the compiled CPU kernels"
-    module.lora_segments(x.contiguous(), list(outputs), storage, scratch, layer, group, bounds, meta, scales)
+    module.lora_segments(x.contiguous(), list(outputs), storage, layer, group, bounds, page_tables, meta, scales)
 
 
 def rms_norm(

@@ -1,7 +1,8 @@
 """The LoRA hook over the compiled CPU kernel: one call per input group and layer.
 
 Per step (once per ``LoRABatch``) it packs, for every segment, where its adapter's
-weights sit (``bounds``) and the offsets of every group's A and B matrices in every
+weights sit (``bounds``: first page for an adapter on consecutive pages, else its page
+table in ``page_tables``) and the offsets of every group's A and B matrices in every
 layer (``meta``, ``scales``: each resident adapter's part is built once and cached).
 The model's hook then hands those tensors to ``kernels.cpu.lora_segments``, which runs
 all segments' GEMMs in two grouped MKL calls: no Python loop over adapters or layers'
@@ -61,13 +62,12 @@ class CompiledLoRAApplier:
         return cached
 
     def _pack(self, lora: LoRABatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """bounds [S, 4], scratch [num_layers, n], meta [L, G, S, 14], scales [L, G, S, 3]."""
+        """bounds [S, 4], page_tables [S, max_pages], meta [L, G, S, 14], scales [L, G, S, 3]."""
         page_elems = self.storage.shape[2]
         bounds: list[tuple[int, int, int, int]] = []
+        tables: list[list[int]] = []
         metas: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
-        scratch_parts: list[torch.Tensor] = []
-        scratch_elems = 0
         for start, end, adapter_id in lora.segments:
             resident = self.manager.resident[adapter_id]
             meta, scale = self._meta(resident)
@@ -75,17 +75,15 @@ class CompiledLoRAApplier:
             scales.append(scale)
             if resident.is_contiguous:
                 bounds.append((start, end, 0, resident.page_ids[0] * page_elems))
-            else:
-                # Pages not consecutive: this step reads a gathered copy of the adapter.
-                part = self.storage[:, torch.tensor(resident.page_ids)].flatten(1)  # [num_layers, pages * elems]
-                bounds.append((start, end, 1, scratch_elems))
-                scratch_parts.append(part)
-                scratch_elems += part.shape[1]
-        num_layers = self.storage.shape[0]
-        scratch = torch.cat(scratch_parts, dim=1) if scratch_parts else self.storage.new_empty(num_layers, 0)
+                tables.append([])
+            else:  # scattered pages: the kernel follows the adapter's page table
+                bounds.append((start, end, 1, 0))
+                tables.append(resident.page_ids)
+        max_pages = max(len(table) for table in tables)
+        padded = [table + [0] * (max_pages - len(table)) for table in tables]
         return (
             torch.tensor(bounds, dtype=torch.long),
-            scratch.contiguous(),
+            torch.tensor(padded, dtype=torch.long).view(len(tables), max_pages),
             torch.stack(metas, dim=2),
             torch.stack(scales, dim=2),
         )
@@ -103,5 +101,5 @@ class CompiledLoRAApplier:
             return
         if lora is not self._batch or self._packed is None:
             self._batch, self._packed = lora, self._pack(lora)
-        bounds, scratch, meta, scales = self._packed
-        cpu.lora_segments(x, outputs, self.storage, scratch, layer, GROUP_INDEX[group], bounds, meta, scales)
+        bounds, page_tables, meta, scales = self._packed
+        cpu.lora_segments(x, outputs, self.storage, layer, GROUP_INDEX[group], bounds, page_tables, meta, scales)

@@ -3,8 +3,9 @@
 Paged decode attention: GQA and MHA, scattered pages, contexts of 1 token, exact
 multiples of the block size and padded block tables, float32 and bfloat16. Segmented
 LoRA: adapters of mixed ranks laid out in pool pages as ``adapter_layout.py`` does
-(stacked A rows, then B^T per module, modules absent in some adapters), read in place
-or from the gathered scratch copy, under Punica's adapter popularity patterns.
+(stacked A rows, then B^T per module, modules absent in some adapters), on consecutive
+pages (read in place) or scattered ones (followed through page tables), under Punica's
+adapter popularity patterns.
 """
 
 from __future__ import annotations
@@ -87,10 +88,11 @@ def random_adapters(seed: int) -> list[list[tuple[torch.Tensor, torch.Tensor, fl
     return adapters
 
 
-def pack(adapters: list, order: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """Lay adapters in ``order`` into storage ``[L, P, E]`` (layer l holds weights * (l + 1)).
+def pack(adapters: list, scattered: bool, seed: int) -> tuple[torch.Tensor, list[list[int]], torch.Tensor]:
+    """Lay adapters out in storage ``[L, P, E]`` as adapter_layout.py does (layer l holds weights * (l + 1)).
 
-    Returns the storage, each adapter's first page, and ``meta [L, 1, NUM_ADAPTERS, 14]``.
+    Each adapter gets consecutive pages, or (``scattered``) pages in shuffled order across the
+    pool. Returns the storage, each adapter's page ids and ``meta [L, 1, NUM_ADAPTERS, 14]``.
     """
     flats, metas = [], []
     for modules in adapters:
@@ -107,21 +109,28 @@ def pack(adapters: list, order: list[int]) -> tuple[torch.Tensor, list[int], tor
             column, offset = column + rank, offset + rank * out
         flats.append(torch.cat(flat))
         metas.append(meta)
-    first_pages, page = [0] * len(adapters), 1  # page 0 stays unused
-    for i in order:
-        first_pages[i], page = page, page + -(-flats[i].numel() // PAGE_ELEMS)
-    storage = torch.full((NUM_LAYERS, page + 1, PAGE_ELEMS), float("nan"))
+    counts = [-(-flat.numel() // PAGE_ELEMS) for flat in flats]
+    num_pages = sum(counts) + 1  # page 0 stays unused
+    ids = list(range(1, num_pages))
+    if scattered:
+        random.Random(seed).shuffle(ids)
+    page_ids, used = [], 0
+    for count in counts:
+        page_ids.append(ids[used : used + count])
+        used += count
+    storage = torch.full((NUM_LAYERS, num_pages, PAGE_ELEMS), float("nan"))
     for layer in range(NUM_LAYERS):
-        row = storage[layer].view(-1)
-        for i, flat in enumerate(flats):
-            row[first_pages[i] * PAGE_ELEMS : first_pages[i] * PAGE_ELEMS + flat.numel()] = flat * (layer + 1)
+        for flat, pages in zip(flats, page_ids, strict=True):
+            padded = torch.full((len(pages) * PAGE_ELEMS,), float("nan"))
+            padded[: flat.numel()] = flat * (layer + 1)
+            storage[layer, pages] = padded.view(len(pages), PAGE_ELEMS)
     meta = torch.tensor(metas, dtype=torch.long)[None, None].expand(NUM_LAYERS, 1, -1, -1).contiguous()
-    return storage, first_pages, meta
+    return storage, page_ids, meta
 
 
-def run_segments(indices: list[int], seed: int, use_scratch: bool, layer: int) -> None:
+def run_segments(indices: list[int], seed: int, scattered: bool, layer: int) -> None:
     adapters = random_adapters(seed)
-    storage, first_pages, meta_all = pack(adapters, list(reversed(range(NUM_ADAPTERS))))
+    storage, page_ids, meta_all = pack(adapters, scattered, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(len(indices), HIDDEN, generator=gen)
     bases = [torch.randn(len(indices), out, generator=gen) for out in OUTS]
@@ -132,17 +141,19 @@ def run_segments(indices: list[int], seed: int, use_scratch: bool, layer: int) -
             if indices[start] >= 0:
                 runs.append((start, t, indices[start]))
             start = t
-    scratch = torch.empty(NUM_LAYERS, 0)
-    if use_scratch:  # the adapters' pages copied out, as for adapters on scattered pages
-        scratch = storage.reshape(NUM_LAYERS, -1).clone()
-        storage = torch.full_like(storage, float("nan"))
-    bounds = torch.tensor([(s, e, int(use_scratch), first_pages[i] * PAGE_ELEMS) for s, e, i in runs], dtype=torch.long)
+    if scattered:
+        bounds = torch.tensor([(s, e, 1, 0) for s, e, _ in runs], dtype=torch.long)
+        width = max(len(pages) for pages in page_ids)
+        tables = torch.tensor([page_ids[i] + [0] * (width - len(page_ids[i])) for _, _, i in runs], dtype=torch.long)
+    else:
+        bounds = torch.tensor([(s, e, 0, page_ids[i][0] * PAGE_ELEMS) for s, e, i in runs], dtype=torch.long)
+        tables = torch.zeros(len(runs), 0, dtype=torch.long)
     meta = meta_all[:, :, [i for _, _, i in runs]].contiguous()
     scales = torch.tensor([[0.0 if m is None else m[2] for m in adapters[i]] for _, _, i in runs])
     scales = scales[None, None].expand(NUM_LAYERS, 1, -1, -1).contiguous()
     outputs = tuple(base.clone() for base in bases)
     if runs:
-        cpu.lora_segments(x, outputs, storage, scratch, layer, 0, bounds, meta, scales)
+        cpu.lora_segments(x, outputs, storage, layer, 0, bounds, tables, meta, scales)
     for m, (base, out) in enumerate(zip(bases, outputs, strict=True)):
         has = [adapter[m] is not None for adapter in adapters]
         per_module = torch.tensor([i if i >= 0 and has[i] else -1 for i in indices])
@@ -163,19 +174,21 @@ POPULARITY = {
 }
 
 
-@pytest.mark.parametrize("use_scratch", [False, True], ids=["in-place", "scratch"])
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
 @pytest.mark.parametrize("pattern", list(POPULARITY))
-def test_lora_segments_match_reference(pattern: str, use_scratch: bool) -> None:
+def test_lora_segments_match_reference(pattern: str, scattered: bool) -> None:
+    """Grouped by adapter (segments long enough for MKL) and interleaved (1-2 token GEMV loops)."""
     indices = POPULARITY[pattern](random.Random(pattern))
-    run_segments(sorted(indices), seed=len(pattern), use_scratch=use_scratch, layer=1)
-    run_segments(indices, seed=3, use_scratch=use_scratch, layer=0)  # interleaved: many short segments
+    run_segments(sorted(indices), seed=len(pattern), scattered=scattered, layer=1)
+    run_segments(indices, seed=3, scattered=scattered, layer=0)
 
 
 @pytest.mark.parametrize(
     "indices", [[5] + [11] * (BS - 1), [11] * (BS - 1) + [0], [-1] * 4, [3]], ids=["1+bs-1", "bs-1+1", "base", "one"]
 )
 def test_lora_segments_skewed_sizes(indices: list[int]) -> None:
-    run_segments(indices, seed=9, use_scratch=False, layer=0)
+    run_segments(indices, seed=9, scattered=False, layer=0)
+    run_segments(indices, seed=9, scattered=True, layer=1)
 
 
 def test_lora_segments_refuse_other_dtypes() -> None:
@@ -183,8 +196,8 @@ def test_lora_segments_refuse_other_dtypes() -> None:
     meta = torch.zeros(1, 1, 1, 14, dtype=torch.long)
     with pytest.raises(RuntimeError, match="float32 only"):
         cpu.lora_segments(
-            x, (torch.zeros(2, 4),), torch.zeros(1, 1, 8), torch.empty(1, 0), 0, 0,
-            torch.tensor([[0, 2, 0, 0]]), meta, torch.zeros(1, 1, 1, 3),
+            x, (torch.zeros(2, 4),), torch.zeros(1, 1, 8), 0, 0,
+            torch.tensor([[0, 2, 0, 0]]), torch.zeros(1, 0, dtype=torch.long), meta, torch.zeros(1, 1, 1, 3),
         )  # fmt: skip
 
 

@@ -155,12 +155,17 @@ constexpr int64_t kMaxModules = 3;
 // of the segment's tokens, several segments in parallel. Longer ones go to MKL.
 constexpr int64_t kSmallSegment = 2;  // measured: MKL is faster from 4 tokens on
 
-void small_segment(const float* x, int64_t in_features, const float* base, const int64_t* m, const float* scale,
-                   int64_t start, int64_t num, float* v, int64_t ldv, float* const* outs, int64_t num_outputs,
-                   std::vector<float>& tmp) {
-  const float* a = base + m[0];
+// Where one segment's matrices of this layer and group are: A (stacked rows) and each B^T.
+struct SegmentWeights {
+  const float* a = nullptr;
+  const float* b[kMaxModules] = {nullptr, nullptr, nullptr};
+};
+
+void small_segment(const float* x, int64_t in_features, const SegmentWeights& w, const int64_t* m,
+                   const float* scale, int64_t start, int64_t num, float* v, int64_t ldv, float* const* outs,
+                   int64_t num_outputs, std::vector<float>& tmp) {
   for (int64_t c = 0; c < m[1]; ++c) {
-    const float* a_row = a + c * in_features;
+    const float* a_row = w.a + c * in_features;
     for (int64_t t = 0; t < num; ++t) {
       const float* x_row = x + (start + t) * in_features;
       float dot = 0.f;
@@ -173,11 +178,10 @@ void small_segment(const float* x, int64_t in_features, const float* base, const
     const int64_t* mm = m + 2 + 4 * module;
     const int64_t column = mm[0], rank = mm[1], out_features = mm[3];
     if (rank == 0) continue;
-    const float* b = base + mm[2];
     // tmp[t] = v_m[t] @ B_m^T first, then out[t] += scale * tmp[t], as one GEMM with alpha would.
     tmp.assign(num * out_features, 0.f);
     for (int64_t r = 0; r < rank; ++r) {
-      const float* b_row = b + r * out_features;
+      const float* b_row = w.b[module] + r * out_features;
       for (int64_t t = 0; t < num; ++t) {
         const float coef = v[(start + t) * ldv + column + r];
         float* acc = tmp.data() + t * out_features;
@@ -196,25 +200,29 @@ void small_segment(const float* x, int64_t in_features, const float* base, const
 }
 
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
-                   const at::Tensor& scratch, int64_t layer, int64_t group, const at::Tensor& bounds,
+                   int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
                    const at::Tensor& meta, const at::Tensor& scales) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && storage.scalar_type() == at::kFloat, "lora_segments is float32 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [num_tokens, in_features]");
-  TORCH_CHECK(storage.is_contiguous() && scratch.is_contiguous(), "storage and scratch must be contiguous");
+  TORCH_CHECK(storage.dim() == 3 && storage.is_contiguous(), "storage must be a contiguous [layers, pages, elems]");
   TORCH_CHECK(meta.dim() == 4 && meta.size(3) == kMetaWidth && meta.is_contiguous(), "meta: [L, G, S, 14] int64");
   TORCH_CHECK(scales.dim() == 4 && scales.size(3) == kMaxModules && scales.is_contiguous(), "scales: [L, G, S, 3]");
   TORCH_CHECK(bounds.dim() == 2 && bounds.size(1) == 4 && bounds.is_contiguous(), "bounds: [S, 4] int64");
+  TORCH_CHECK(page_tables.dim() == 2 && page_tables.size(0) == bounds.size(0) && page_tables.is_contiguous() &&
+                  page_tables.scalar_type() == at::kLong,
+              "page_tables: [S, max_pages] int64");
   TORCH_CHECK(static_cast<int64_t>(outputs.size()) <= kMaxModules, "at most 3 outputs per group");
   for (const auto& out : outputs) {
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0),
                 "outputs must be contiguous float32 [num_tokens, out_features]");
   }
-  const int64_t num_segments = bounds.size(0), in_features = x.size(1);
+  const int64_t num_segments = bounds.size(0), in_features = x.size(1), num_outputs = outputs.size();
+  const int64_t page_elems = storage.size(2), max_pages = page_tables.size(1);
   const int64_t* meta_ptr = meta.data_ptr<int64_t>() + (layer * meta.size(1) + group) * num_segments * kMetaWidth;
   const float* scale_ptr = scales.data_ptr<float>() + (layer * scales.size(1) + group) * num_segments * kMaxModules;
   const int64_t* bound_ptr = bounds.data_ptr<int64_t>();
-  const float* sources[2] = {storage.data_ptr<float>() + layer * storage.stride(0),
-                             scratch.numel() ? scratch.data_ptr<float>() + layer * scratch.stride(0) : nullptr};
+  const int64_t* table_ptr = page_tables.data_ptr<int64_t>();
+  const float* layer_ptr = storage.data_ptr<float>() + layer * storage.stride(0);
   int64_t max_rows = 0;
   for (int64_t s = 0; s < num_segments; ++s) max_rows = std::max(max_rows, meta_ptr[s * kMetaWidth + 1]);
   if (max_rows == 0) return;
@@ -223,28 +231,50 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
   const float* x_ptr = x.data_ptr<float>();
   const int ldv = static_cast<int>(max_rows);
   std::vector<float*> out_ptrs;
-
-  // Shrink: one GEMM per segment, v[seg, :rows] = x[seg] @ A^T, all in one grouped call.
-  std::vector<int> ta, tb, ms, ns, ks, lda, ldb, ldc, sizes;
-  std::vector<float> alpha, beta;
-  std::vector<const float*> a_ptrs, b_ptrs;
-  std::vector<float*> c_ptrs;
-  auto add = [&](int trans_b, int m, int n, int k, float al, const float* a, int la, const float* b, int lb, float be,
-                 float* c, int lc) {
-    ta.push_back(kNoTrans); tb.push_back(trans_b); ms.push_back(m); ns.push_back(n); ks.push_back(k);
-    alpha.push_back(al); a_ptrs.push_back(a); lda.push_back(la); b_ptrs.push_back(b); ldb.push_back(lb);
-    beta.push_back(be); c_ptrs.push_back(c); ldc.push_back(lc); sizes.push_back(1);
-  };
-  auto base_of = [&](int64_t s) { return sources[bound_ptr[s * 4 + 2]] + bound_ptr[s * 4 + 3]; };
   for (const auto& out : outputs) out_ptrs.push_back(out.data_ptr<float>());
+
+  // Each segment's weights. An adapter on consecutive pages is read in place; for one whose
+  // pages are scattered, this group's A rows and each B^T are copied out page by page.
+  std::vector<SegmentWeights> weights(num_segments);
+  std::vector<std::vector<float>> copies(num_segments);
   std::vector<int64_t> small, large;
   for (int64_t s = 0; s < num_segments; ++s) {
     const int64_t* m = meta_ptr + s * kMetaWidth;
     const int64_t num = bound_ptr[s * 4 + 1] - bound_ptr[s * 4];
     if (m[1] == 0 || num == 0) continue;
-    for (int64_t module = 0; module < static_cast<int64_t>(outputs.size()); ++module) {
-      TORCH_CHECK(m[3 + 4 * module] == 0 || outputs[module].size(1) == m[5 + 4 * module], "output ", module,
-                  " width does not match the adapter");
+    // (offset in the adapter's layer buffer, elements) of A, then of each present B^T.
+    std::vector<std::pair<int64_t, int64_t>> spans = {{m[0], m[1] * in_features}};
+    for (int64_t module = 0; module < num_outputs; ++module) {
+      const int64_t* mm = m + 2 + 4 * module;
+      if (mm[1] == 0) continue;
+      TORCH_CHECK(outputs[module].size(1) == mm[3], "output ", module, " width does not match the adapter");
+      spans.emplace_back(mm[2], mm[1] * mm[3]);
+    }
+    std::vector<const float*> where(spans.size());
+    if (bound_ptr[s * 4 + 2] == 0) {
+      for (size_t i = 0; i < spans.size(); ++i) where[i] = layer_ptr + bound_ptr[s * 4 + 3] + spans[i].first;
+    } else {
+      const int64_t* table = table_ptr + s * max_pages;
+      std::vector<float>& copy = copies[s];
+      int64_t total = 0;
+      for (const auto& span : spans) total += span.second;
+      copy.resize(total);
+      int64_t at = 0;
+      for (size_t i = 0; i < spans.size(); ++i) {
+        where[i] = copy.data() + at;
+        for (int64_t f = spans[i].first, end = f + spans[i].second; f < end;) {
+          const int64_t page = f / page_elems, offset = f % page_elems;
+          TORCH_CHECK(page < max_pages, "adapter weights run past its page table");
+          const int64_t count = std::min(page_elems - offset, end - f);
+          std::memcpy(copy.data() + at, layer_ptr + table[page] * page_elems + offset, count * sizeof(float));
+          f += count;
+          at += count;
+        }
+      }
+    }
+    weights[s].a = where[0];
+    for (int64_t module = 0, i = 1; module < num_outputs; ++module) {
+      if (m[3 + 4 * module] != 0) weights[s].b[module] = where[i++];
     }
     (num <= kSmallSegment ? small : large).push_back(s);
   }
@@ -256,41 +286,51 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
 #pragma omp for schedule(dynamic, 1)
       for (size_t i = 0; i < small.size(); ++i) {
         const int64_t s = small[i];
-        small_segment(x_ptr, in_features, base_of(s), meta_ptr + s * kMetaWidth, scale_ptr + s * kMaxModules,
+        small_segment(x_ptr, in_features, weights[s], meta_ptr + s * kMetaWidth, scale_ptr + s * kMaxModules,
                       bound_ptr[s * 4], bound_ptr[s * 4 + 1] - bound_ptr[s * 4], v_ptr, ldv, out_ptrs.data(),
-                      static_cast<int64_t>(outputs.size()), tmp);
+                      num_outputs, tmp);
       }
     }
   }
+  if (large.empty()) return;
+  // Longer segments: the shrinks of all of them in one grouped MKL call, then all expands in another.
+  std::vector<int> ta, tb, ms, ns, ks, lda, ldb, ldc, sizes;
+  std::vector<float> alpha, beta;
+  std::vector<const float*> a_ptrs, b_ptrs;
+  std::vector<float*> c_ptrs;
+  auto add = [&](int trans_b, int m, int n, int k, float al, const float* a, int la, const float* b, int lb, float be,
+                 float* c, int lc) {
+    ta.push_back(kNoTrans); tb.push_back(trans_b); ms.push_back(m); ns.push_back(n); ks.push_back(k);
+    alpha.push_back(al); a_ptrs.push_back(a); lda.push_back(la); b_ptrs.push_back(b); ldb.push_back(lb);
+    beta.push_back(be); c_ptrs.push_back(c); ldc.push_back(lc); sizes.push_back(1);
+  };
+  auto run = [&]() {
+    cblas_sgemm_batch(kRowMajor, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(), alpha.data(), a_ptrs.data(),
+                      lda.data(), b_ptrs.data(), ldb.data(), beta.data(), c_ptrs.data(), ldc.data(),
+                      static_cast<int>(sizes.size()), sizes.data());
+    ta.clear(); tb.clear(); ms.clear(); ns.clear(); ks.clear(); lda.clear(); ldb.clear(); ldc.clear();
+    sizes.clear(); alpha.clear(); beta.clear(); a_ptrs.clear(); b_ptrs.clear(); c_ptrs.clear();
+  };
+  // v[seg, :rows] = x[seg] @ A^T
   for (const int64_t s : large) {
-    const int64_t* m = meta_ptr + s * kMetaWidth;
     const int64_t start = bound_ptr[s * 4], num = bound_ptr[s * 4 + 1] - start;
-    add(kTrans, num, m[1], in_features, 1.f, x_ptr + start * in_features, in_features, base_of(s) + m[0], in_features,
-        0.f, v_ptr + start * ldv, ldv);
+    add(kTrans, num, meta_ptr[s * kMetaWidth + 1], in_features, 1.f, x_ptr + start * in_features, in_features,
+        weights[s].a, in_features, 0.f, v_ptr + start * ldv, ldv);
   }
-  if (sizes.empty()) return;
-  cblas_sgemm_batch(kRowMajor, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(), alpha.data(), a_ptrs.data(),
-                    lda.data(), b_ptrs.data(), ldb.data(), beta.data(), c_ptrs.data(), ldc.data(),
-                    static_cast<int>(sizes.size()), sizes.data());
-  // Expand: out_m[seg] += scale_m * v[seg, column:column+rank] @ B_m^T, one GEMM per (segment, module).
-  ta.clear(); tb.clear(); ms.clear(); ns.clear(); ks.clear(); lda.clear(); ldb.clear(); ldc.clear(); sizes.clear();
-  alpha.clear(); beta.clear(); a_ptrs.clear(); b_ptrs.clear(); c_ptrs.clear();
+  run();
+  // out_m[seg] += scale_m * v[seg, column:column+rank] @ B_m^T
   for (const int64_t s : large) {
     const int64_t* m = meta_ptr + s * kMetaWidth;
     const int64_t start = bound_ptr[s * 4], num = bound_ptr[s * 4 + 1] - start;
-    for (int64_t module = 0; module < static_cast<int64_t>(outputs.size()); ++module) {
+    for (int64_t module = 0; module < num_outputs; ++module) {
       const int64_t* mm = m + 2 + 4 * module;
-      const int64_t column = mm[0], rank = mm[1], b_offset = mm[2], out_features = mm[3];
+      const int64_t column = mm[0], rank = mm[1], out_features = mm[3];
       if (rank == 0) continue;
       add(kNoTrans, num, out_features, rank, scale_ptr[s * kMaxModules + module], v_ptr + start * ldv + column, ldv,
-          base_of(s) + b_offset, out_features, 1.f, out_ptrs[module] + start * out_features,
-          out_features);
+          weights[s].b[module], out_features, 1.f, out_ptrs[module] + start * out_features, out_features);
     }
   }
-  if (sizes.empty()) return;
-  cblas_sgemm_batch(kRowMajor, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(), alpha.data(), a_ptrs.data(),
-                    lda.data(), b_ptrs.data(), ldb.data(), beta.data(), c_ptrs.data(), ldc.data(),
-                    static_cast<int>(sizes.size()), sizes.data());
+  if (!sizes.empty()) run();
 }
 
 // ---- fused elementwise ops of a Llama layer (float32) ----------------------------------
