@@ -40,7 +40,7 @@ TIMERS = (
     "  adapter page writes (loads)",
     "runner.execute (forward+sample)",
     "  LoRA hook",
-    "    layer_weights (page views)",
+    "    layer_weights (page views, torch kernels)",
     "resolve in add_request",
     "  registry.load (read+parse+validate)",
     "    store read (files)",
