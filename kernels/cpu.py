@@ -19,11 +19,13 @@ then all expands as another: no Python loop over adapters. float32 only.
     x:        [num_tokens, in_features] float32, contiguous
     outputs:  per module of the group, [num_tokens, out_m] float32, contiguous, updated in place
     storage:  [num_layers, num_pages, page_elems] float32, the pool
-    bounds:   [num_segments, 4] int64: start, end, paged, offset. paged 0: the adapter is on
-              consecutive pages and its layer buffer starts at element ``offset`` of the layer's
-              pages; paged 1: its buffer is the concatenation of the pages in ``page_tables[s]``
-              (the kernel copies out just the matrices it needs, page by page)
-    page_tables: [num_segments, max_pages] int64 (rows of in-place segments are ignored)
+    bounds:   [num_segments, 4] int64: start, end, paged, offset. An adapter's layer buffer is
+              the concatenation of its pages ``page_tables[s]``; paged 0 says they are
+              consecutive, starting at element ``offset`` of the layer's pages
+    page_tables: [num_segments, max_pages] int64, each adapter's page ids (zero padded)
+    Segments of 1-2 tokens read weight rows through the page table (copying only a row that
+    crosses a page boundary); longer ones run as MKL GEMMs on the matrices in place (paged 0)
+    or copied out page by page (paged 1).
     meta:     [num_layers, num_groups, num_segments, 14] int64: a_offset, num_rows, then
               (column, rank, b_offset, out_features) for up to 3 modules (rank 0: absent)
     scales:   [num_layers, num_groups, num_segments, 3] float32

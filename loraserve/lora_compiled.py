@@ -1,8 +1,8 @@
 """The LoRA hook over the compiled CPU kernel: one call per input group and layer.
 
 Per step (once per ``LoRABatch``) it packs, for every segment, where its adapter's
-weights sit (``bounds``: first page for an adapter on consecutive pages, else its page
-table in ``page_tables``) and the offsets of every group's A and B matrices in every
+weights sit (``bounds``: whether its pages are consecutive and the first one's offset;
+``page_tables``: its page ids) and the offsets of every group's A and B matrices in every
 layer (``meta``, ``scales``: each resident adapter's part is built once and cached).
 The model's hook then hands those tensors to ``kernels.cpu.lora_segments``, which runs
 all segments' GEMMs in two grouped MKL calls: no Python loop over adapters or layers'
@@ -73,12 +73,11 @@ class CompiledLoRAApplier:
             meta, scale = self._meta(resident)
             metas.append(meta)
             scales.append(scale)
+            tables.append(resident.page_ids)
             if resident.is_contiguous:
                 bounds.append((start, end, 0, resident.page_ids[0] * page_elems))
-                tables.append([])
-            else:  # scattered pages: the kernel follows the adapter's page table
+            else:  # scattered pages: long segments copy their matrices out through the page table
                 bounds.append((start, end, 1, 0))
-                tables.append(resident.page_ids)
         max_pages = max(len(table) for table in tables)
         padded = [table + [0] * (max_pages - len(table)) for table in tables]
         return (

@@ -143,11 +143,11 @@ def run_segments(indices: list[int], seed: int, scattered: bool, layer: int) -> 
             start = t
     if scattered:
         bounds = torch.tensor([(s, e, 1, 0) for s, e, _ in runs], dtype=torch.long)
-        width = max(len(pages) for pages in page_ids)
-        tables = torch.tensor([page_ids[i] + [0] * (width - len(page_ids[i])) for _, _, i in runs], dtype=torch.long)
     else:
         bounds = torch.tensor([(s, e, 0, page_ids[i][0] * PAGE_ELEMS) for s, e, i in runs], dtype=torch.long)
-        tables = torch.zeros(len(runs), 0, dtype=torch.long)
+    width = max(len(pages) for pages in page_ids)
+    tables = torch.tensor([page_ids[i] + [0] * (width - len(page_ids[i])) for _, _, i in runs], dtype=torch.long)
+    tables = tables.view(len(runs), width)
     meta = meta_all[:, :, [i for _, _, i in runs]].contiguous()
     scales = torch.tensor([[0.0 if m is None else m[2] for m in adapters[i]] for _, _, i in runs])
     scales = scales[None, None].expand(NUM_LAYERS, 1, -1, -1).contiguous()
