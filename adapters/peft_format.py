@@ -123,6 +123,7 @@ def parse_adapter_files(files: Mapping[str, bytes], shapes: BaseModelShapes, nam
     weights = {
         (layer, module): _module_weights(layer, module, pair, shapes, config) for (layer, module), pair in ordered
     }
+    _check_finite(weights, factors)
     digest = _content_digest(weights, factors)
     logger.debug("parsed adapter %s: %d modules, digest %s", name, len(weights), digest)
     return LoRAAdapter(name=name, digest=digest, weights=weights)
@@ -202,14 +203,30 @@ def _module_weights(
     expected_rank = config.rank_for(key)
     if rank != expected_rank:
         raise AdapterError(f"{where}: rank {rank} does not match {CONFIG_FILE} (r={expected_rank} for {key})")
-    for tensor_key, tensor in ((key_a, lora_a), (key_b, lora_b)):
-        if not bool(torch.isfinite(tensor).all()):
-            raise AdapterError(f"{WEIGHTS_FILE}: tensor {tensor_key!r} contains NaN or infinite values")
     return LoRAModuleWeights(
         lora_a=lora_a.to(torch.float32).contiguous(),
         lora_b=lora_b.to(torch.float32).contiguous(),
         scale=config.scale_for(key),
     )
+
+
+def _check_finite(
+    weights: Mapping[tuple[int, str], LoRAModuleWeights],
+    factors: Mapping[tuple[int, str], Mapping[str, tuple[str, torch.Tensor]]],
+) -> None:
+    """Reject NaN/inf anywhere, naming the first bad tensor in layer-major order.
+
+    One pass over all weights at once (a check per tensor costs ~60 us each, a few ms per
+    adapter); only when it fails are the tensors checked one by one to name the culprit.
+    """
+    parts = [t.reshape(-1) for w in weights.values() for t in (w.lora_a, w.lora_b)]
+    if not parts or bool(torch.isfinite(torch.cat(parts)).all()):
+        return
+    for layer, module in weights:
+        for factor in ("A", "B"):
+            key, tensor = factors[(layer, module)][factor]
+            if not bool(torch.isfinite(tensor).all()):
+                raise AdapterError(f"{WEIGHTS_FILE}: tensor {key!r} contains NaN or infinite values")
 
 
 def _content_digest(
