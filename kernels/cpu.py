@@ -63,6 +63,9 @@ def build_dir() -> Path:
 
 def load_extension() -> ModuleType | None:
     """The compiled module, building it on first call; None (with the reason logged) if it cannot be built."""
+    module = _state.get("module")  # the per-call path of every kernel: no lock once decided
+    if module is not None:
+        return module if isinstance(module, ModuleType) else None
     with _lock:
         if "module" in _state:
             module = _state["module"]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
 from loraserve.adapter_manager import AdapterManager, GroupWeights
 from loraserve.forward_batch import ForwardBatch
 from loraserve.kernels.lora import LoRASegment, apply_lora_segments
+
+Prepared = TypeVar("Prepared")
 
 
 @dataclass(frozen=True)
@@ -35,17 +38,30 @@ class LoRABatch:
         return {adapter_id for _, _, adapter_id in self.segments}
 
 
-class LoRAApplier:
-    """The model's LoRA hook: adds each segment's delta, reading weights from its pages.
+class PerBatchLoRAHook(Generic[Prepared]):
+    """Base of the model's LoRA hooks (``LoRAHook``).
 
-    Per forward it resolves each segment's resident adapter once; per layer and group
-    it only picks that adapter's views and runs the segment GEMMs.
+    ``prepare`` builds whatever a step needs from its ``LoRABatch`` once, at the first call of
+    the forward; ``apply`` adds the deltas of one layer's input group using it.
     """
 
     def __init__(self, manager: AdapterManager) -> None:
         self.manager = manager
         self._batch: LoRABatch | None = None
-        self._segments: list[tuple[int, int, str, list[dict[str, GroupWeights]] | None]] = []
+        self._prepared: Prepared | None = None
+
+    def prepare(self, lora: LoRABatch) -> Prepared:
+        raise NotImplementedError
+
+    def apply(
+        self,
+        x: torch.Tensor,  # [num_tokens, in_features]
+        layer: int,
+        group: str,
+        outputs: tuple[torch.Tensor, ...],  # each [num_tokens, out_features_m], updated in place
+        prepared: Prepared,
+    ) -> None:
+        raise NotImplementedError
 
     def __call__(
         self,
@@ -58,14 +74,38 @@ class LoRAApplier:
         lora: LoRABatch | None = batch.lora
         if lora is None:
             return
-        if lora is not self._batch:
-            self._batch = lora
-            self._segments = [
-                (start, end, adapter_id, self.manager.resident[adapter_id].views)
-                for start, end, adapter_id in lora.segments
-            ]
+        if lora is not self._batch or self._prepared is None:
+            self._batch, self._prepared = lora, self.prepare(lora)
+        self.apply(x, layer, group, outputs, self._prepared)
+
+
+# Per segment: (start, end, adapter_id, the adapter's per-layer views or None if not contiguous).
+TorchSegments = list[tuple[int, int, str, list[dict[str, GroupWeights]] | None]]
+
+
+class LoRAApplier(PerBatchLoRAHook[TorchSegments]):
+    """The torch LoRA hook: adds each segment's delta, reading weights from its pages.
+
+    Per forward it resolves each segment's resident adapter once; per layer and group
+    it only picks that adapter's views and runs the segment GEMMs.
+    """
+
+    def prepare(self, lora: LoRABatch) -> TorchSegments:
+        return [
+            (start, end, adapter_id, self.manager.resident[adapter_id].views)
+            for start, end, adapter_id in lora.segments
+        ]
+
+    def apply(
+        self,
+        x: torch.Tensor,  # [num_tokens, in_features]
+        layer: int,
+        group: str,
+        outputs: tuple[torch.Tensor, ...],  # each [num_tokens, out_features_m], updated in place
+        prepared: TorchSegments,
+    ) -> None:
         segments: list[LoRASegment] = []
-        for start, end, adapter_id, views in self._segments:
+        for start, end, adapter_id, views in prepared:
             layer_views = views[layer] if views is not None else self.manager.layer_weights(adapter_id, layer)
             weights = layer_views.get(group)
             if weights is not None:

@@ -15,9 +15,8 @@ import torch
 
 from loraserve.adapter_layout import LORA_GROUPS, AdapterLayout
 from loraserve.adapter_manager import AdapterManager, ResidentAdapter
-from loraserve.forward_batch import ForwardBatch
 from loraserve.kernels import cpu
-from loraserve.lora_batch import LoRABatch
+from loraserve.lora_batch import LoRABatch, PerBatchLoRAHook
 
 GROUP_INDEX = {group: index for index, group in enumerate(LORA_GROUPS)}
 META_WIDTH = 14  # a_offset, num_rows, then (column, rank, b_offset, out_features) x 3 modules
@@ -43,15 +42,17 @@ def layout_meta(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor]:
     return meta, scales
 
 
-class CompiledLoRAApplier:
+# bounds [S, 4], page_tables [S, max_pages], meta [L, G, S, 14], scales [L, G, S, 3]
+Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
     """``LoRAHook`` reading adapter weights in place from the pool's storage (float32)."""
 
     def __init__(self, manager: AdapterManager) -> None:
-        self.manager = manager
+        super().__init__(manager)
         self.storage = manager.storage  # [num_layers, num_pages, page_elems]
         self._layout_meta: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._batch: LoRABatch | None = None
-        self._packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _meta(self, resident: ResidentAdapter) -> tuple[torch.Tensor, torch.Tensor]:
         cached = self._layout_meta.get(resident.adapter_id)
@@ -61,8 +62,8 @@ class CompiledLoRAApplier:
             cached = self._layout_meta[resident.adapter_id] = layout_meta(resident.layout)
         return cached
 
-    def _pack(self, lora: LoRABatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """bounds [S, 4], page_tables [S, max_pages], meta [L, G, S, 14], scales [L, G, S, 3]."""
+    def prepare(self, lora: LoRABatch) -> Packed:
+        """Where every segment's adapter sits, and its matrices' offsets in every layer and group."""
         page_elems = self.storage.shape[2]
         bounds: list[tuple[int, int, int, int]] = []
         tables: list[list[int]] = []
@@ -87,18 +88,13 @@ class CompiledLoRAApplier:
             torch.stack(scales, dim=2),
         )
 
-    def __call__(
+    def apply(
         self,
         x: torch.Tensor,  # [num_tokens, in_features]
         layer: int,
         group: str,
         outputs: tuple[torch.Tensor, ...],  # each [num_tokens, out_features_m], updated in place
-        batch: ForwardBatch,
+        prepared: Packed,
     ) -> None:
-        lora: LoRABatch | None = batch.lora
-        if lora is None:
-            return
-        if lora is not self._batch or self._packed is None:
-            self._batch, self._packed = lora, self._pack(lora)
-        bounds, page_tables, meta, scales = self._packed
+        bounds, page_tables, meta, scales = prepared
         cpu.lora_segments(x, outputs, self.storage, layer, GROUP_INDEX[group], bounds, page_tables, meta, scales)

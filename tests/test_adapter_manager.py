@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 from adapter_factory import PROJECTIONS, make_peft_model, make_tiny_llama
+from fake_runner import step as fake_step
+from fake_runner import summary
 from loraserve.adapters import AdapterRegistry, BaseModelShapes, LocalDirStore
 
 from loraserve.adapter_layout import LORA_GROUPS, AdapterLayout
@@ -18,7 +20,7 @@ from loraserve.block_manager import KVCacheManager
 from loraserve.page_pool import OutOfPagesError, PageKind, PagePool
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
-from loraserve.sequence import FinishReason, Sequence
+from loraserve.sequence import Sequence
 
 BLOCK_SIZE = 4
 PAGE_ELEMS = 2 * BLOCK_SIZE * 2 * 16  # one KV block of the tiny model: K and V, 2 kv heads of dim 16
@@ -260,16 +262,8 @@ def make_seq(env: Env, request_id: str, adapter_id: str | None, num_prompt_token
 
 
 def step(sched: Scheduler) -> list[tuple[str, int]]:
-    """One engine step with a fake runner (as in test_scheduler.py); returns (request, tokens) scheduled."""
-    batch = sched.schedule()
-    sampling = [batch.samples(i) for i in range(len(batch.seqs))]
-    sched.update(batch)
-    for seq, samples in zip(batch.seqs, sampling, strict=True):
-        if samples:
-            seq.append_token(1000 + seq.num_output_tokens)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                sched.finish(seq, FinishReason.LENGTH)
-    return [(seq.request_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+    """One engine step with the fake runner; returns (request, tokens) scheduled."""
+    return summary(fake_step(sched))
 
 
 def run_to_completion(env: Env, sched: Scheduler) -> None:

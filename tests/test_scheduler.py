@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from fake_runner import step, summary
 
 from loraserve.block_manager import KVCacheManager, cdiv
 from loraserve.page_pool import PagePool
 from loraserve.sampling_params import SamplingParams
-from loraserve.scheduler import ScheduledBatch, Scheduler
+from loraserve.scheduler import Scheduler
 from loraserve.sequence import FinishReason, Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
@@ -30,23 +31,6 @@ def make_scheduler(
 
 def make_seq(request_id: str, num_prompt_tokens: int, max_tokens: int) -> Sequence:
     return Sequence(request_id, list(range(num_prompt_tokens)), SamplingParams(max_tokens=max_tokens))
-
-
-def step(sched: Scheduler) -> ScheduledBatch:
-    """One engine step with a fake runner: sample where the batch reaches a sequence's end."""
-    batch = sched.schedule()
-    sampling = [batch.samples(i) for i in range(len(batch.seqs))]  # before update, as the runner does
-    sched.update(batch)
-    for seq, samples in zip(batch.seqs, sampling, strict=True):
-        if samples:
-            seq.append_token(1000 + seq.num_output_tokens)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                sched.finish(seq, FinishReason.LENGTH)
-    return batch
-
-
-def summary(batch: ScheduledBatch) -> list[tuple[str, int]]:
-    return [(seq.request_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 200) -> None:

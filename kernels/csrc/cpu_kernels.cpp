@@ -155,17 +155,16 @@ constexpr int64_t kMaxModules = 3;
 // of the segment's tokens, several segments in parallel. Longer ones go to MKL.
 constexpr int64_t kSmallSegment = 2;  // measured: MKL is faster from 4 tokens on
 
-// One adapter's flat layer buffer: on consecutive pages from `base`, or else through its
-// page table (`table`, pages of `page_elems` elements starting at `layer`).
+// One adapter's flat layer buffer through its page table (`table`, pages of `page_elems`
+// elements starting at `layer`); `base` is its first element when the pages are consecutive.
 struct AdapterBuffer {
   const float* layer = nullptr;
-  const float* base = nullptr;  // nullptr: paged
+  const float* base = nullptr;  // nullptr: scattered pages
   const int64_t* table = nullptr;
   int64_t page_elems = 0;
 
   // Elements [f, f + n) of the buffer: in place when they lie in one page, else copied to `buf`.
   const float* span(int64_t f, int64_t n, float* buf) const {
-    if (base != nullptr) return base + f;
     const int64_t offset = f % page_elems;
     if (offset + n <= page_elems) return layer + table[f / page_elems] * page_elems + offset;
     for (int64_t done = 0; done < n;) {
