@@ -30,7 +30,9 @@ from benchmarks._workload import Workload, adapter_name, add_workload_args, chec
 TARGET_LORA_VS_BASE = 0.8
 TARGET_VS_PEFT = 5.0
 SCOPE = "cpu_perf::"
-MATMULS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm"})
+MATMULS = frozenset(
+    {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "mkldnn::_linear_pointwise"}
+)
 PARTS = ("attention", "base matmuls", "lora", "sampling", "other ops", "python overhead")
 
 

@@ -1,9 +1,9 @@
-"""Compiled CPU kernels (C++ in ``csrc/cpu_kernels.cpp``, built once per machine).
+"""Compiled CPU kernels (C++ in ``csrc/``, built once per machine).
 
 ``paged_decode_attention`` has the semantics of ``paged_attention.paged_decode_attention``
 but reads K and V straight from the pages named by each block table (no gathered copy
-of the context): one (sequence, KV head) pair per work item over torch's thread pool,
-float32 scores and accumulation.
+of the context, each next page prefetched): one sequence per work item, float32 scores
+and accumulation.
 
     query:        [num_seqs, num_heads, head_dim]                     float32 | bfloat16 | float16, contiguous
     kv:           [num_pages, 2, block_size, num_kv_heads, head_dim]  same dtype, rows contiguous
@@ -13,8 +13,10 @@ float32 scores and accumulation.
 ``lora_segments`` has the semantics of ``lora.apply_lora_segments`` (SGMV: for each
 segment ``s`` of tokens ``start:end`` using one adapter, ``v = x[seg] @ A_s^T`` and
 ``out_m[seg] += scale_m * v[:, col_m:col_m + r_m] @ B_m^T``) with the weights read in
-place from the pool's storage. All segments' shrinks run as one grouped MKL GEMM call,
-then all expands as another: no Python loop over adapters. float32 only.
+place from the pool's storage: no Python loop over adapters. Segments of up to 32 tokens
+(decode) run as register-tiled shrink and expand loops over row pointers into the
+adapter's pages, work items in parallel; longer ones as two grouped MKL GEMM calls (all
+shrinks, then all expands). float32 only.
 
     x:        [num_tokens, in_features] float32, contiguous
     outputs:  per module of the group, [num_tokens, out_m] float32, contiguous, updated in place
@@ -23,9 +25,9 @@ then all expands as another: no Python loop over adapters. float32 only.
               the concatenation of its pages ``page_tables[s]``; paged 0 says they are
               consecutive, starting at element ``offset`` of the layer's pages
     page_tables: [num_segments, max_pages] int64, each adapter's page ids (zero padded)
-    Segments of 1-2 tokens read weight rows through the page table (copying only a row that
-    crosses a page boundary); longer ones run as MKL GEMMs on the matrices in place (paged 0)
-    or copied out page by page (paged 1).
+    Short segments read weight rows through the page table (copying only a row that crosses
+    a page boundary); long ones run as MKL GEMMs on the matrices in place (paged 0) or
+    copied out page by page (paged 1).
     meta:     [num_layers, num_groups, num_segments, 14] int64: a_offset, num_rows, then
               (column, rank, b_offset, out_features) for up to 3 modules (rank 0: absent)
     scales:   [num_layers, num_groups, num_segments, 3] float32
@@ -41,6 +43,7 @@ missing the engine logs why and falls back to the torch implementations.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -51,7 +54,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("cpu_kernels.cpp", "lora_segments.cpp")
 _lock = threading.Lock()
 _state: dict[str, ModuleType | str] = {}
 
@@ -59,6 +63,13 @@ _state: dict[str, ModuleType | str] = {}
 def build_dir() -> Path:
     root = os.environ.get("LORASERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "loraserve")
     return Path(root) / "torch_extensions"
+
+
+def _digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def load_extension() -> ModuleType | None:
@@ -78,8 +89,9 @@ def load_extension() -> ModuleType | None:
             logger.info("building the CPU kernels (once per machine) in %s", directory)
             module = load(
                 name="loraserve_cpu_kernels",
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                sources=[str(_CSRC / name) for name in _SOURCES],
+                # torch rebuilds when sources or flags change, not headers: the digest of all of csrc is a flag
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", f"-DLORASERVE_CSRC={_digest()}"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
                 verbose=False,

@@ -2,7 +2,8 @@
 
 * ``torch``: the torch implementations in ``kernels/`` (the references; any device, any dtype).
 * ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention
-  (any dtype), and for float32 also the LoRA segments and fused RMSNorm / RoPE.
+  (any dtype), and for float32 also the LoRA segments, fused RMSNorm / RoPE and the model's
+  linear layers on oneDNN-packed weights for decode-sized batches (``models/packed_linear.py``).
 * ``auto``: ``cpu`` on a CPU device when the extension builds, else ``torch``.
 """
 
@@ -26,13 +27,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KernelBackend:
-    """Kernels of one backend; ``rms_norm``/``rope`` None means the model's torch ops."""
+    """Kernels of one backend; ``rms_norm``/``rope`` None means the model's torch ops;
+    ``pack_linears``: run the linear layers as ``PackedLinear`` (oneDNN) for small batches."""
 
     name: str
     decode_attention: DecodeAttention
     make_lora_hook: Callable[[AdapterManager], LoRAHook]
     rms_norm: FusedRMSNorm | None = None
     rope: FusedRope | None = None
+    pack_linears: bool = False
 
 
 def _torch_backend(dtype: torch.dtype) -> KernelBackend:
@@ -44,7 +47,7 @@ def _cpu_backend(dtype: torch.dtype) -> KernelBackend:
         raise RuntimeError("kernels='cpu' needs the compiled CPU kernels, which could not be built (see the log)")
     if dtype != torch.float32:  # the fused and LoRA kernels are float32; attention takes any dtype
         return KernelBackend("cpu", cpu.paged_decode_attention, LoRAApplier)
-    return KernelBackend("cpu", cpu.paged_decode_attention, CompiledLoRAApplier, cpu.rms_norm, cpu.rope_)
+    return KernelBackend("cpu", cpu.paged_decode_attention, CompiledLoRAApplier, cpu.rms_norm, cpu.rope_, True)
 
 
 BACKENDS: dict[str, Callable[[torch.dtype], KernelBackend]] = {"torch": _torch_backend, "cpu": _cpu_backend}

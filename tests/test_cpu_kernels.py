@@ -69,26 +69,30 @@ HIDDEN, OUTS = 48, (48, 16, 16)  # a q/k/v-like group: three outputs of one inpu
 NUM_ADAPTERS, BS, PAGE_ELEMS, NUM_LAYERS = 12, 29, 256, 2
 
 
-def random_adapters(seed: int) -> list[list[tuple[torch.Tensor, torch.Tensor, float] | None]]:
+def random_adapters(
+    seed: int, hidden: int = HIDDEN, outs: tuple[int, ...] = OUTS
+) -> list[list[tuple[torch.Tensor, torch.Tensor, float] | None]]:
     """Per adapter, per module: (A [r, in], B [out, r], scale) or None (module not adapted)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     adapters = []
     for i in range(NUM_ADAPTERS):
         modules: list[tuple[torch.Tensor, torch.Tensor, float] | None] = []
-        for m, out in enumerate(OUTS):
+        for m, out in enumerate(outs):
             if i % 4 == 3 and m == 1:
                 modules.append(None)  # some adapters do not target every module
                 continue
             rank = rng.choice([1, 4, 8, 16, 33, 64])
-            a = torch.randn(rank, HIDDEN, generator=gen) / math.sqrt(HIDDEN)
+            a = torch.randn(rank, hidden, generator=gen) / math.sqrt(hidden)
             b = torch.randn(out, rank, generator=gen) / math.sqrt(rank)
             modules.append((a, b, rng.uniform(0.25, 2.0)))
         adapters.append(modules)
     return adapters
 
 
-def pack(adapters: list, scattered: bool, seed: int) -> tuple[torch.Tensor, list[list[int]], torch.Tensor]:
+def pack(
+    adapters: list, scattered: bool, seed: int, outs: tuple[int, ...] = OUTS
+) -> tuple[torch.Tensor, list[list[int]], torch.Tensor]:
     """Lay adapters out in storage ``[L, P, E]`` as adapter_layout.py does (layer l holds weights * (l + 1)).
 
     Each adapter gets consecutive pages, or (``scattered``) pages in shuffled order across the
@@ -99,7 +103,7 @@ def pack(adapters: list, scattered: bool, seed: int) -> tuple[torch.Tensor, list
         a_rows = [mod[0] for mod in modules if mod is not None]
         flat, meta, column = [torch.cat(a_rows).reshape(-1)], [0, sum(a.shape[0] for a in a_rows)], 0
         offset = flat[0].numel()
-        for mod, out in zip(modules, OUTS, strict=True):
+        for mod, out in zip(modules, outs, strict=True):
             if mod is None:
                 meta += [0, 0, 0, 0]
                 continue
@@ -128,12 +132,14 @@ def pack(adapters: list, scattered: bool, seed: int) -> tuple[torch.Tensor, list
     return storage, page_ids, meta
 
 
-def run_segments(indices: list[int], seed: int, scattered: bool, layer: int) -> None:
-    adapters = random_adapters(seed)
-    storage, page_ids, meta_all = pack(adapters, scattered, seed)
+def run_segments(
+    indices: list[int], seed: int, scattered: bool, layer: int, hidden: int = HIDDEN, outs: tuple[int, ...] = OUTS
+) -> None:
+    adapters = random_adapters(seed, hidden, outs)
+    storage, page_ids, meta_all = pack(adapters, scattered, seed, outs)
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(len(indices), HIDDEN, generator=gen)
-    bases = [torch.randn(len(indices), out, generator=gen) for out in OUTS]
+    x = torch.randn(len(indices), hidden, generator=gen)
+    bases = [torch.randn(len(indices), out, generator=gen) for out in outs]
     runs = []  # (start, end, adapter) per run of one adapter, base-model runs dropped
     start = 0
     for t in range(1, len(indices) + 1):
@@ -157,11 +163,11 @@ def run_segments(indices: list[int], seed: int, scattered: bool, layer: int) -> 
     for m, (base, out) in enumerate(zip(bases, outputs, strict=True)):
         has = [adapter[m] is not None for adapter in adapters]
         per_module = torch.tensor([i if i >= 0 and has[i] else -1 for i in indices])
-        dummy = (torch.zeros(1, HIDDEN), torch.zeros(OUTS[m], 1), 0.0)
+        dummy = (torch.zeros(1, hidden), torch.zeros(outs[m], 1), 0.0)
         a, b, s = zip(*[adapter[m] or dummy for adapter in adapters], strict=True)
         factor = layer + 1  # both A and B of layer l were stored times (l + 1)
         expected = base + lora_reference(x, per_module, [t * factor for t in a], [t * factor for t in b], list(s))
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(out[per_module < 0], base[per_module < 0])  # base tokens bit for bit
 
 
@@ -189,6 +195,16 @@ def test_lora_segments_match_reference(pattern: str, scattered: bool) -> None:
 def test_lora_segments_skewed_sizes(indices: list[int]) -> None:
     run_segments(indices, seed=9, scattered=False, layer=0)
     run_segments(indices, seed=9, scattered=True, layer=1)
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
+@pytest.mark.parametrize("hidden, outs", [(37, (29, 5, 70)), (576, (192, 17, 1536))], ids=["odd", "wide"])
+def test_lora_segments_tiled_and_mkl_paths_on_any_width(hidden: int, outs: tuple[int, ...], scattered: bool) -> None:
+    """Segments of 1-5 tokens (every token-block remainder), 32 (the largest tiled one) and 33
+    (MKL), on widths that are not multiples of the vector width (scalar tails) and wide ones
+    (several expand work items per module)."""
+    indices = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1, 5] + [6] * 32 + [7] * 33
+    run_segments(indices, seed=5, scattered=scattered, layer=1, hidden=hidden, outs=outs)
 
 
 def test_lora_segments_refuse_other_dtypes() -> None:

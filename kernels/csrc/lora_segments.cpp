@@ -1,0 +1,199 @@
+// Segmented LoRA of loraserve's compiled CPU kernels (bound in cpu_kernels.cpp): for each
+// segment of tokens using one adapter, shrink v = x @ A^T and expand out_m += scale_m * v_m @ B_m^T,
+// with the adapter's weights read in place from the pool's pages. Semantics and argument shapes
+// are documented in kernels/cpu.py; the torch reference is kernels/lora.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "lora_tiled.h"
+
+extern "C" {
+// MKL's grouped batch GEMM, exported by libtorch_cpu (LP64: 32-bit ints).
+void cblas_sgemm_batch(int layout, const int* transa, const int* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float** a, const int* lda, const float** b, const int* ldb,
+                       const float* beta, float** c, const int* ldc, int group_count, const int* group_size);
+}
+
+namespace {
+
+using namespace loraserve_lora;
+
+constexpr int kRowMajor = 101;
+constexpr int kNoTrans = 111;
+constexpr int kTrans = 112;
+
+// Where one long segment's matrices of this layer and group are: A (stacked rows) and each B^T.
+struct SegmentWeights {
+  const float* a = nullptr;
+  const float* b[kMaxModules] = {nullptr, nullptr, nullptr};
+};
+
+}  // namespace
+
+void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
+                   int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
+                   const at::Tensor& meta, const at::Tensor& scales) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && storage.scalar_type() == at::kFloat, "lora_segments is float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [num_tokens, in_features]");
+  TORCH_CHECK(storage.dim() == 3 && storage.is_contiguous(), "storage must be a contiguous [layers, pages, elems]");
+  TORCH_CHECK(meta.dim() == 4 && meta.size(3) == kMetaWidth && meta.is_contiguous(), "meta: [L, G, S, 14] int64");
+  TORCH_CHECK(scales.dim() == 4 && scales.size(3) == kMaxModules && scales.is_contiguous(), "scales: [L, G, S, 3]");
+  TORCH_CHECK(bounds.dim() == 2 && bounds.size(1) == 4 && bounds.is_contiguous(), "bounds: [S, 4] int64");
+  TORCH_CHECK(page_tables.dim() == 2 && page_tables.size(0) == bounds.size(0) && page_tables.is_contiguous() &&
+                  page_tables.scalar_type() == at::kLong,
+              "page_tables: [S, max_pages] int64");
+  TORCH_CHECK(static_cast<int64_t>(outputs.size()) <= kMaxModules, "at most 3 outputs per group");
+  for (const auto& out : outputs) {
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0),
+                "outputs must be contiguous float32 [num_tokens, out_features]");
+  }
+  const int64_t num_segments = bounds.size(0), in_features = x.size(1), num_outputs = outputs.size();
+  const int64_t page_elems = storage.size(2), max_pages = page_tables.size(1);
+  const int64_t* meta_ptr = meta.data_ptr<int64_t>() + (layer * meta.size(1) + group) * num_segments * kMetaWidth;
+  const float* scale_ptr = scales.data_ptr<float>() + (layer * scales.size(1) + group) * num_segments * kMaxModules;
+  const int64_t* bound_ptr = bounds.data_ptr<int64_t>();
+  const int64_t* table_ptr = page_tables.data_ptr<int64_t>();
+  const float* layer_ptr = storage.data_ptr<float>() + layer * storage.stride(0);
+  int64_t max_rows = 0;
+  for (int64_t s = 0; s < num_segments; ++s) max_rows = std::max(max_rows, meta_ptr[s * kMetaWidth + 1]);
+  if (max_rows == 0) return;
+  at::Tensor v = at::empty({x.size(0), max_rows}, x.options());  // [num_tokens, max_rows]
+  float* v_ptr = v.data_ptr<float>();
+  const float* x_ptr = x.data_ptr<float>();
+  const int ldv = static_cast<int>(max_rows);
+  std::vector<float*> out_ptrs;
+  for (const auto& out : outputs) out_ptrs.push_back(out.data_ptr<float>());
+
+  // Each segment's weights. An adapter on consecutive pages is read in place. One on scattered
+  // pages is followed through its page table: short segments take row pointers into its pages
+  // (copying only rows that cross a page boundary); for long ones (MKL needs whole matrices)
+  // this group's A rows and each B^T are copied out page by page.
+  std::vector<AdapterBuffer> buffers(num_segments);
+  std::vector<SegmentWeights> weights(num_segments);
+  std::vector<std::vector<float>> copies(num_segments);
+  std::vector<TiledSegment> tiled;
+  std::vector<int64_t> large;
+  std::vector<int64_t> out_widths;
+  for (const auto& out : outputs) out_widths.push_back(out.size(1));
+  thread_local std::vector<float> row_copies;  // grows to the largest need, then reused
+  std::vector<int64_t> row_copy_sizes;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const int64_t* m = meta_ptr + s * kMetaWidth;
+    const int64_t num = bound_ptr[s * 4 + 1] - bound_ptr[s * 4];
+    if (m[1] == 0 || num == 0) continue;
+    // (offset in the adapter's layer buffer, elements) of A, then of each present B^T.
+    std::vector<std::pair<int64_t, int64_t>> spans = {{m[0], m[1] * in_features}};
+    for (int64_t module = 0; module < num_outputs; ++module) {
+      const int64_t* mm = m + 2 + 4 * module;
+      if (mm[1] == 0) continue;
+      TORCH_CHECK(outputs[module].size(1) == mm[3], "output ", module, " width does not match the adapter");
+      spans.emplace_back(mm[2], mm[1] * mm[3]);
+    }
+    AdapterBuffer& buffer = buffers[s];
+    buffer.layer = layer_ptr;
+    buffer.page_elems = page_elems;
+    buffer.table = table_ptr + s * max_pages;
+    for (const auto& span : spans) {
+      TORCH_CHECK(span.first + span.second <= max_pages * page_elems, "adapter weights run past its page table");
+    }
+    if (bound_ptr[s * 4 + 2] == 0) buffer.base = layer_ptr + bound_ptr[s * 4 + 3];
+    if (num <= kTiledMax) {
+      TiledSegment seg;
+      seg.start = bound_ptr[s * 4];
+      seg.num = num;
+      seg.meta = m;
+      seg.scale = scale_ptr + s * kMaxModules;
+      tiled.push_back(seg);
+      int64_t crossing = crossing_elements(buffer, m[0], m[1], in_features);
+      for (int64_t module = 0; module < num_outputs; ++module) {
+        const int64_t* mm = m + 2 + 4 * module;
+        if (mm[1] != 0) crossing += crossing_elements(buffer, mm[2], mm[1], mm[3]);
+      }
+      row_copy_sizes.push_back(crossing);
+      continue;
+    }
+    large.push_back(s);
+    std::vector<const float*> where(spans.size());
+    if (buffer.base != nullptr) {
+      for (size_t i = 0; i < spans.size(); ++i) where[i] = buffer.base + spans[i].first;
+    } else {
+      int64_t total = 0;
+      for (const auto& span : spans) total += span.second;
+      copies[s].resize(total);
+      for (size_t i = 0, at = 0; i < spans.size(); at += spans[i].second, ++i) {
+        float* dst = copies[s].data() + at;
+        const float* src = buffer.span(spans[i].first, spans[i].second, dst);
+        if (src != dst) std::memcpy(dst, src, spans[i].second * sizeof(float));
+        where[i] = dst;
+      }
+    }
+    weights[s].a = where[0];
+    for (int64_t module = 0, i = 1; module < num_outputs; ++module) {
+      if (m[3 + 4 * module] != 0) weights[s].b[module] = where[i++];
+    }
+  }
+  if (!tiled.empty()) {
+    int64_t total = 0;
+    for (const int64_t size : row_copy_sizes) total += size;
+    if (static_cast<int64_t>(row_copies.size()) < total) row_copies.resize(total);
+    float* scratch = row_copies.data();
+    for (size_t i = 0; i < tiled.size(); ++i) {
+      TiledSegment& seg = tiled[i];
+      const AdapterBuffer& buffer = buffers[(seg.meta - meta_ptr) / kMetaWidth];
+      collect_rows(buffer, seg.meta[0], seg.meta[1], in_features, seg.a_rows, scratch);
+      for (int64_t module = 0; module < num_outputs; ++module) {
+        const int64_t* mm = seg.meta + 2 + 4 * module;
+        if (mm[1] != 0) collect_rows(buffer, mm[2], mm[1], mm[3], seg.b_rows[module], scratch);
+      }
+    }
+    run_tiled(tiled, x_ptr, in_features, v_ptr, ldv, out_ptrs.data(), out_widths.data(), num_outputs);
+  }
+  if (large.empty()) return;
+  // Longer segments: the shrinks of all of them in one grouped MKL call, then all expands in another.
+  std::vector<int> ta, tb, ms, ns, ks, lda, ldb, ldc, sizes;
+  std::vector<float> alpha, beta;
+  std::vector<const float*> a_ptrs, b_ptrs;
+  std::vector<float*> c_ptrs;
+  auto add = [&](int trans_b, int m, int n, int k, float al, const float* a, int la, const float* b, int lb, float be,
+                 float* c, int lc) {
+    ta.push_back(kNoTrans); tb.push_back(trans_b); ms.push_back(m); ns.push_back(n); ks.push_back(k);
+    alpha.push_back(al); a_ptrs.push_back(a); lda.push_back(la); b_ptrs.push_back(b); ldb.push_back(lb);
+    beta.push_back(be); c_ptrs.push_back(c); ldc.push_back(lc); sizes.push_back(1);
+  };
+  auto run = [&]() {
+    cblas_sgemm_batch(kRowMajor, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(), alpha.data(), a_ptrs.data(),
+                      lda.data(), b_ptrs.data(), ldb.data(), beta.data(), c_ptrs.data(), ldc.data(),
+                      static_cast<int>(sizes.size()), sizes.data());
+    ta.clear(); tb.clear(); ms.clear(); ns.clear(); ks.clear(); lda.clear(); ldb.clear(); ldc.clear();
+    sizes.clear(); alpha.clear(); beta.clear(); a_ptrs.clear(); b_ptrs.clear(); c_ptrs.clear();
+  };
+  // v[seg, :rows] = x[seg] @ A^T
+  for (const int64_t s : large) {
+    const int64_t start = bound_ptr[s * 4], num = bound_ptr[s * 4 + 1] - start;
+    add(kTrans, num, meta_ptr[s * kMetaWidth + 1], in_features, 1.f, x_ptr + start * in_features, in_features,
+        weights[s].a, in_features, 0.f, v_ptr + start * ldv, ldv);
+  }
+  run();
+  // out_m[seg] += scale_m * v[seg, column:column+rank] @ B_m^T
+  for (const int64_t s : large) {
+    const int64_t* m = meta_ptr + s * kMetaWidth;
+    const int64_t start = bound_ptr[s * 4], num = bound_ptr[s * 4 + 1] - start;
+    for (int64_t module = 0; module < num_outputs; ++module) {
+      const int64_t* mm = m + 2 + 4 * module;
+      const int64_t column = mm[0], rank = mm[1], out_features = mm[3];
+      if (rank == 0) continue;
+      add(kNoTrans, num, out_features, rank, scale_ptr[s * kMaxModules + module], v_ptr + start * ldv + column, ldv,
+          weights[s].b[module], out_features, 1.f, out_ptrs[module] + start * out_features, out_features);
+    }
+  }
+  if (!sizes.empty()) run();
+}
+
