@@ -32,6 +32,9 @@ shrinks, then all expands). float32 only.
               (column, rank, b_offset, out_features) for up to 3 modules (rank 0: absent)
     scales:   [num_layers, num_groups, num_segments, 3] float32
 
+``write_kv_`` stores each token's K and V rows in its slot, as ``paged_attention.write_kv``
+(any dtype; slots are checked to lie inside the pages).
+
 ``rms_norm`` (optionally adding ``residual += x`` in place first) and ``rope_`` (in place)
 are the float32 elementwise parts of a Llama layer fused into one pass each; their
 semantics are those of ``RMSNorm`` and ``apply_rope`` in ``models/llama.py``.
@@ -143,6 +146,17 @@ def rms_norm(
     assert module is not None, "rms_norm needs the compiled CPU kernels"
     out: torch.Tensor = module.rms_norm(x.contiguous(), weight, eps, residual)
     return out
+
+
+def write_kv_(
+    kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim], rows contiguous
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, page_id * block_size + offset
+) -> None:
+    module = load_extension()
+    assert module is not None, "write_kv_ needs the compiled CPU kernels"
+    module.write_kv_(kv, key.contiguous(), value.contiguous(), slot_mapping)
 
 
 def rope_(

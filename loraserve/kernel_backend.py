@@ -1,8 +1,8 @@
 """Which kernels the engine runs: a small registry of backends chosen by ``EngineConfig.kernels``.
 
 * ``torch``: the torch implementations in ``kernels/`` (the references; any device, any dtype).
-* ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention
-  (any dtype), and for float32 also the LoRA segments, fused RMSNorm / RoPE and the model's
+* ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention and
+  the KV write (any dtype), and for float32 also the LoRA segments, fused RMSNorm / RoPE and the model's
   linear layers on oneDNN-packed weights for decode-sized batches (``models/packed_linear.py``).
 * ``auto``: ``cpu`` on a CPU device when the extension builds, else ``torch``.
 """
@@ -17,10 +17,10 @@ import torch
 
 from loraserve.adapter_manager import AdapterManager
 from loraserve.kernels import cpu
-from loraserve.kernels.paged_attention import paged_decode_attention
+from loraserve.kernels.paged_attention import paged_decode_attention, write_kv
 from loraserve.lora_batch import LoRAApplier
 from loraserve.lora_compiled import CompiledLoRAApplier
-from loraserve.models.llama import DecodeAttention, FusedRMSNorm, FusedRope, LoRAHook
+from loraserve.models.llama import DecodeAttention, FusedRMSNorm, FusedRope, LoRAHook, WriteKV
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class KernelBackend:
 
     name: str
     decode_attention: DecodeAttention
+    write_kv: WriteKV
     make_lora_hook: Callable[[AdapterManager], LoRAHook]
     rms_norm: FusedRMSNorm | None = None
     rope: FusedRope | None = None
@@ -39,15 +40,17 @@ class KernelBackend:
 
 
 def _torch_backend(dtype: torch.dtype) -> KernelBackend:
-    return KernelBackend("torch", paged_decode_attention, LoRAApplier)
+    return KernelBackend("torch", paged_decode_attention, write_kv, LoRAApplier)
 
 
 def _cpu_backend(dtype: torch.dtype) -> KernelBackend:
     if cpu.load_extension() is None:
         raise RuntimeError("kernels='cpu' needs the compiled CPU kernels, which could not be built (see the log)")
     if dtype != torch.float32:  # the fused and LoRA kernels are float32; attention takes any dtype
-        return KernelBackend("cpu", cpu.paged_decode_attention, LoRAApplier)
-    return KernelBackend("cpu", cpu.paged_decode_attention, CompiledLoRAApplier, cpu.rms_norm, cpu.rope_, True)
+        return KernelBackend("cpu", cpu.paged_decode_attention, cpu.write_kv_, LoRAApplier)
+    return KernelBackend(
+        "cpu", cpu.paged_decode_attention, cpu.write_kv_, CompiledLoRAApplier, cpu.rms_norm, cpu.rope_, True
+    )
 
 
 BACKENDS: dict[str, Callable[[torch.dtype], KernelBackend]] = {"torch": _torch_backend, "cpu": _cpu_backend}

@@ -107,7 +107,8 @@ class LLMEngine:
         )
         self.scheduler.adapters = self.adapters
         self.kernels = select_backend(config.kernels, self.device, config.torch_dtype)
-        self.model.use_kernels(self.kernels.decode_attention, self.kernels.rms_norm, self.kernels.rope)
+        kernels = self.kernels
+        self.model.use_kernels(kernels.decode_attention, kernels.write_kv, kernels.rms_norm, kernels.rope)
         if self.kernels.pack_linears:
             pack_linears(self.model, batch_hint=config.max_num_seqs)
         self.runner.lora_hook = self.kernels.make_lora_hook(self.adapters)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from loraserve.kernels import cpu
 from loraserve.kernels.lora import lora_reference
-from loraserve.kernels.paged_attention import paged_decode_attention
+from loraserve.kernels.paged_attention import paged_decode_attention, write_kv
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
 
@@ -62,6 +62,20 @@ def test_decode_attention_bfloat16_close_to_float32_reference() -> None:
     out = cpu.paged_decode_attention(query, kv, tables, torch.tensor(lens), 0.2)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn(7, 2, 4, 3, 8, generator=gen).to(dtype)
+    key, value = (torch.randn(10, 3, 8, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.randperm(28, generator=gen)[:10]  # distinct slots over every page
+    expected = kv.clone()
+    write_kv(expected, key, value, slots)
+    cpu.write_kv_(kv, key, value, slots)
+    assert torch.equal(kv, expected)
+    with pytest.raises(RuntimeError, match="outside the pages"):
+        cpu.write_kv_(kv, key[:1], value[:1], torch.tensor([28]))
 
 
 # ---- segmented LoRA --------------------------------------------------------------------

@@ -227,6 +227,34 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 }
 #pragma GCC pop_options
 
+// kv[slot / B, 0, slot % B] = key[t] and kv[slot / B, 1, slot % B] = value[t] for each token t,
+// as kernels/paged_attention.write_kv: whole rows copied, any dtype.
+void write_kv_(at::Tensor& kv, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "kv must be [num_pages, 2, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == kv.size(4), "kv rows must be contiguous");
+  TORCH_CHECK(key.dim() == 3 && key.is_contiguous() && value.is_contiguous() && value.sizes() == key.sizes() &&
+                  key.size(1) == kv.size(3) && key.size(2) == kv.size(4),
+              "key and value must be contiguous [num_tokens, kv_heads, head_dim] matching kv");
+  TORCH_CHECK(key.scalar_type() == kv.scalar_type() && value.scalar_type() == kv.scalar_type(), "dtypes differ");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0),
+              "slot_mapping: [num_tokens] int64");
+  const int64_t num_tokens = key.size(0), block_size = kv.size(2), num_slots = kv.size(0) * block_size;
+  const int64_t elem = kv.element_size(), row = key.size(1) * key.size(2) * elem;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the pages");
+  }
+  char* pages = static_cast<char*>(kv.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    char* dst = pages + ((slots[t] / block_size) * kv.stride(0) + (slots[t] % block_size) * kv.stride(2)) * elem;
+    std::memcpy(dst, k + t * row, row);
+    std::memcpy(dst + kv.stride(1) * elem, v + t * row, row);
+  }
+}
+
 // lora_segments.cpp
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
@@ -237,4 +265,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)");
   m.def("rope_", &rope_, "rotary embedding in place (see kernels/cpu.py)");
+  m.def("write_kv_", &write_kv_, "store K and V rows in their slots (see kernels/cpu.py)");
 }

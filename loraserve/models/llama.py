@@ -23,6 +23,8 @@ LoRAHook = Callable[[torch.Tensor, int, str, tuple[torch.Tensor, ...], ForwardBa
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 # (x, weight, eps, residual or None) -> out; with a residual, residual += x in place first.
 FusedRMSNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], torch.Tensor]
+# (kv, key, value, slot_mapping) -> None: stores each token's K and V in its slot.
+WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (x [num_tokens, heads, head_dim], cos, sin) -> None: rotates x in place.
 FusedRope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -105,6 +107,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.decode_attention: DecodeAttention = paged_decode_attention
+        self.write_kv: WriteKV = write_kv
         self.fused_rope: FusedRope | None = None
 
     def forward(
@@ -128,7 +131,7 @@ class LlamaAttention(nn.Module):
             self.fused_rope(k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(kv, k, v, batch.slot_mapping)
+        self.write_kv(kv, k, v, batch.slot_mapping)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         num_decode = batch.num_decode_tokens
         if num_decode:
@@ -160,7 +163,7 @@ class LlamaMLP(nn.Module):
         gate, up = self.gate_proj(hidden), self.up_proj(hidden)  # [num_tokens, intermediate]
         if lora is not None:
             lora(hidden, self.layer_index, "gate_up", (gate, up), batch)
-        act = F.silu(gate) * up
+        act = F.silu(gate, inplace=True).mul_(up)  # [num_tokens, intermediate], in place: no temporaries
         out = self.down_proj(act)  # [num_tokens, hidden]
         if lora is not None:
             lora(act, self.layer_index, "down", (out,), batch)
@@ -210,12 +213,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def use_kernels(
-        self, decode_attention: DecodeAttention, rms_norm: FusedRMSNorm | None, rope: FusedRope | None
+        self,
+        decode_attention: DecodeAttention,
+        write_kv: WriteKV,
+        rms_norm: FusedRMSNorm | None,
+        rope: FusedRope | None,
     ) -> None:
         """Run with these kernels (a backend of loraserve.kernel_backend); None: the torch ops."""
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.decode_attention = decode_attention
+            layer.self_attn.write_kv = write_kv
             layer.self_attn.fused_rope = rope
             layer.input_layernorm.fused = rms_norm
             layer.post_attention_layernorm.fused = rms_norm
