@@ -19,7 +19,7 @@ from loraserve.detokenizer import Detokenizer, find_stop_string
 from loraserve.kernel_backend import select_backend
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.loader import load_hf_config, load_model, resolve_model_dir
-from loraserve.models.packed_linear import pack_llama_linears
+from loraserve.models.packed_linear import pack_linears
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.page_pool import PagePool
 from loraserve.sampling_params import SamplingParams
@@ -110,7 +110,7 @@ class LLMEngine:
         kernels = self.kernels
         self.model.use_kernels(kernels.decode_attention, kernels.write_kv, kernels.rms_norm, kernels.rope)
         if self.kernels.pack_linears:
-            pack_llama_linears(self.model, batch_hint=config.max_num_seqs)
+            pack_linears(self.model, batch_hint=config.max_num_seqs)
         self.runner.lora_hook = self.kernels.make_lora_hook(self.adapters)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)

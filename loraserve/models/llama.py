@@ -25,9 +25,6 @@ DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 FusedRMSNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], torch.Tensor]
 # (kv, key, value, slot_mapping) -> None: stores each token's K and V in its slot.
 WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-# (x [num_tokens, in_features]) -> each projection's output [num_tokens, out_m], contiguous:
-# several linear layers of one input run together (models/packed_linear.py).
-GroupProjection = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 # (x [num_tokens, heads, head_dim], cos, sin) -> None: rotates x in place.
 FusedRope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -108,11 +105,10 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj: nn.Module = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.decode_attention: DecodeAttention = paged_decode_attention
         self.write_kv: WriteKV = write_kv
         self.fused_rope: FusedRope | None = None
-        self.project_qkv: GroupProjection | None = None  # None: q_proj, k_proj, v_proj one by one
 
     def forward(
         self,
@@ -123,10 +119,7 @@ class LlamaAttention(nn.Module):
         lora: LoRAHook | None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        if self.project_qkv is not None:
-            q, k, v = self.project_qkv(hidden)
-        else:
-            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         if lora is not None:
             lora(hidden, self.layer_index, "qkv", (q, k, v), batch)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
@@ -164,14 +157,10 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj: nn.Module = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.project_gate_up: GroupProjection | None = None  # None: gate_proj, up_proj one by one
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
-        if self.project_gate_up is not None:
-            gate, up = self.project_gate_up(hidden)
-        else:
-            gate, up = self.gate_proj(hidden), self.up_proj(hidden)  # [num_tokens, intermediate]
+        gate, up = self.gate_proj(hidden), self.up_proj(hidden)  # [num_tokens, intermediate]
         if lora is not None:
             lora(hidden, self.layer_index, "gate_up", (gate, up), batch)
         act = F.silu(gate, inplace=True).mul_(up)  # [num_tokens, intermediate], in place: no temporaries
@@ -219,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
