@@ -67,10 +67,14 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-async def complete(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Result:
-    """One streamed completion; the first chunk with a choice marks the first token."""
+async def complete(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, stream: bool) -> Result:
+    """One completion. Streamed: the first chunk with a choice marks the first token. Not streamed
+    (one JSON response; no time to first token): the client does almost no work per token."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    if not stream:
+        return await complete_whole(client, body)
+    body["stream_options"] = {"include_usage": True}
     result, chunks, start = Result(), 0, time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -101,14 +105,31 @@ async def complete(client: httpx.AsyncClient, model: str, prompt: list[int], max
     return result
 
 
-async def run_phase(client: httpx.AsyncClient, name: str, models: list[str], work: Workload, concurrency: int) -> Phase:
+async def complete_whole(client: httpx.AsyncClient, body: dict[str, Any]) -> Result:
+    result, start = Result(), time.perf_counter()
+    try:
+        response = await client.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {response.text[:300]!r}"
+            return result
+        result.tokens = int(response.json()["usage"]["completion_tokens"])
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError, TypeError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.latency_s = time.perf_counter() - start
+    return result
+
+
+async def run_phase(
+    client: httpx.AsyncClient, name: str, models: list[str], work: Workload, concurrency: int, stream: bool
+) -> Phase:
     """Every request of the workload, ``models[i]`` for request ``i``, at most ``concurrency`` in flight."""
     gate = asyncio.Semaphore(concurrency)
     progress = tqdm(total=len(models), desc=f"{name} (c={concurrency})", unit="req")
 
     async def one(i: int) -> Result:
         async with gate:
-            result = await complete(client, models[i], work.prompts[i], work.max_tokens)
+            result = await complete(client, models[i], work.prompts[i], work.max_tokens, stream)
         progress.update(1)
         return result
 
@@ -172,10 +193,11 @@ async def bench(args: argparse.Namespace, url: str, work: Workload) -> tuple[lis
         plans = {"base": [base] * len(work.prompts)}
         if adapter_ids:
             plans["lora"] = [adapter_ids[a % len(adapter_ids)] for a in work.adapter_of]
-        warm = await asyncio.gather(*(complete(client, m, work.prompts[0][:8], 2) for m in ids))  # warm-up
+        stream = not args.no_stream
+        warm = await asyncio.gather(*(complete(client, m, work.prompts[0][:8], 2, stream) for m in ids))  # warm-up
         if errors := [f"{m}: {r.error}" for m, r in zip(ids, warm, strict=True) if r.error]:
             raise SystemExit("warm-up failed: " + "; ".join(errors))
-        phases = [await run_phase(client, name, plans[name], work, args.concurrency) for name in args.phases]
+        phases = [await run_phase(client, name, plans[name], work, args.concurrency, stream) for name in args.phases]
     return ids, phases
 
 
@@ -188,7 +210,8 @@ def report(info: dict[str, Any], args: argparse.Namespace, url: str, ids: list[s
         f"average {info['load_avg_at_start']} at start, {info['load_avg_at_end']} at end",
         f"Server: {url} ({'loraserve in this process, ' + args.dtype if args.start_loraserve else 'external'}); "
         f"base model {ids[0]!r}, adapters {ids[1:]}",
-        f"Workload: {work.describe(args)}; concurrency {args.concurrency}",
+        f"Workload: {work.describe(args)}; concurrency {args.concurrency}, "
+        f"{'plain JSON responses (not streamed)' if args.no_stream else 'streamed (SSE)'}",
         "",
         "| phase | requests | ok | failed | short | gen. tokens | wall s | tok/s | TTFT p50 s | TTFT p90 s "
         "| latency p50 s |",
@@ -217,6 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="base model id, then adapter ids (default: from GET /v1/models)")  # fmt: skip
     add("--phases", type=lambda t: t.split(","), default=["base", "lora"], help="phases to run (default base,lora)")
     add("--concurrency", type=int, default=64, help="requests in flight (default 64)")
+    add("--no-stream", action="store_true", help="plain JSON responses instead of SSE (no TTFT; least client CPU)")
     add("--api-key", default=os.environ.get("LORASERVE_API_KEY"), help="bearer token (default $LORASERVE_API_KEY)")
     add("--timeout", type=float, default=1800.0, help="per-request timeout in seconds (default 1800)")
     add("--start-loraserve", action="store_true", help="serve loraserve in this process, adapters registered")

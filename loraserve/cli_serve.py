@@ -99,11 +99,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine options")
     for flag, _, kind, help_text in ENGINE_OPTIONS:
         engine.add_argument(flag, type=kind, default=None, help=help_text)
+    engine.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="do not share KV blocks between requests with the same prefix (default: shared)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line (others keep their defaults)."""
-    return {field: getattr(args, field) for _, field, _, _ in ENGINE_OPTIONS if getattr(args, field, None) is not None}
+    fields = [field for _, field, _, _ in ENGINE_OPTIONS] + ["enable_prefix_caching"]
+    return {field: getattr(args, field) for field in fields if getattr(args, field, None) is not None}
 
 
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:

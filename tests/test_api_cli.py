@@ -40,9 +40,10 @@ def test_every_option(tmp_path: Path) -> None:
         "--api-key", "k1", "--admin-key", "k2", "--allowed-lora-dir", str(tmp_path),
         "--allowed-lora-dir", str(tmp_path / "b"), "--max-upload-mb", "3", "--block-size", "32",
         "--num-pages", "100", "--memory-budget-mb", "64", "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "128", "--device", "cpu", "--dtype", "bfloat16",
+        "--max-num-batched-tokens", "128", "--device", "cpu", "--dtype", "bfloat16", "--no-enable-prefix-caching",
     )  # fmt: skip
     config = build_engine_config(args)
+    assert config.enable_prefix_caching is False
     assert (config.model, config.block_size, config.num_pages, config.memory_budget_mb) == (str(tmp_path), 32, 100, 64)
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.dtype) == (4, 128, "bfloat16")
     settings = build_settings(args, tmp_path)
