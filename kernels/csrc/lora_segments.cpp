@@ -29,12 +29,55 @@ using namespace loraserve_lora;
 constexpr int kRowMajor = 101;
 constexpr int kNoTrans = 111;
 constexpr int kTrans = 112;
+// Segments of at most this many tokens (decode steps over many adapters) are bound by reading
+// the weights: small_segment reads each weight row once for all of the segment's tokens.
+constexpr int64_t kSmallSegment = 2;
 
 // Where one long segment's matrices of this layer and group are: A (stacked rows) and each B^T.
 struct SegmentWeights {
   const float* a = nullptr;
   const float* b[kMaxModules] = {nullptr, nullptr, nullptr};
 };
+
+// A segment of a few tokens, row by row: each weight row is read once (in place, or copied
+// when it crosses a page boundary) for all the segment's tokens.
+void small_segment(const float* x, int64_t in_features, const AdapterBuffer& w, const int64_t* m,
+                   const float* scale, int64_t start, int64_t num, float* v, int64_t ldv, float* const* outs,
+                   int64_t num_outputs, std::vector<float>& tmp, float* row_buf) {
+  for (int64_t c = 0; c < m[1]; ++c) {
+    const float* a_row = w.span(m[0] + c * in_features, in_features, row_buf);
+    for (int64_t t = 0; t < num; ++t) {
+      const float* x_row = x + (start + t) * in_features;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t k = 0; k < in_features; ++k) dot += x_row[k] * a_row[k];
+      v[(start + t) * ldv + c] = dot;
+    }
+  }
+  for (int64_t module = 0; module < num_outputs; ++module) {
+    const int64_t* mm = m + 2 + 4 * module;
+    const int64_t column = mm[0], rank = mm[1], b_offset = mm[2], out_features = mm[3];
+    if (rank == 0) continue;
+    // tmp[t] = v_m[t] @ B_m^T first, then out[t] += scale * tmp[t], as one GEMM with alpha would.
+    tmp.assign(num * out_features, 0.f);
+    for (int64_t r = 0; r < rank; ++r) {
+      const float* b_row = w.span(b_offset + r * out_features, out_features, row_buf);
+      for (int64_t t = 0; t < num; ++t) {
+        const float coef = v[(start + t) * ldv + column + r];
+        float* acc = tmp.data() + t * out_features;
+#pragma omp simd
+        for (int64_t o = 0; o < out_features; ++o) acc[o] += coef * b_row[o];
+      }
+    }
+    const float s = scale[module];
+    for (int64_t t = 0; t < num; ++t) {
+      float* out = outs[module] + (start + t) * out_features;
+      const float* acc = tmp.data() + t * out_features;
+#pragma omp simd
+      for (int64_t o = 0; o < out_features; ++o) out[o] += s * acc[o];
+    }
+  }
+}
 
 }  // namespace
 
@@ -80,7 +123,8 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
   std::vector<SegmentWeights> weights(num_segments);
   std::vector<std::vector<float>> copies(num_segments);
   std::vector<TiledSegment> tiled;
-  std::vector<int64_t> large;
+  std::vector<int64_t> small, large;
+  int64_t max_row = in_features;
   std::vector<int64_t> out_widths;
   for (const auto& out : outputs) out_widths.push_back(out.size(1));
   thread_local std::vector<float> row_copies;  // grows to the largest need, then reused
@@ -96,6 +140,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
       if (mm[1] == 0) continue;
       TORCH_CHECK(outputs[module].size(1) == mm[3], "output ", module, " width does not match the adapter");
       spans.emplace_back(mm[2], mm[1] * mm[3]);
+      max_row = std::max(max_row, mm[3]);
     }
     AdapterBuffer& buffer = buffers[s];
     buffer.layer = layer_ptr;
@@ -103,6 +148,13 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     buffer.table = table_ptr + s * max_pages;
     for (const auto& span : spans) {
       TORCH_CHECK(span.first + span.second <= max_pages * page_elems, "adapter weights run past its page table");
+    }
+    if (num <= kSmallSegment) {
+      // Row by row through the page table even on consecutive pages: measured 2-3x faster
+      // here than the same loops over one flat pointer, and ~2x faster than the tiled loops at
+      // 1-2 tokens in the 1000-adapter benchmark.
+      small.push_back(s);
+      continue;
     }
     if (bound_ptr[s * 4 + 2] == 0) buffer.base = layer_ptr + bound_ptr[s * 4 + 3];
     if (num <= kTiledMax) {
@@ -138,6 +190,20 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     weights[s].a = where[0];
     for (int64_t module = 0, i = 1; module < num_outputs; ++module) {
       if (m[3 + 4 * module] != 0) weights[s].b[module] = where[i++];
+    }
+  }
+  if (!small.empty()) {
+    const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(small.size())));
+#pragma omp parallel num_threads(num_threads)
+    {
+      std::vector<float> tmp, row_buf(max_row);
+#pragma omp for schedule(dynamic, 1)
+      for (size_t i = 0; i < small.size(); ++i) {
+        const int64_t s = small[i];
+        small_segment(x_ptr, in_features, buffers[s], meta_ptr + s * kMetaWidth, scale_ptr + s * kMaxModules,
+                      bound_ptr[s * 4], bound_ptr[s * 4 + 1] - bound_ptr[s * 4], v_ptr, ldv, out_ptrs.data(),
+                      num_outputs, tmp, row_buf.data());
+      }
     }
   }
   if (!tiled.empty()) {
