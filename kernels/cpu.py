@@ -13,10 +13,10 @@ and accumulation.
 ``lora_segments`` has the semantics of ``lora.apply_lora_segments`` (SGMV: for each
 segment ``s`` of tokens ``start:end`` using one adapter, ``v = x[seg] @ A_s^T`` and
 ``out_m[seg] += scale_m * v[:, col_m:col_m + r_m] @ B_m^T``) with the weights read in
-place from the pool's storage: no Python loop over adapters. Segments of up to 32 tokens
-(decode) run as register-tiled shrink and expand loops over row pointers into the
-adapter's pages, work items in parallel; longer ones as two grouped MKL GEMM calls (all
-shrinks, then all expands). float32 only.
+place from the pool's storage: no Python loop over adapters. Segments of 1-2 tokens run
+as row loops through the adapter's page table, segments of 3-32 tokens as register-tiled
+shrink and expand loops over row pointers into its pages (work items in parallel), longer
+ones as two grouped MKL GEMM calls (all shrinks, then all expands). float32 only.
 
     x:        [num_tokens, in_features] float32, contiguous
     outputs:  per module of the group, [num_tokens, out_m] float32, contiguous, updated in place

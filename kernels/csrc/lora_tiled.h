@@ -17,7 +17,7 @@ namespace loraserve_lora {
 // meta[layer, group, s] = [a_offset, num_rows, (column, rank, b_offset, out_features) x 3]
 constexpr int64_t kMetaWidth = 14;
 constexpr int64_t kMaxModules = 3;
-// Segments of at most this many tokens (decode steps, short prefills) run as the register-tiled
+// Segments of 3 up to this many tokens (decode steps, short prefills) run as the register-tiled
 // loops below, which read each weight row of the segment's adapter once, in place in its pages;
 // longer ones go to MKL's grouped GEMM. Measured on SmolLM2 shapes (8 adapters, ranks 8-64, all
 // four groups, weights cold in cache), tiled time / MKL time: 0.7 at 4 tokens per segment, 0.85
