@@ -10,6 +10,8 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -161,8 +163,30 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without --admin-key or --api-key: anyone can change adapters", args.host)
     app = create_app(engine, settings)
     logger.info("serving %s on http://%s:%d (docs at /docs)", settings.model_id, args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    async_engine = app.state.server.async_engine
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:  # uvicorn stopped, or could not start: end the engine loop too
+            async_engine.shutdown()
+
+    # The engine loop keeps the main thread (it runs there much faster than on a new thread, see
+    # AsyncEngine.run_on_this_thread); uvicorn serves from a background thread.
+    http = threading.Thread(target=serve_http, name="uvicorn", daemon=True)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a clean shutdown
-        logger.info("stopped")
-    return 0
+        async_engine.run_on_this_thread(ready=http.start)
+    except KeyboardInterrupt:
+        logger.info("stopping")
+    finally:
+        server.should_exit = True
+        if http.is_alive():
+            http.join(60)
+    logger.info("stopped")
+    return 0 if server.started else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
