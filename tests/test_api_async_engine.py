@@ -159,3 +159,26 @@ def test_abort_by_someone_else_and_shutdown() -> None:
     assert not engine.is_running
     with pytest.raises(EngineDeadError):
         run(engine.add_request("c", "p", SamplingParams()))
+
+
+def test_run_on_this_thread_owns_the_calling_thread_until_shutdown() -> None:
+    """``loraserve serve`` runs the loop on its main thread; here a thread named "owner" plays it."""
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    ready = threading.Event()
+    owner = threading.Thread(target=engine.run_on_this_thread, kwargs={"ready": ready.set}, name="owner")
+    owner.start()
+    assert ready.wait(5)
+    with pytest.raises(RuntimeError, match="already running"):
+        engine.run_on_this_thread()
+
+    async def main() -> list[RequestOutput]:
+        return [out async for out in engine.generate("a", "p", SamplingParams(max_tokens=2))]
+
+    outputs = run(main())
+    assert outputs[-1].finished and fake.threads == {"owner"}  # start() did not make a thread of its own
+    engine.shutdown()  # tells the loop to stop without joining the owner from here
+    owner.join(5)
+    assert not owner.is_alive()
+    with pytest.raises(EngineDeadError):
+        engine.start()
