@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -38,7 +39,7 @@ class LoRABatch:
         return {adapter_id for _, _, adapter_id in self.segments}
 
 
-class PerBatchLoRAHook(Generic[Prepared]):
+class PerBatchLoRAHook(ABC, Generic[Prepared]):
     """Base of the model's LoRA hooks (``LoRAHook``).
 
     ``prepare`` builds whatever a step needs from its ``LoRABatch`` once, at the first call of
@@ -50,9 +51,11 @@ class PerBatchLoRAHook(Generic[Prepared]):
         self._batch: LoRABatch | None = None
         self._prepared: Prepared | None = None
 
+    @abstractmethod
     def prepare(self, lora: LoRABatch) -> Prepared:
-        raise NotImplementedError
+        """What ``apply`` needs for every layer of this step's batch."""
 
+    @abstractmethod
     def apply(
         self,
         x: torch.Tensor,  # [num_tokens, in_features]
@@ -61,7 +64,7 @@ class PerBatchLoRAHook(Generic[Prepared]):
         outputs: tuple[torch.Tensor, ...],  # each [num_tokens, out_features_m], updated in place
         prepared: Prepared,
     ) -> None:
-        raise NotImplementedError
+        """Add the LoRA deltas of ``group`` in ``layer`` to ``outputs``."""
 
     def __call__(
         self,
