@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,8 +147,9 @@ class LoRAAdapter:
     def max_rank(self) -> int:
         return max((w.rank for w in self.weights.values()), default=0)
 
-    @property
+    @functools.cached_property
     def num_parameters(self) -> int:
+        """Memoised: the host cache sums it over every adapter it holds whenever a request comes."""
         return sum(w.num_parameters for w in self.weights.values())
 
     @property

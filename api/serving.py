@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from loraserve.llm_engine import LLMEngine, RequestError
+from loraserve.llm_engine import LLMEngine, RequestError, UnknownAdapterError
 from loraserve.sampling_params import SamplingParams, SamplingParamsError
 
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -18,14 +18,6 @@ from .errors import APIError
 from .metrics import ServerMetrics
 from .openai_protocol import _SamplingFields, unsupported_fields
 from .settings import ServerSettings
-
-try:  # the multi-LoRA engine defines it; until then no adapter name can be valid anyway
-    from loraserve.llm_engine import UnknownAdapterError
-except ImportError:  # pragma: no cover - depends on the engine version
-
-    class UnknownAdapterError(RequestError):  # type: ignore[no-redef]
-        """Stand-in until the engine defines it."""
-
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +98,8 @@ def sampling_params(
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            # A plain JSON response needs only the finished output (no per-step outputs or text).
+            output_kind="cumulative" if request.stream else "final_only",
         )
     except SamplingParamsError as error:
         raise APIError(400, str(error), code="invalid_value") from None

@@ -76,6 +76,7 @@ class KVCacheManager:
             source = seq.block_ids[index]
             (destination,) = self.pool.allocate(1, PageKind.KV)
             seq.block_ids[index] = destination
+            seq.num_registered_blocks = min(seq.num_registered_blocks, index)
             self._release([source])
             copies.append((source, destination))
             needed -= 1
@@ -95,7 +96,7 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, last block first (so it is evicted first)."""
         self._release(reversed(seq.block_ids))
-        seq.block_ids = []
+        _set_block_ids(seq, [])
 
     def _release(self, page_ids: Iterable[int]) -> None:
         for page_id in self.pool.decref(page_ids):
@@ -151,16 +152,20 @@ class KVCacheManager:
         if self.prefix_cache is None:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
-        for index, block_hash in enumerate(extend_block_hashes(seq, num_full, self.block_size)):
-            page_id = seq.block_ids[index]
+        if num_full <= seq.num_registered_blocks:
+            return
+        hashes = extend_block_hashes(seq, num_full, self.block_size)
+        for index in range(seq.num_registered_blocks, num_full):
+            page_id, block_hash = seq.block_ids[index], hashes[index]
             if self.prefix_cache.hash_of(page_id) is None and self.prefix_cache.lookup(block_hash) is None:
                 self.prefix_cache.insert(block_hash, page_id)
+        seq.num_registered_blocks = num_full
 
     # ---- forking ----------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` the parent's blocks, shared (copy-on-write)."""
         self.pool.incref(parent.block_ids)
-        child.block_ids = list(parent.block_ids)
+        _set_block_ids(child, list(parent.block_ids))
         child.block_hashes = list(parent.block_hashes)
 
     # ---- swapping -------------------------------------------------------------------
@@ -173,7 +178,7 @@ class KVCacheManager:
         host_page_ids = self.host_pool.allocate(len(seq.block_ids))
         mapping = list(zip(seq.block_ids, host_page_ids, strict=True))
         self._release(seq.block_ids)
-        seq.block_ids = host_page_ids
+        _set_block_ids(seq, host_page_ids)
         return mapping
 
     def can_swap_in(self, seq: Sequence) -> bool:
@@ -185,10 +190,16 @@ class KVCacheManager:
         device_page_ids = self.pool.allocate(len(seq.block_ids), PageKind.KV)
         mapping = list(zip(seq.block_ids, device_page_ids, strict=True))
         self.host_pool.release(seq.block_ids)
-        seq.block_ids = device_page_ids
+        _set_block_ids(seq, device_page_ids)
         return mapping
 
     def free_swapped(self, seq: Sequence) -> None:
         assert self.host_pool is not None
         self.host_pool.release(seq.block_ids)
-        seq.block_ids = []
+        _set_block_ids(seq, [])
+
+
+def _set_block_ids(seq: Sequence, block_ids: list[int]) -> None:
+    """Give the sequence a new block table (none of whose blocks it has registered yet)."""
+    seq.block_ids = block_ids
+    seq.num_registered_blocks = 0

@@ -36,7 +36,7 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--dtype", "dtype", str, f"weights and pool dtype, one of {sorted(DTYPES)} (default float32)"),
     ("--seed", "seed", int, "seed of unseeded sampling (default 0)"),
     ("--num-threads", "num_threads", int, "torch CPU threads (default: torch's choice)"),
-    ("--kernels", "kernels", str, f"kernel backend, one of {KERNEL_CHOICES} (default auto: compiled C++ on CPU)"),
+    ("--kernels", "kernels", str, f"kernels, one of {KERNEL_CHOICES} (default auto: C++ on CPU, Triton on CUDA)"),
 )
 
 

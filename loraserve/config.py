@@ -18,7 +18,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 PREEMPTION_MODES = ("recompute", "swap")
-KERNEL_CHOICES = ("auto", "torch", "cpu")  # see loraserve/kernel_backend.py
+KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # see loraserve/kernel_backend.py
 
 
 class ConfigError(ValueError):
@@ -35,8 +35,8 @@ class EngineConfig:
     a directory (``dir:/path`` or a plain path) or ``redis://...``; ``None`` is a
     private temporary directory. ``host_adapter_cache_mb`` bounds the parsed
     adapters kept in host memory. ``kernels`` picks the kernel backend: ``torch``
-    (the reference implementations), ``cpu`` (compiled C++), ``auto`` (``cpu`` on a
-    CPU device when it builds, else ``torch``).
+    (the reference implementations), ``cpu`` (compiled C++), ``triton`` (GPU kernels),
+    ``auto`` (``cpu`` on a CPU device when it builds, ``triton`` on CUDA, else ``torch``).
     """
 
     model: str | None = None

@@ -4,11 +4,16 @@
 * ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention and
   the KV write (any dtype), and for float32 also the LoRA segments, fused RMSNorm / RoPE and the model's
   linear layers on oneDNN-packed weights for decode-sized batches (``models/packed_linear.py``).
-* ``auto``: ``cpu`` on a CPU device when the extension builds, else ``torch``.
+* ``triton``: the Triton kernels (GPU): paged decode attention (``kernels/triton_attention.py``)
+  and LoRA read in place from the pool pages (``kernels/triton_lora.py``); on a CPU device
+  only under Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
+* ``auto``: ``cpu`` on a CPU device when the extension builds, ``triton`` on a CUDA device when
+  Triton is installed, else ``torch``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,15 +58,45 @@ def _cpu_backend(dtype: torch.dtype) -> KernelBackend:
     )
 
 
-BACKENDS: dict[str, Callable[[torch.dtype], KernelBackend]] = {"torch": _torch_backend, "cpu": _cpu_backend}
+def _triton_backend(dtype: torch.dtype) -> KernelBackend:
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError("kernels='triton' needs the triton package (pip install 'loraserve[triton]')")
+    # Imported here: triton is optional, and its kernels are compiled (or interpreted) on import.
+    from loraserve.kernels import triton_attention
+    from loraserve.lora_triton import TritonLoRAApplier
+
+    return KernelBackend("triton", triton_attention.paged_decode_attention, write_kv, TritonLoRAApplier)
+
+
+BACKENDS: dict[str, Callable[[torch.dtype], KernelBackend]] = {
+    "torch": _torch_backend,
+    "cpu": _cpu_backend,
+    "triton": _triton_backend,
+}
+
+
+def _auto(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu" if cpu.load_extension() is not None else "torch"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch"
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> KernelBackend:
-    """The backend for ``EngineConfig.kernels``; ``auto`` falls back to ``torch`` if ``cpu`` cannot build."""
+    """The backend for ``EngineConfig.kernels``; ``auto`` falls back to ``torch`` when the native one is missing."""
     if name == "auto":
-        name = "cpu" if device.type == "cpu" and cpu.load_extension() is not None else "torch"
+        name = _auto(device)
     if name == "cpu" and device.type != "cpu":
         raise RuntimeError(f"kernels='cpu' runs on the CPU, but the device is {device}")
     backend = BACKENDS[name](dtype)
+    if name == "triton" and device.type != "cuda":
+        from loraserve.kernels.triton_attention import runs_interpreted
+
+        if not runs_interpreted():
+            raise RuntimeError(
+                f"kernels='triton' on device {device} runs only in Triton's interpreter: "
+                "set TRITON_INTERPRET=1 before starting (or use kernels='cpu' or 'torch')"
+            )
     logger.info("kernels: %s", backend.name)
     return backend

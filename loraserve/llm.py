@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Sequence as Seq
@@ -63,6 +64,9 @@ class LLM:
             params_list = list(params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+        # Only finished requests are returned: no per-step outputs, text decoded once at the end.
+        final_only = {id(p): dataclasses.replace(p, output_kind="final_only") for p in params_list}
+        params_list = [final_only[id(p)] for p in params_list]
         if adapters is None or isinstance(adapters, str):
             adapter_list: list[str | None] = [adapters] * len(prompt_list)
         else:

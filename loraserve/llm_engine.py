@@ -248,7 +248,8 @@ class LLMEngine:
                     self.scheduler.add_fork(seq, child)
                 request.pending_forks = []
             self._check_stop(seq, token)
-            touched[seq.request_id] = request
+            if seq.params.output_kind == "cumulative" or request.is_finished:
+                touched[seq.request_id] = request
         outputs = [self._make_output(request) for request in touched.values()]
         for output in outputs:
             if output.finished:
@@ -257,7 +258,8 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        num_new_chars = len(self.detokenizer.update(seq))
+        decode_at_end = params.output_kind == "final_only" and not params.stop
+        num_new_chars = 0 if decode_at_end else len(self.detokenizer.update(seq))
         if not params.ignore_eos and token in self.eos_token_ids:
             self.scheduler.finish(seq, FinishReason.STOP)
         elif token in params.stop_token_ids:
@@ -268,6 +270,8 @@ class LLMEngine:
             self.scheduler.finish(seq, FinishReason.STOP, stop)
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self.scheduler.finish(seq, FinishReason.LENGTH)
+        if decode_at_end and seq.is_finished:
+            self.detokenizer.update(seq)
 
     def _make_output(self, request: Request) -> RequestOutput:
         first = request.seqs[0]

@@ -46,12 +46,15 @@ def layout_meta(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor]:
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
-    """``LoRAHook`` reading adapter weights in place from the pool's storage (float32)."""
+class SegmentPacker:
+    """Packs a step's segments for the kernels that read adapters in place from the pool.
+
+    Each resident adapter's ``layout_meta`` is built once and cached (dropped when it leaves the pool).
+    """
 
     def __init__(self, manager: AdapterManager) -> None:
-        super().__init__(manager)
-        self.storage = manager.storage  # [num_layers, num_pages, page_elems]
+        self.manager = manager
+        self.page_elems = manager.storage.shape[2]
         self._layout_meta: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _meta(self, resident: ResidentAdapter) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +65,8 @@ class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
             cached = self._layout_meta[resident.adapter_id] = layout_meta(resident.layout)
         return cached
 
-    def prepare(self, lora: LoRABatch) -> Packed:
+    def pack(self, lora: LoRABatch) -> Packed:
         """Where every segment's adapter sits, and its matrices' offsets in every layer and group."""
-        page_elems = self.storage.shape[2]
         bounds: list[tuple[int, int, int, int]] = []
         tables: list[list[int]] = []
         metas: list[torch.Tensor] = []
@@ -76,7 +78,7 @@ class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
             scales.append(scale)
             tables.append(resident.page_ids)
             if resident.is_contiguous:
-                bounds.append((start, end, 0, resident.page_ids[0] * page_elems))
+                bounds.append((start, end, 0, resident.page_ids[0] * self.page_elems))
             else:  # scattered pages: long segments copy their matrices out through the page table
                 bounds.append((start, end, 1, 0))
         max_pages = max(len(table) for table in tables)
@@ -87,6 +89,18 @@ class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
             torch.stack(metas, dim=2),
             torch.stack(scales, dim=2),
         )
+
+
+class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
+    """``LoRAHook`` reading adapter weights in place from the pool's storage (float32)."""
+
+    def __init__(self, manager: AdapterManager) -> None:
+        super().__init__(manager)
+        self.storage = manager.storage  # [num_layers, num_pages, page_elems]
+        self.packer = SegmentPacker(manager)
+
+    def prepare(self, lora: LoRABatch) -> Packed:
+        return self.packer.pack(lora)
 
     def apply(
         self,

@@ -53,7 +53,9 @@ class Sampler:
             temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
             top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
             top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-            scaled = logits[rows] / temps[:, None]  # [num_random, vocab]
+            # Sampled on the CPU whatever the device: the per-request generators are CPU ones, so a
+            # seed gives the same tokens on any device (up to the logits' rounding).
+            scaled = logits[rows.to(logits.device)].cpu() / temps[:, None]  # [num_random, vocab]
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
                 scaled = _filter_top_k_top_p(scaled, top_ks, top_ps)
             probs = scaled.softmax(dim=-1)
@@ -62,7 +64,7 @@ class Sampler:
                 seed = seqs[i].seed
                 generator = self.generator if seed is None else _sample_generator(seed, seqs[i].num_output_tokens)
                 noise[row].exponential_(generator=generator)
-            token_ids[rows] = (probs / noise).argmax(dim=-1)
+            token_ids[rows.to(token_ids.device)] = (probs / noise).argmax(dim=-1).to(token_ids.device)
         sampled = token_ids.tolist()
         self._record_logprobs(logits, seqs, sampled)
         return sampled

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+OUTPUT_KINDS = ("cumulative", "final_only")
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is invalid; the message names it."""
@@ -17,7 +19,10 @@ class SamplingParams:
     request, independent of what else shares the batch; with ``n > 1`` sample
     ``i`` uses seed ``seed + i``. Stop strings are not included in the output
     text; stop token ids and EOS end generation and are included in
-    ``token_ids`` (not in ``text``).
+    ``token_ids`` (not in ``text``). ``output_kind`` is vLLM's: ``cumulative`` reports the
+    request at every step that changes it; ``final_only`` only when it finishes, which also lets
+    the engine detokenize it once at the end when it has no stop strings (``LLM.generate``
+    uses it).
     """
 
     n: int = 1
@@ -30,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    output_kind: str = "cumulative"
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +53,9 @@ class SamplingParams:
         _require(
             self.logprobs is None or 0 <= self.logprobs <= 20,
             f"logprobs must be in [0, 20], got {self.logprobs}",
+        )
+        _require(
+            self.output_kind in OUTPUT_KINDS, f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}"
         )
 
     @property

@@ -48,6 +48,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     # Memo of the content hashes of this sequence's full blocks (see prefix_cache.py).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # Leading entries of ``block_ids`` already offered to the prefix cache (reset with the table).
+    num_registered_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

@@ -162,3 +162,33 @@ def test_no_host_pool_means_no_swap() -> None:
     seq = make_seq(4)
     run_step(manager, seq, 4)
     assert not manager.can_swap_out(seq)
+
+
+def test_full_blocks_are_registered_once_and_again_after_a_new_table() -> None:
+    """``cache_full_blocks`` offers each full block once; a new block table (after a preemption
+    freed the old one) is offered from its first block again."""
+    pool = PagePool(8)
+    manager = KVCacheManager(pool, block_size=4, enable_prefix_caching=True)
+    cache = manager.prefix_cache
+    assert cache is not None
+    seq = make_seq(6)
+    run_step(manager, seq, 6)
+    manager.cache_full_blocks(seq)
+    assert (seq.block_ids, seq.num_registered_blocks, len(cache)) == ([0, 1], 1, 1)
+    assert cache.hash_of(0) is not None and cache.hash_of(1) is None
+    run_step(manager, seq, 1)
+    manager.cache_full_blocks(seq)  # 7 of 8 tokens computed: nothing new is full
+    assert seq.num_registered_blocks == 1
+    run_step(manager, seq, 1)
+    manager.cache_full_blocks(seq)
+    assert (seq.num_registered_blocks, cache.hash_of(1) is not None, len(cache)) == (2, True, 2)
+    manager.free(seq)  # preempted (recompute): its pages become evictable cached blocks
+    assert (seq.block_ids, seq.num_registered_blocks) == ([], 0)
+    for page_id in (0, 1):
+        cache.remove_page(page_id)  # as if evicted: the recomputed blocks must be registered anew
+    pool.take_evictable(("kv", seq.block_hashes[0]))
+    seq.num_computed_tokens = 0
+    run_step(manager, seq, seq.num_tokens)
+    manager.cache_full_blocks(seq)
+    assert seq.num_registered_blocks == 2
+    assert all(cache.hash_of(page_id) is not None for page_id in seq.block_ids[:2])

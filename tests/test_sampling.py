@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from loraserve import LLM, SamplingParams
 from loraserve.config import ConfigError
 from loraserve.llm_engine import RequestError
+from loraserve.outputs import RequestOutput
 from loraserve.sampler import Sampler, _filter_top_k_top_p
 from loraserve.sampling_params import SamplingParamsError
 from loraserve.sequence import Sequence
@@ -105,6 +107,26 @@ def test_n_samples_and_logprobs(llm: LLM) -> None:
         assert len(sample.token_ids) == 5 and sample.logprobs is not None and len(sample.logprobs) == 5
         for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
             assert token in entry and len(entry) >= 2 and all(v <= 0.0 for v in entry.values())
+
+
+def test_final_only_requests_are_reported_once_with_the_same_text(llm: LLM) -> None:
+    """``output_kind="final_only"`` (what LLM.generate uses): no per-step outputs, and the text
+    decoded once at the end equals the token-by-token text of a cumulative request."""
+    engine = llm.engine
+    base = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kinds = {"cumulative": base, "final": dataclasses.replace(base, output_kind="final_only")}
+    for request_id, params in kinds.items():
+        engine.add_request(request_id, PROMPTS[0], params)
+    reports: dict[str, list[RequestOutput]] = {request_id: [] for request_id in kinds}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            reports[output.request_id].append(output)
+    assert len(reports["cumulative"]) == 10
+    (final,) = reports["final"]
+    assert final.finished and final.token_ids == reports["cumulative"][-1].token_ids
+    assert final.text == reports["cumulative"][-1].text != ""
+    with pytest.raises(SamplingParamsError, match="output_kind"):
+        SamplingParams(output_kind="delta")
 
 
 def test_bad_input_is_named(llm: LLM) -> None:

@@ -1,0 +1,385 @@
+"""GPU check and benchmark: the Triton kernels and the engine on CUDA, against Hugging Face.
+
+Nothing is downloaded: the models are random weights of real shapes, with the default
+model's tokenizer (``--tokenizer``). Each part prints what it measured and the script goes
+on when one fails; ``--out`` also gets a JSON of every figure.
+
+1. ``tests``: the Triton kernel and engine tests, compiled on the GPU (pytest).
+2. ``exact``: greedy tokens of loraserve (``triton`` and ``torch`` kernels, float32) against
+   Hugging Face + PEFT one request at a time, on a SmolLM2-135M-shaped model with 4 adapters
+   (ranks 8-64, all projections) and prompts of 5 to 1,100 tokens.
+3. ``attention``: paged decode attention, Triton against the torch reference (``do_bench``).
+4. ``throughput``: a Llama-3.2-1B-shaped model in bfloat16: loraserve without adapters and with
+   ``--adapters`` adapters round robin (``triton`` kernels, then the ``torch`` references),
+   against ``generate`` at batch 1 and a padded static batch, and PEFT's mixed-adapter batch.
+
+Run: ``python -m benchmarks.gpu --out DIR`` (``--smoke`` for a minute-long CPU dry run of
+the code paths, with tiny shapes, under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._workload import ROOT, _load_factory
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+}  # fmt: skip
+RESULTS: dict[str, Any] = {}
+OUT: list[Path] = []  # where results.json goes (--out), rewritten after every figure
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def record(key: str, value: Any) -> None:
+    RESULTS[key] = value
+    if OUT:
+        OUT[0].mkdir(parents=True, exist_ok=True)
+        (OUT[0] / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def make_model(shape: str, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtype, device: str) -> Path:
+    """A random-weight Llama of ``shape`` saved as a Hugging Face directory with the tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, **SHAPES[shape])  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_adapters(model_dir: Path, out_dir: Path, ranks: list[int]) -> list[tuple[str, Path]]:
+    from transformers import AutoConfig
+
+    factory, config = _load_factory(), AutoConfig.from_pretrained(model_dir)
+    adapters = []
+    for i, rank in enumerate(ranks):
+        path = out_dir / f"a{i}-r{rank}"
+        if not (path / "adapter_model.safetensors").is_file():
+            factory.make_peft_adapter_for_config(config, path, rank=rank, target_modules=TARGETS, seed=i)
+        adapters.append((f"a{i}", path))
+    return adapters
+
+
+def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(32, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def part_tests(args: argparse.Namespace) -> None:
+    """The Triton tests; conftest's default-model fixtures only need the tokenizer files."""
+    from loraserve.models.loader import DEFAULT_MODEL_NAME, cache_root
+
+    if not (cache_root() / "models" / DEFAULT_MODEL_NAME / "config.json").is_file():
+        raise RuntimeError("no default model directory for the test fixtures (see LORASERVE_GPU_TOKENIZER)")
+    files = ["tests/test_triton_kernels.py", "tests/test_triton_engine.py"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT,
+                         capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
+    log(run.stdout[-4000:] + run.stderr[-2000:])
+    record("tests", {"returncode": run.returncode, "summary": run.stdout.strip().splitlines()[-1:]})
+
+
+def part_exact(args: argparse.Namespace) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loraserve import LLM, SamplingParams
+
+    shape = "tiny" if args.smoke else "smollm2-135m"
+    model_dir = make_model(shape, args.tokenizer, args.work / f"{shape}-fp32", torch.float32, args.device)
+    adapters = make_adapters(model_dir, args.work / f"{shape}-adapters", [8, 16, 32, 64])
+    lens = [5, 17, 64, 128, 300, 513, 1100, 33] if not args.smoke else [5, 17, 40]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).eval()
+    vocab = hf.config.vocab_size
+    prompts = random_prompts(lens, vocab, seed=1)
+    names: list[str | None] = [None if i % 5 == 4 else adapters[i % len(adapters)][0] for i in range(len(lens))]
+    peft = PeftModel.from_pretrained(hf, str(adapters[0][1]), adapter_name=adapters[0][0])
+    for name, path in adapters[1:]:
+        peft.load_adapter(str(path), adapter_name=name)
+    peft.eval()
+    new = args.exact_tokens
+    reference = []
+    with torch.inference_mode():
+        for prompt, name in zip(prompts, names, strict=True):
+            ids = torch.tensor([prompt], device=args.device)
+            kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            if name is None:
+                with peft.disable_adapter():
+                    out = peft.generate(input_ids=ids, **kwargs)
+            else:
+                peft.set_adapter(name)
+                out = peft.generate(input_ids=ids, **kwargs)
+            reference.append(out[0, len(prompt) :].tolist())
+    del peft, hf
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    for kernels in ("triton", "torch"):
+        llm = LLM(str(model_dir), kernels=kernels, device=args.device, memory_budget_mb=2048)
+        for name, path in adapters:
+            llm.add_adapter(name, path)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
+                               adapters=names, use_tqdm=False)  # fmt: skip
+        got = [o.token_ids for o in outputs]
+        first_diff = [next((i for i, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), None)
+                      for g, r in zip(got, reference, strict=True)]  # fmt: skip
+        same = sum(d is None for d in first_diff)
+        log(f"exact[{kernels}]: {same}/{len(prompts)} requests equal HF+PEFT token for token "
+            f"({new} tokens, prompts {lens}); first differing index per request: {first_diff}")  # fmt: skip
+        record(f"exact_{kernels}", {"equal": same, "requests": len(prompts), "first_diff": first_diff})
+        del llm
+
+
+def part_attention(args: argparse.Namespace) -> None:
+    import triton.testing
+    from loraserve.kernels import paged_attention, triton_attention
+
+    rows = []
+    for num_seqs, context in [(4, 40)] if args.smoke else [(64, 1024), (256, 512), (256, 2048)]:
+        heads, kv_heads, head_dim, block = 32, 8, 64, 16
+        blocks = -(-context // block)
+        num_pages = num_seqs * blocks + 1
+        kv = torch.randn(num_pages, 2, block, kv_heads, head_dim, device=args.device, dtype=torch.bfloat16)
+        tables = torch.randperm(num_pages - 1, device=args.device)[: num_seqs * blocks].view(num_seqs, blocks) + 1
+        query = torch.randn(num_seqs, heads, head_dim, device=args.device, dtype=torch.bfloat16)
+        lens = torch.full((num_seqs,), context, device=args.device)
+        ref = paged_attention.paged_decode_attention(query, kv, tables, lens, 0.125)
+        out = triton_attention.paged_decode_attention(query, kv, tables, lens, 0.125)
+        error = (out.float() - ref.float()).abs().max().item()
+        if args.smoke:
+            rows.append((num_seqs, context, error, 0.0, 0.0, 0.0))
+            continue
+        inputs = (query, kv, tables, lens, 0.125)
+        t_triton = triton.testing.do_bench(lambda x=inputs: triton_attention.paged_decode_attention(*x))
+        t_torch = triton.testing.do_bench(lambda x=inputs: paged_attention.paged_decode_attention(*x))
+        kv_bytes = num_seqs * context * 2 * kv_heads * head_dim * 2
+        rows.append((num_seqs, context, error, t_triton, t_torch, kv_bytes / t_triton / 1e6))  # ms -> GB/s
+    for num_seqs, context, error, t_triton, t_torch, gbps in rows:
+        log(f"attention bf16 seqs={num_seqs} ctx={context}: max |triton-ref| {error:.2e}; triton {t_triton:.3f} ms "
+            f"({gbps:.0f} GB/s of KV), torch reference {t_torch:.3f} ms")  # fmt: skip
+    record("attention", rows)
+
+
+def timed_generate(llm: Any, prompts: list[list[int]], names: list[str] | None, new: int) -> dict[str, float]:
+    from loraserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm.generate(
+        prompts[:4],
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        adapters=names[:4] if names else None,
+        use_tqdm=False,
+    )  # fmt: skip  (warm-up: JIT)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    start, cpu = time.perf_counter(), time.process_time()
+    outputs = llm.generate(prompts, params, adapters=names, use_tqdm=False)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tok_per_s": tokens / wall}
+
+
+def part_throughput(args: argparse.Namespace) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loraserve import LLM
+
+    shape = "tiny" if args.smoke else "llama-1b"
+    dtype = torch.bfloat16
+    model_dir = make_model(shape, args.tokenizer, args.work / f"{shape}-bf16", dtype, args.device)
+    ranks = [[8, 16, 32, 64][i % 4] for i in range(args.adapters)]
+    adapters = make_adapters(model_dir, args.work / f"{shape}-adapters", ranks)
+    gen = torch.Generator().manual_seed(2)
+    lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.requests,), generator=gen).tolist()
+    hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+    prompts = random_prompts(lens, hf.config.vocab_size, seed=3)
+    names = [adapters[i % len(adapters)][0] for i in range(args.requests)]
+    new = args.max_tokens
+    results: dict[str, Any] = {"workload": f"{args.requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
+                               f"{new} new tokens, {args.adapters} adapters of ranks 8-64 on all projections, "
+                               f"bfloat16, random {shape}"}  # fmt: skip
+    engine_options = dict(device=args.device, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=8192, memory_budget_mb=args.pool_mb)  # fmt: skip
+
+    def engine_runs(kernels: str, runs: list[tuple[str, list[str] | None]]) -> None:
+        llm = LLM(str(model_dir), kernels=kernels, **engine_options)
+        for name, path in adapters:
+            llm.add_adapter(name, path)
+        for label, request_adapters in runs:
+            key = f"loraserve[{kernels}] {label}"
+            results[key] = timed_generate(llm, prompts, request_adapters, new)
+            log(f"{key}: {results[key]}")
+            record("throughput", results)
+        del llm
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    engine_runs("triton", [("no adapters", None), (f"{args.adapters} adapters", names)])
+
+    def hf_generate(model: Any, batch: list[list[int]], adapter_names: list[str] | None) -> int:
+        width = max(map(len, batch))
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(batch):  # left padding
+            ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
+        extra = {"adapter_names": adapter_names} if adapter_names else {}
+        out = model.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0, **extra)  # fmt: skip
+        return (out.shape[1] - width) * len(batch)
+
+    def measure(key: str, fn: Callable[[], int]) -> None:
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        start = time.perf_counter()
+        tokens = fn()
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        wall = time.perf_counter() - start
+        results[key] = {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall}
+        log(f"{key}: {results[key]}")
+        record("throughput", results)
+
+    batch = min(args.hf_batch, args.requests)
+    with torch.inference_mode():
+        hf_generate(hf, prompts[:1], None)  # warm-up
+        measure("HF generate batch 1 (first 4 requests)", lambda: sum(hf_generate(hf, [p], None) for p in prompts[:4]))
+        measure(f"HF generate padded batch {batch}", lambda: hf_generate(hf, prompts[:batch], None))
+        peft: Any = PeftModel.from_pretrained(hf, str(adapters[0][1]), adapter_name=adapters[0][0])
+        for name, path in adapters[1:]:
+            peft.load_adapter(str(path), adapter_name=name)
+        peft.eval()
+        measure(f"PEFT mixed-adapter batch {batch}", lambda: hf_generate(peft, prompts[:batch], names[:batch]))
+    peft = hf = None  # frees their GPU memory before the next engine
+    engine_runs("torch", [(f"{args.adapters} adapters", names)])
+
+
+def part_profile(args: argparse.Namespace) -> None:
+    """Where the host's time goes in the engine's steps (cProfile; it slows Python down, so only
+    the split is meaningful): the engine on the GPU is bound by its Python step loop."""
+    import cProfile
+    import io
+    import pstats
+
+    from loraserve import LLM, SamplingParams
+
+    shape = "tiny" if args.smoke else "llama-1b"
+    model_dir = args.work / f"{shape}-bf16"
+    adapters = make_adapters(model_dir, args.work / f"{shape}-adapters", [[8, 16, 32, 64][i % 4] for i in range(8)])
+    llm = LLM(str(model_dir), device=args.device, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+              memory_budget_mb=args.pool_mb)  # fmt: skip
+    for name, path in adapters:
+        llm.add_adapter(name, path)
+    prompts = random_prompts([128] * args.max_num_seqs, llm.tokenizer.vocab_size, seed=4)
+    names = [adapters[i % len(adapters)][0] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm.generate(prompts[:4], params, adapters=names[:4], use_tqdm=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, params, adapters=names, use_tqdm=False)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+    log(text.getvalue()[-6000:])
+    record("profile", text.getvalue()[-6000:])
+
+
+PARTS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "tests": part_tests,
+    "exact": part_exact,
+    "attention": part_attention,
+    "throughput": part_throughput,
+    "profile": part_profile,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None, help="directory for results.json")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/loraserve-gpu"), help="models and adapters")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer dir (default: the default model's)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {list(PARTS)}")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, for a dry run of the code paths")
+    parser.add_argument("--exact-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--adapters", type=int, default=32)
+    parser.add_argument("--min-prompt", type=int, default=64)
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--hf-batch", type=int, default=64)
+    parser.add_argument("--pool-mb", type=int, default=24000)
+    parser.add_argument("--timeout", type=int, default=300, help="seconds for the tests part")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests, args.adapters, args.max_tokens, args.min_prompt, args.max_prompt = 6, 3, 4, 8, 24
+        args.hf_batch, args.pool_mb, args.max_num_seqs, args.exact_tokens = 3, 256, 8, 6
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from loraserve.models.loader import default_model_dir
+
+    args.tokenizer = args.tokenizer or default_model_dir()
+    args.work.mkdir(parents=True, exist_ok=True)
+    info = {"torch": torch.__version__, "device": args.device, "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    import triton
+
+    info["triton"] = triton.__version__
+    if args.out:
+        OUT.append(args.out)
+    record("machine", info)
+    log(f"machine: {info}")
+    for name in args.parts.split(","):
+        start = time.perf_counter()
+        try:
+            PARTS[name](args)
+        except Exception:
+            log(f"part {name} FAILED:\n{traceback.format_exc()}")
+            record(f"{name}_error", traceback.format_exc()[-2000:])
+        log(f"part {name}: {time.perf_counter() - start:.1f} s")
+
+
+def setup_default_model_dir(tokenizer_dir: Path) -> None:
+    """For the test fixtures on a machine without the default model: its tokenizer and config only."""
+    from loraserve.models.loader import DEFAULT_MODEL_NAME, cache_root
+
+    target = cache_root() / "models" / DEFAULT_MODEL_NAME
+    target.mkdir(parents=True, exist_ok=True)
+    for name in (*TOKENIZER_FILES, "config.json"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, target / name)
+
+
+if __name__ == "__main__":
+    if os.environ.get("LORASERVE_GPU_TOKENIZER"):
+        setup_default_model_dir(Path(os.environ["LORASERVE_GPU_TOKENIZER"]))
+    main()

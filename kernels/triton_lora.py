@@ -1,0 +1,240 @@
+"""Segmented LoRA read straight from pool pages: two Triton kernels (shrink, expand).
+
+Semantics, identical to ``lora.apply_lora_segments`` / ``lora.lora_reference``: for each
+segment ``s`` (tokens ``start_s:end_s``, all of one adapter) of one layer's input group,
+
+    v[t, :R_s]        = x[t] @ A_s^T                          shrink, A_s = stacked rows [R_s, in]
+    out_m[t, :]      += scale_m,s * v[t, c_m : c_m + r_m] @ Bt_m,s   expand, Bt = B^T [r_m, out_m]
+
+for ``t`` in the segment and every module ``m`` of the group the adapter adapts. Nothing is
+padded to a maximum rank: each segment multiplies at its own ranks (the kernels skip the
+row and column tiles past them).
+
+The weights are never copied out of the pool. An adapter's flat layer buffer (see
+``adapter_layout.py``) is its pages concatenated, so element ``e`` of it sits at
+``weights[page_table[e // page_elems], e % page_elems]``, which both kernels follow for
+every element they load; rows may cross page boundaries.
+
+Arguments (``x``, ``outputs`` and ``weights`` share one float dtype; float32 dots run in
+IEEE precision so results match the float32 reference to rounding):
+
+* ``x``           ``[num_tokens, in_features]``
+* ``outputs``     1-3 tensors ``[num_tokens, out_features_m]``, updated in place
+* ``weights``     ``[num_pages, page_elems]``, one layer of the pool storage
+* ``bounds``      ``[num_segments, 4]`` int64: ``start, end`` (the other two columns unused here)
+* ``page_tables`` ``[num_segments, max_pages]`` int64, each segment's adapter pages
+* ``meta``        ``[num_segments, 2 + 4 * num_modules]`` int64 (14 wide in the engine):
+                  ``a_offset, num_rows``, then per module ``column, rank, b_offset, out_features``
+                  (rank 0: not adapted)
+* ``scales``      ``[num_segments, num_modules]`` float32
+* ``max_segment_len``, ``max_rows``: host ints bounding the grid (longest segment, most rows)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from loraserve.kernels.triton_attention import runs_interpreted
+
+BLOCK_T = 16  # tokens per tile (tl.dot needs at least 16)
+SHRINK_BLOCK_R, SHRINK_BLOCK_K = 32, 64
+EXPAND_BLOCK_N, EXPAND_BLOCK_R = 64, 16
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,
+    v_ptr,
+    weights_ptr,
+    bounds_ptr,
+    page_tables_ptr,
+    meta_ptr,
+    in_features,
+    stride_x,
+    stride_v,
+    stride_table,
+    stride_meta,
+    PAGE_ELEMS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    segment = tl.program_id(0)
+    first_token = tl.load(bounds_ptr + segment * 4) + tl.program_id(1) * BLOCK_T
+    end = tl.load(bounds_ptr + segment * 4 + 1)
+    a_offset = tl.load(meta_ptr + segment * stride_meta)
+    num_rows = tl.load(meta_ptr + segment * stride_meta + 1)
+    first_row = tl.program_id(2) * BLOCK_R
+    if (first_token < end) & (first_row < num_rows):
+        tokens = first_token + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+        rows = first_row + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+        token_mask = tokens < end
+        row_mask = rows < num_rows
+        table = page_tables_ptr + segment * stride_table
+        acc = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
+        for k in range(0, in_features, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            col_mask = cols < in_features
+            x = tl.load(
+                x_ptr + tokens[:, None] * stride_x + cols[None, :],
+                mask=token_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_T, BLOCK_K]
+            elems = a_offset + rows[:, None] * in_features + cols[None, :]  # [BLOCK_R, BLOCK_K]
+            a_mask = row_mask[:, None] & col_mask[None, :]
+            pages = tl.load(table + elems // PAGE_ELEMS, mask=a_mask, other=0)
+            a = tl.load(weights_ptr + pages * PAGE_ELEMS + elems % PAGE_ELEMS, mask=a_mask, other=0.0)
+            if DOT_FP32:
+                x, a = x.to(tl.float32), a.to(tl.float32)
+            acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)  # [BLOCK_T, BLOCK_R]
+        tl.store(
+            v_ptr + tokens[:, None] * stride_v + rows[None, :],
+            acc.to(v_ptr.dtype.element_ty),
+            mask=token_mask[:, None] & row_mask[None, :],
+        )
+
+
+@triton.jit
+def _expand_kernel(
+    v_ptr,
+    out0_ptr,
+    out1_ptr,
+    out2_ptr,
+    weights_ptr,
+    bounds_ptr,
+    page_tables_ptr,
+    meta_ptr,
+    scales_ptr,
+    stride_v,
+    stride_out0,
+    stride_out1,
+    stride_out2,
+    stride_table,
+    stride_meta,
+    stride_scales,
+    num_col_blocks,
+    PAGE_ELEMS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    segment = tl.program_id(0)
+    first_token = tl.load(bounds_ptr + segment * 4) + tl.program_id(1) * BLOCK_T
+    end = tl.load(bounds_ptr + segment * 4 + 1)
+    module = tl.program_id(2) // num_col_blocks
+    first_col = (tl.program_id(2) % num_col_blocks) * BLOCK_N
+    module_meta = meta_ptr + segment * stride_meta + 2 + 4 * module
+    column = tl.load(module_meta)
+    rank = tl.load(module_meta + 1)
+    b_offset = tl.load(module_meta + 2)
+    out_features = tl.load(module_meta + 3)
+    if (first_token < end) & (rank > 0) & (first_col < out_features):
+        tokens = first_token + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+        cols = first_col + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        token_mask = tokens < end
+        col_mask = cols < out_features
+        table = page_tables_ptr + segment * stride_table
+        acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+        for r in range(0, rank, BLOCK_R):
+            ranks = r + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+            rank_mask = ranks < rank
+            v = tl.load(
+                v_ptr + tokens[:, None] * stride_v + column + ranks[None, :],
+                mask=token_mask[:, None] & rank_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_T, BLOCK_R]
+            elems = b_offset + ranks[:, None] * out_features + cols[None, :]  # [BLOCK_R, BLOCK_N]
+            b_mask = rank_mask[:, None] & col_mask[None, :]
+            pages = tl.load(table + elems // PAGE_ELEMS, mask=b_mask, other=0)
+            b = tl.load(weights_ptr + pages * PAGE_ELEMS + elems % PAGE_ELEMS, mask=b_mask, other=0.0)
+            if DOT_FP32:
+                v, b = v.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(v, b, acc, input_precision=PRECISION)  # [BLOCK_T, BLOCK_N]
+        scale = tl.load(scales_ptr + segment * stride_scales + module)
+        if module == 0:
+            out_ptr = out0_ptr + tokens[:, None] * stride_out0 + cols[None, :]
+        elif module == 1:
+            out_ptr = out1_ptr + tokens[:, None] * stride_out1 + cols[None, :]
+        else:
+            out_ptr = out2_ptr + tokens[:, None] * stride_out2 + cols[None, :]
+        out_mask = token_mask[:, None] & col_mask[None, :]
+        old = tl.load(out_ptr, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr, (old + acc * scale).to(out0_ptr.dtype.element_ty), mask=out_mask)
+
+
+def lora_segments(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    outputs: tuple[torch.Tensor, ...],  # 1-3 of [num_tokens, out_features_m], updated in place
+    weights: torch.Tensor,  # [num_pages, page_elems], one layer of the pool storage
+    bounds: torch.Tensor,  # [num_segments, 4] int64
+    page_tables: torch.Tensor,  # [num_segments, max_pages] int64
+    meta: torch.Tensor,  # [num_segments, 2 + 4 * num_modules] int64
+    scales: torch.Tensor,  # [num_segments, num_modules] float32
+    max_segment_len: int,
+    max_rows: int,
+) -> None:
+    """Add every segment's LoRA delta to its rows of ``outputs`` (see the module docstring)."""
+    if not 1 <= len(outputs) <= 3:
+        raise ValueError(f"lora_segments takes 1 to 3 outputs, got {len(outputs)}")
+    num_segments = bounds.shape[0]
+    if num_segments == 0 or max_rows == 0:
+        return
+    if x.stride(1) != 1 or any(out.stride(1) != 1 for out in outputs) or not weights.is_contiguous():
+        raise ValueError("lora_segments needs row-major x, outputs and weights")
+    # Triton's interpreter (3.9) multiplies 16-bit dots wrongly: there they run in float32.
+    dot_fp32 = x.dtype != torch.float32 and runs_interpreted()
+    precision = "ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32"
+    num_token_tiles = triton.cdiv(max_segment_len, BLOCK_T)
+    v = torch.empty(x.shape[0], max_rows, dtype=x.dtype, device=x.device)  # [num_tokens, max_rows]
+    page_elems = weights.shape[1]
+    _shrink_kernel[(num_segments, num_token_tiles, triton.cdiv(max_rows, SHRINK_BLOCK_R))](
+        x,
+        v,
+        weights,
+        bounds,
+        page_tables,
+        meta,
+        x.shape[1],
+        x.stride(0),
+        v.stride(0),
+        page_tables.stride(0),
+        meta.stride(0),
+        PAGE_ELEMS=page_elems,
+        PRECISION=precision,
+        BLOCK_T=BLOCK_T,
+        BLOCK_R=SHRINK_BLOCK_R,
+        BLOCK_K=SHRINK_BLOCK_K,
+        DOT_FP32=dot_fp32,
+    )
+    padded = (*outputs, *(outputs[0],) * (3 - len(outputs)))  # absent modules have rank 0 in meta
+    num_col_blocks = triton.cdiv(max(out.shape[1] for out in outputs), EXPAND_BLOCK_N)
+    _expand_kernel[(num_segments, num_token_tiles, len(outputs) * num_col_blocks)](
+        v,
+        padded[0],
+        padded[1],
+        padded[2],
+        weights,
+        bounds,
+        page_tables,
+        meta,
+        scales,
+        v.stride(0),
+        padded[0].stride(0),
+        padded[1].stride(0),
+        padded[2].stride(0),
+        page_tables.stride(0),
+        meta.stride(0),
+        scales.stride(0),
+        num_col_blocks,
+        PAGE_ELEMS=page_elems,
+        PRECISION=precision,
+        BLOCK_T=BLOCK_T,
+        BLOCK_N=EXPAND_BLOCK_N,
+        BLOCK_R=EXPAND_BLOCK_R,
+        DOT_FP32=dot_fp32,
+    )

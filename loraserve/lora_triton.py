@@ -1,0 +1,71 @@
+"""The LoRA hook over the Triton kernels (``kernels/triton_lora.py``): the GPU path.
+
+Per step it packs the segments once (``SegmentPacker``, shared with the CPU kernel's hook),
+moves that metadata to the device and notes the two host-side grid bounds of every layer
+and group (longest segment, most stacked A rows); per layer and group the forward then
+launches one shrink and one expand kernel that read the adapters' weights in place from
+the pool pages, whatever their ranks and wherever their pages are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.adapter_manager import AdapterManager
+from loraserve.kernels import triton_lora
+from loraserve.lora_batch import LoRABatch, PerBatchLoRAHook
+from loraserve.lora_compiled import GROUP_INDEX, SegmentPacker
+
+
+@dataclass(frozen=True)
+class TritonSegments:
+    bounds: torch.Tensor  # [num_segments, 4] int64, on the device
+    page_tables: torch.Tensor  # [num_segments, max_pages] int64
+    meta: torch.Tensor  # [num_layers, num_groups, num_segments, 14] int64
+    scales: torch.Tensor  # [num_layers, num_groups, num_segments, 3] float32
+    max_segment_len: int
+    max_rows: list[list[int]]  # [num_layers][num_groups]: most stacked A rows of any segment
+
+
+class TritonLoRAApplier(PerBatchLoRAHook[TritonSegments]):
+    """``LoRAHook`` that runs every segment of a layer's input group in two kernel launches."""
+
+    def __init__(self, manager: AdapterManager) -> None:
+        super().__init__(manager)
+        self.storage = manager.storage  # [num_layers, num_pages, page_elems]
+        self.packer = SegmentPacker(manager)
+
+    def prepare(self, lora: LoRABatch) -> TritonSegments:
+        bounds, page_tables, meta, scales = self.packer.pack(lora)
+        device = self.storage.device
+        return TritonSegments(
+            bounds.to(device),
+            page_tables.to(device),
+            meta.to(device),
+            scales.to(device),
+            max(end - start for start, end, _ in lora.segments),
+            meta[:, :, :, 1].amax(dim=2).tolist(),
+        )
+
+    def apply(
+        self,
+        x: torch.Tensor,  # [num_tokens, in_features]
+        layer: int,
+        group: str,
+        outputs: tuple[torch.Tensor, ...],  # each [num_tokens, out_features_m], updated in place
+        prepared: TritonSegments,
+    ) -> None:
+        g = GROUP_INDEX[group]
+        triton_lora.lora_segments(
+            x,
+            outputs,
+            self.storage[layer],
+            prepared.bounds,
+            prepared.page_tables,
+            prepared.meta[layer, g],
+            prepared.scales[layer, g],
+            prepared.max_segment_len,
+            prepared.max_rows[layer][g],
+        )
