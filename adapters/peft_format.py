@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -216,11 +217,13 @@ def _check_finite(
 ) -> None:
     """Reject NaN/inf anywhere, naming the first bad tensor in layer-major order.
 
-    One pass over all weights at once (a check per tensor costs ~60 us each, a few ms per
-    adapter); only when it fails are the tensors checked one by one to name the culprit.
+    A finite sum of the tensors' sums proves every value finite (a NaN or an infinity survives
+    any sum): one vectorised reduction per tensor, ~10x cheaper than ``isfinite`` over all of
+    them. Only when the sum is not finite (a bad value, or an overflow) are the tensors checked
+    one by one, to name the culprit.
     """
-    parts = [t.reshape(-1) for w in weights.values() for t in (w.lora_a, w.lora_b)]
-    if not parts or bool(torch.isfinite(torch.cat(parts)).all()):
+    sums = [t.sum() for w in weights.values() for t in (w.lora_a, w.lora_b)]
+    if not sums or math.isfinite(float(torch.stack(sums).sum())):
         return
     for layer, module in weights:
         for factor in ("A", "B"):

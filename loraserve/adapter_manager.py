@@ -11,6 +11,9 @@
   revives it without a copy.
 * Parsed adapters are kept in a host-memory LRU bounded in bytes; adapters some
   unfinished request still needs are never dropped from it.
+* Reading and parsing an adapter that is not in host memory runs on a background thread
+  (``resolve_nowait``), so the engine keeps stepping while it loads (S-LoRA's asynchronous
+  adapter loading); the engine holds the request back until the load is done.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +72,9 @@ class AdapterManager:
         self._layouts: dict[str, AdapterLayout] = {}
         self._num_live_seqs: dict[str, int] = {}
         self.resident: dict[str, ResidentAdapter] = {}
+        # name -> (store version, its read-and-parse in flight on the loader thread)
+        self._loads: dict[str, tuple[str, Future[LoRAAdapter]]] = {}
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraserve-adapter-load")
         self.num_loads = 0
         self.num_evictions = 0
 
@@ -104,20 +111,46 @@ class AdapterManager:
         The store's cheap version token is checked on every call, so a name re-registered
         with other weights (by this or another replica sharing the store) is reloaded.
         """
+        adapter_id = self.resolve_nowait(name)
+        while adapter_id is None:
+            self.wait_for_load(name)
+            adapter_id = self.resolve_nowait(name)
+        return adapter_id
+
+    def resolve_nowait(self, name: str) -> str | None:
+        """Like :meth:`resolve`, but None while the adapter is being read and parsed.
+
+        The first call for an adapter not in host memory starts that load on the loader
+        thread; a later call after it finished takes it in. Raises ``AdapterNotFoundError``
+        at once for a name that is not registered, and the load's error (``AdapterError``) if
+        it failed.
+        """
+        load = self._loads.get(name)
+        if load is not None and not load[1].done():
+            return None  # polled every step while loading: no store round trip (Redis) until it is done
         version = self.registry.store.version(name)
         cached = self._name_to_id.get(name)
-        if cached is not None:
-            cached_version, adapter_id = cached
-            # The host copy must exist while requests need the adapter: its pages may be
-            # evicted before they run, and only the host copy can refill them.
-            if cached_version == version and adapter_id in self._host:
-                self._host.move_to_end(adapter_id)
-                return adapter_id
-        adapter = self.registry.load(name)
+        # The host copy must exist while requests need the adapter: its pages may be
+        # evicted before they run, and only the host copy can refill them.
+        if cached is not None and cached[0] == version and cached[1] in self._host:
+            self._host.move_to_end(cached[1])
+            return cached[1]
+        if load is None or load[0] != version:
+            load = self._loads[name] = (version, self._loader.submit(self.registry.load, name))
+        if not load[1].done():
+            return None
+        del self._loads[name]
+        adapter = load[1].result()
         self._name_to_id[name] = (version, adapter.digest)
         self._infos.pop(name, None)
         self._put_host(adapter)
         return adapter.digest
+
+    def wait_for_load(self, name: str, timeout: float | None = None) -> None:
+        """Block until the load of ``name`` in flight (if any) is done, or ``timeout`` seconds."""
+        load = self._loads.get(name)
+        if load is not None:
+            wait([load[1]], timeout=timeout)
 
     def add_live_seq(self, adapter_id: str) -> None:
         """Count an unfinished sequence on the adapter (its host copy is kept meanwhile)."""

@@ -6,27 +6,35 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from loraserve.adapter_manager import AdapterManager
-from loraserve.adapters import AdapterInfo, AdapterNotFoundError, AdapterRegistry, BaseModelShapes, make_store
+from loraserve.adapters import (
+    AdapterError,
+    AdapterInfo,
+    AdapterNotFoundError,
+    AdapterRegistry,
+    BaseModelShapes,
+    make_store,
+)
 from loraserve.block_manager import KVCacheManager
 from loraserve.config import EngineConfig
-from loraserve.detokenizer import Detokenizer, find_stop_string
+from loraserve.detokenizer import Detokenizer
 from loraserve.kernel_backend import select_backend
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.loader import load_hf_config, load_model, resolve_model_dir
 from loraserve.models.packed_linear import pack_linears
-from loraserve.outputs import CompletionOutput, RequestOutput
+from loraserve.output_processor import OutputProcessor, Request
+from loraserve.outputs import RequestOutput
 from loraserve.page_pool import PagePool
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
 from loraserve.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+LOAD_WAIT_S = 0.05  # how long an idle step waits for an adapter load before returning
 
 
 class RequestError(ValueError):
@@ -38,22 +46,6 @@ class UnknownAdapterError(RequestError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
-
-
-@dataclass
-class Request:
-    """One request's samples. With ``n > 1`` only the first is scheduled at first; the
-    others are forked from it, sharing its prompt blocks, once its prompt is computed."""
-
-    request_id: str
-    prompt: str | None
-    seqs: list[Sequence]
-    adapter_name: str | None
-    pending_forks: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
 
 
 class LLMEngine:
@@ -113,10 +105,14 @@ class LLMEngine:
             pack_linears(self.model, batch_hint=config.max_num_seqs)
         self.runner.lora_hook = self.kernels.make_lora_hook(self.adapters)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
         self.max_seq_tokens = (num_pages - num_watermark_pages) * config.block_size
+        self.output_processor = OutputProcessor(
+            self.detokenizer, self.scheduler, _eos_token_ids(self.model_dir, self.tokenizer), self.max_model_len
+        )
         self.requests: dict[str, Request] = {}
+        # Requests whose adapter is being read and parsed (arrival order): not scheduled yet.
+        self.loading: dict[str, Request] = {}
         logger.info(
             "engine ready: %s, %d pages of %d tokens (%.1f MiB)",
             self.model_dir,
@@ -139,19 +135,14 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         token_ids = self.encode(prompt)
-        adapter_id = self._resolve_adapter(adapter_name)
-        adapter_pages = self.adapters.num_pages(adapter_id) if adapter_id else 0
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length of {self.max_model_len} tokens"
             )
-        if len(token_ids) + params.max_tokens + adapter_pages * self.config.block_size > self.max_seq_tokens:
-            raise RequestError(
-                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) plus the adapter's "
-                f"{adapter_pages} pages needs more pages than the pool holds ({self.max_seq_tokens} tokens); "
-                "raise num_pages"
-            )
+        adapter_id = self._resolve_adapter(adapter_name)
+        if adapter_id is not None:
+            self._check_fits(len(token_ids), params, adapter_id)
         seqs = [
             Sequence(
                 request_id,
@@ -164,21 +155,62 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        if adapter_id is not None:
-            for _ in seqs:
-                self.adapters.add_live_seq(adapter_id)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, seqs, adapter_name, seqs[1:])
         self.requests[request_id] = request
         for seq in seqs:
             self.detokenizer.start(seq)
-        self.scheduler.add(seqs[0])
+        if adapter_name is not None and adapter_id is None:
+            self.loading[request_id] = request  # scheduled once the adapter is loaded (see step)
+        else:
+            self._schedule(request)
         return request
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams, adapter_id: str) -> None:
+        adapter_pages = self.adapters.num_pages(adapter_id)
+        if num_prompt_tokens + params.max_tokens + adapter_pages * self.config.block_size > self.max_seq_tokens:
+            raise RequestError(
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) plus the adapter's "
+                f"{adapter_pages} pages needs more pages than the pool holds ({self.max_seq_tokens} tokens); "
+                "raise num_pages"
+            )
+
+    def _schedule(self, request: Request) -> None:
+        adapter_id = request.seqs[0].adapter_id
+        if adapter_id is not None:
+            for _ in request.seqs:
+                self.adapters.add_live_seq(adapter_id)
+        self.scheduler.add(request.seqs[0])
+
+    def _schedule_loaded(self) -> list[RequestOutput]:
+        """Schedule the loading requests whose adapter is now in host memory; end those whose
+        adapter could not be loaded (or does not fit the pool) with ``abort``, and report them."""
+        failed: list[RequestOutput] = []
+        for request_id, request in list(self.loading.items()):
+            first = request.seqs[0]
+            assert first.adapter_name is not None
+            try:
+                adapter_id = self.adapters.resolve_nowait(first.adapter_name)
+                if adapter_id is None:
+                    continue
+                self._check_fits(first.num_prompt_tokens, first.params, adapter_id)
+            except (AdapterError, RequestError) as error:  # AdapterNotFoundError: removed meanwhile
+                logger.error("request %s: adapter %r: %s", request_id, first.adapter_name, error)
+                del self.loading[request_id], self.requests[request_id]
+                for seq in request.seqs:
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+                failed.append(self.output_processor.make_output(request))
+                continue
+            del self.loading[request_id]
+            for seq in request.seqs:
+                seq.adapter_id = adapter_id
+            self._schedule(request)
+        return failed
 
     def _resolve_adapter(self, adapter_name: str | None) -> str | None:
         if adapter_name is None:
             return None
         try:
-            return self.adapters.resolve(adapter_name)
+            return self.adapters.resolve_nowait(adapter_name)
         except AdapterNotFoundError:
             raise UnknownAdapterError(f"adapter {adapter_name!r} is not registered") from None
 
@@ -215,6 +247,10 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        if self.loading.pop(request_id, None) is not None:  # never scheduled, holds nothing
+            for seq in request.seqs:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+            return
         for seq in request.pending_forks:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.ABORT
@@ -225,16 +261,25 @@ class LLMEngine:
             self.scheduler.finish(seq, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self.loading)
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the state of every request that changed."""
+        """Run one iteration; return the state of every request that changed.
+
+        With nothing to run while adapters load, it waits for the oldest load (at most
+        ``LOAD_WAIT_S``) and returns.
+        """
+        failed = self._schedule_loaded() if self.loading else []
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            if self.scheduler.num_unfinished:
+            if self.loading:
+                first = next(iter(self.loading.values())).seqs[0]
+                assert first.adapter_name is not None
+                self.adapters.wait_for_load(first.adapter_name, timeout=LOAD_WAIT_S)
+            elif self.scheduler.num_unfinished:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
-            return []
+            return failed
         sampled = self.runner.execute(batch)
         self.scheduler.update(batch)
         touched: dict[str, Request] = {}
@@ -247,54 +292,14 @@ class LLMEngine:
                 for child in reversed(request.pending_forks):
                     self.scheduler.add_fork(seq, child)
                 request.pending_forks = []
-            self._check_stop(seq, token)
+            self.output_processor.check_stop(seq, token)
             if seq.params.output_kind == "cumulative" or request.is_finished:
                 touched[seq.request_id] = request
-        outputs = [self._make_output(request) for request in touched.values()]
+        outputs = [self.output_processor.make_output(request) for request in touched.values()]
         for output in outputs:
             if output.finished:
                 del self.requests[output.request_id]
-        return outputs
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        params = seq.params
-        decode_at_end = params.output_kind == "final_only" and not params.stop
-        num_new_chars = 0 if decode_at_end else len(self.detokenizer.update(seq))
-        if not params.ignore_eos and token in self.eos_token_ids:
-            self.scheduler.finish(seq, FinishReason.STOP)
-        elif token in params.stop_token_ids:
-            self.scheduler.finish(seq, FinishReason.STOP, token)
-        elif params.stop and (found := find_stop_string(seq.output_text, num_new_chars, params.stop)):
-            index, stop = found
-            seq.output_text = seq.output_text[:index]
-            self.scheduler.finish(seq, FinishReason.STOP, stop)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.scheduler.finish(seq, FinishReason.LENGTH)
-        if decode_at_end and seq.is_finished:
-            self.detokenizer.update(seq)
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        first = request.seqs[0]
-        outputs = [
-            CompletionOutput(
-                index=seq.sample_index,
-                text=seq.output_text,
-                token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason,
-                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-            )
-            for seq in request.seqs
-        ]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outputs,
-            finished=request.is_finished,
-            adapter_name=request.adapter_name,
-            num_cached_tokens=first.num_cached_tokens,
-        )
+        return failed + outputs
 
 
 def _eos_token_ids(model_dir: Any, tokenizer: Any) -> frozenset[int]:

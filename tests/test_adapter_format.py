@@ -399,3 +399,13 @@ def test_rank_of_unadapted_module_is_zero(
     assert adapter.rank_of(1, "q_proj") == 2
     assert adapter.rank_of(0, "q_proj") == 0 and adapter.rank_of(1, "v_proj") == 0
     assert adapter.target_modules == ("q_proj",) and adapter.ranks == {"q_proj": 2}
+
+
+def test_huge_finite_weights_whose_sum_overflows_are_accepted(files: Files, shapes: BaseModelShapes) -> None:
+    """The finiteness check sums the weights; a sum that overflows must fall back to the exact check."""
+
+    def huge(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[Q0A] = torch.full_like(tensors[Q0A], 3e38)
+
+    adapter = parse_adapter_files(_edit(files, tensors=huge), shapes, "huge")
+    assert float(adapter.weights[(0, "q_proj")].lora_a.sum()) == float("inf")  # the overflow did happen

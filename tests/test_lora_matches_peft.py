@@ -70,9 +70,13 @@ def _hf_generate(model: Any, tokenizer: Any, prompt: str) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def _run(llm: LLM, paths: dict[str, Path]) -> list[list[int]]:
+def _run(llm: LLM, paths: dict[str, Path], preload: bool = False) -> list[list[int]]:
+    """Generate REQUESTS; ``preload``: resolve every adapter first, so that no request waits for a
+    background load and the scheduler sees them all at once, in arrival order."""
     for name, path in paths.items():
         llm.add_adapter(name, path)
+        if preload:
+            llm.engine.adapters.resolve(name)
     outputs = llm.generate(
         [PROMPTS[p] for p, _ in REQUESTS],
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
@@ -97,7 +101,7 @@ def test_eviction_and_reload_matches_peft(adapters_and_reference: tuple[dict[str
     """A pool too small for all adapters at once: idle ones are evicted and loaded again."""
     paths, reference = adapters_and_reference
     llm = LLM(num_pages=100, max_num_seqs=2, watermark=0.0)
-    assert _run(llm, paths) == reference
+    assert _run(llm, paths, preload=True) == reference
     manager = llm.engine.adapters
     assert manager.num_evictions > 0
     assert manager.num_loads > len(ADAPTERS)

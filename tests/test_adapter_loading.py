@@ -1,0 +1,97 @@
+"""Adapters load in the background: the engine keeps serving while one is read and parsed.
+
+The manager has one loader thread; the tests occupy it with a task that waits on an event,
+so a load is held back for exactly as long as a test needs.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from adapter_factory import make_peft_adapter
+
+from loraserve import LLM, SamplingParams
+from loraserve.outputs import RequestOutput
+from loraserve.sequence import SequenceStatus
+
+PROMPT = "The weather today is"
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    return LLM(str(tiny_model_dir), num_pages=256)
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("loading")
+    return make_peft_adapter(tiny_hf_model, root / "a", rank=8, target_modules=["q_proj", "v_proj"], seed=3)
+
+
+def hold_loader(llm: LLM) -> threading.Event:
+    """Occupy the adapter loader thread until the returned event is set."""
+    release = threading.Event()
+    llm.engine.adapters._loader.submit(release.wait)
+    return release
+
+
+def run(llm: LLM) -> dict[str, RequestOutput]:
+    finished: dict[str, RequestOutput] = {}
+    while llm.engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in llm.engine.step() if o.finished})
+    return finished
+
+
+def test_base_requests_run_while_an_adapter_loads(llm: LLM, adapter_dir: Path) -> None:
+    engine = llm.engine
+    llm.add_adapter("slow", adapter_dir, overwrite=True)
+    release = hold_loader(llm)
+    try:
+        engine.add_request("lora", PROMPT, PARAMS, "slow")
+        engine.add_request("base", PROMPT, PARAMS)
+        assert list(engine.loading) == ["lora"]
+        finished: dict[str, RequestOutput] = {}
+        while "base" not in finished:
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        lora_seq = engine.requests["lora"].seqs[0]
+        assert lora_seq.status is SequenceStatus.WAITING and lora_seq not in engine.scheduler.waiting
+        assert lora_seq.adapter_id is None and list(engine.loading) == ["lora"]
+    finally:
+        release.set()
+    finished.update(run(llm))
+    assert not engine.loading and not engine.requests
+    assert finished["lora"].outputs[0].finish_reason == "length"
+    # The same request with the adapter already in host memory (resolved synchronously):
+    again = llm.generate([PROMPT], PARAMS, adapters="slow", use_tqdm=False)[0]
+    assert finished["lora"].token_ids == again.token_ids != finished["base"].token_ids
+
+
+def test_abort_while_loading_leaves_nothing_behind(llm: LLM, adapter_dir: Path) -> None:
+    engine = llm.engine
+    llm.add_adapter("aborted", adapter_dir, overwrite=True)
+    release = hold_loader(llm)
+    try:
+        request = engine.add_request("gone", PROMPT, PARAMS, "aborted")
+        engine.abort_request("gone")
+        assert not engine.has_unfinished_requests() and not engine.loading
+        assert request.seqs[0].finish_reason is not None and request.seqs[0].finish_reason.value == "abort"
+    finally:
+        release.set()
+    assert llm.generate([PROMPT], PARAMS, adapters="aborted", use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_an_adapter_that_fails_to_load_ends_only_its_requests(llm: LLM, adapter_dir: Path) -> None:
+    """Stored files corrupted after registration: the request ends with ``abort``; others are served."""
+    engine = llm.engine
+    llm.add_adapter("corrupt", adapter_dir, overwrite=True)
+    store_root = Path(engine.adapter_registry.store.root)
+    weights = (store_root / "corrupt").resolve() / "adapter_model.safetensors"
+    weights.write_bytes(b"not a safetensors file")
+    outputs = llm.generate([PROMPT, PROMPT], PARAMS, adapters=["corrupt", None], use_tqdm=False)
+    assert outputs[0].outputs[0].finish_reason == "abort" and outputs[0].token_ids == []
+    assert outputs[1].outputs[0].finish_reason == "length" and len(outputs[1].token_ids) == 6
+    assert not engine.loading and not engine.requests
