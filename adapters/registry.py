@@ -102,7 +102,11 @@ class AdapterRegistry:
 
     def load(self, name: str) -> LoRAAdapter:
         """Parse the stored adapter ``name`` into float32 weights."""
-        return parse_adapter_files(self.store.get(name), self.shapes, name)
+        return self.parse(name, self.store.get(name))
+
+    def parse(self, name: str, files: Mapping[str, bytes]) -> LoRAAdapter:
+        """Parse files read from the store (``store.get(name)``) into float32 weights."""
+        return parse_adapter_files(files, self.shapes, name)
 
     def info(self, name: str) -> AdapterInfo:
         """Summary of ``name``; parses the adapter, so it costs as much as :meth:`load`."""

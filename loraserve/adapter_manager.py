@@ -11,9 +11,11 @@
   revives it without a copy.
 * Parsed adapters are kept in a host-memory LRU bounded in bytes; adapters some
   unfinished request still needs are never dropped from it.
-* Reading and parsing an adapter that is not in host memory runs on a background thread
-  (``resolve_nowait``), so the engine keeps stepping while it loads (S-LoRA's asynchronous
-  adapter loading); the engine holds the request back until the load is done.
+* Reading an adapter that is not in host memory from the store runs on a background thread
+  (``resolve_nowait``), so the engine keeps stepping while the files arrive (S-LoRA's
+  asynchronous adapter loading); the engine holds the request back until then. Parsing stays
+  on the engine's thread: torch ops on a second thread start a second OpenMP team, which on
+  a machine whose cores the engine already fills slowed the steps by a quarter.
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ class AdapterManager:
         self._layouts: dict[str, AdapterLayout] = {}
         self._num_live_seqs: dict[str, int] = {}
         self.resident: dict[str, ResidentAdapter] = {}
-        # name -> (store version, its read-and-parse in flight on the loader thread)
-        self._loads: dict[str, tuple[str, Future[LoRAAdapter]]] = {}
+        # name -> (store version, the read of its files in flight on the loader thread)
+        self._loads: dict[str, tuple[str, Future[Mapping[str, bytes]]]] = {}
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraserve-adapter-load")
         self.num_loads = 0
         self.num_evictions = 0
@@ -118,12 +120,12 @@ class AdapterManager:
         return adapter_id
 
     def resolve_nowait(self, name: str) -> str | None:
-        """Like :meth:`resolve`, but None while the adapter is being read and parsed.
+        """Like :meth:`resolve`, but None while the adapter's files are being read.
 
-        The first call for an adapter not in host memory starts that load on the loader
-        thread; a later call after it finished takes it in. Raises ``AdapterNotFoundError``
-        at once for a name that is not registered, and the load's error (``AdapterError``) if
-        it failed.
+        The first call for an adapter not in host memory starts that read on the loader
+        thread; a later call after it finished parses the files and takes the adapter in.
+        Raises ``AdapterNotFoundError`` at once for a name that is not registered, and the
+        read's or the parse's error (``AdapterError``) if either failed.
         """
         load = self._loads.get(name)
         if load is not None and not load[1].done():
@@ -136,18 +138,18 @@ class AdapterManager:
             self._host.move_to_end(cached[1])
             return cached[1]
         if load is None or load[0] != version:
-            load = self._loads[name] = (version, self._loader.submit(self.registry.load, name))
+            load = self._loads[name] = (version, self._loader.submit(self.registry.store.get, name))
         if not load[1].done():
             return None
         del self._loads[name]
-        adapter = load[1].result()
+        adapter = self.registry.parse(name, load[1].result())
         self._name_to_id[name] = (version, adapter.digest)
         self._infos.pop(name, None)
         self._put_host(adapter)
         return adapter.digest
 
     def wait_for_load(self, name: str, timeout: float | None = None) -> None:
-        """Block until the load of ``name`` in flight (if any) is done, or ``timeout`` seconds."""
+        """Block until the read of ``name`` in flight (if any) is done, or ``timeout`` seconds."""
         load = self._loads.get(name)
         if load is not None:
             wait([load[1]], timeout=timeout)
