@@ -9,7 +9,8 @@ add always finds the request.
 
 A request's stream ends with its finished output, or with an exception: the engine's own
 error for a bad request (raised by :meth:`AsyncEngine.add_request` before any output),
-:class:`RequestAbortedError` when someone else aborted it, :class:`EngineStepError` when a
+:class:`RequestAbortedError` when someone else aborted it, :class:`RequestFailedError` when the
+engine could not run it (its adapter failed to load), :class:`EngineStepError` when a
 step failed, :class:`EngineDeadError` when the engine thread stopped. Dropping a stream
 before it finished (client disconnect, task cancellation) aborts the request, which frees its
 pages on the engine thread.
@@ -31,7 +32,7 @@ from loraserve.llm_engine import LLMEngine
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
 
-from .request_stream import EngineDeadError, EngineStepError, RequestAbortedError, RequestStream
+from .request_stream import EngineDeadError, EngineStepError, RequestAbortedError, RequestFailedError, RequestStream
 
 __all__ = [
     "AsyncEngine",
@@ -39,6 +40,7 @@ __all__ = [
     "EngineObserver",
     "EngineStepError",
     "RequestAbortedError",
+    "RequestFailedError",
     "RequestStream",
 ]
 
@@ -298,7 +300,7 @@ class AsyncEngine:
                 self._streams.pop(output.request_id, None)
                 self._notify("request_ended", output.request_id)
             if stream is not None:
-                stream.deliver(output)
+                stream.deliver(RequestFailedError(output.error) if output.error else output)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

@@ -25,6 +25,10 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted by someone other than its own stream."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine could not run the request (``RequestOutput.error``, e.g. its adapter failed to load)."""
+
+
 class RequestStream:
     """Async iterator over one request's outputs (cumulative snapshots).
 

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from loraserve.outputs import CompletionOutput, RequestOutput
 
-from .async_engine import EngineDeadError, EngineStepError, RequestAbortedError, RequestStream
+from .async_engine import EngineDeadError, EngineStepError, RequestAbortedError, RequestFailedError, RequestStream
 from .errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def sse_error(error: BaseException) -> str:
     status = 503 if isinstance(error, EngineDeadError) else 500
     message = (
         str(error)
-        if isinstance(error, EngineStepError | RequestAbortedError | EngineDeadError)
+        if isinstance(error, EngineStepError | RequestAbortedError | EngineDeadError | RequestFailedError)
         else (f"internal error: {type(error).__name__}")
     )
     return sse_event(error_body(message, "server_error", code=str(status)))
@@ -112,9 +112,12 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncGenerator[tuple[in
 async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
     """The finished output of every stream (in order)."""
     finals: list[RequestOutput | None] = [None] * len(streams)
-    async for index, output in merge_streams(streams):
-        if output.finished:
-            finals[index] = output
+    try:
+        async for index, output in merge_streams(streams):
+            if output.finished:
+                finals[index] = output
+    except RequestFailedError as error:
+        raise APIError(500, str(error)) from None
     if any(final is None for final in finals):
         raise RequestAbortedError("a request ended without a final output")
     return [final for final in finals if final is not None]

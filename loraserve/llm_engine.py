@@ -198,7 +198,9 @@ class LLMEngine:
                 del self.loading[request_id], self.requests[request_id]
                 for seq in request.seqs:
                     seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
-                failed.append(self.output_processor.make_output(request))
+                output = self.output_processor.make_output(request)
+                output.error = f"adapter {first.adapter_name!r} could not be loaded: {error}"
+                failed.append(output)
                 continue
             del self.loading[request_id]
             for seq in request.seqs:

@@ -19,7 +19,9 @@ class CompletionOutput:
 class RequestOutput:
     """One request's state after a step; ``finished`` once every sample is done.
 
-    ``text``, ``token_ids`` and ``finish_reason`` are those of the first sample.
+    ``text``, ``token_ids`` and ``finish_reason`` are those of the first sample. ``error`` says
+    why the engine could not run the request at all (its adapter failed to load); it then
+    comes finished, with finish reason ``abort`` and no tokens.
     """
 
     request_id: str
@@ -30,6 +32,7 @@ class RequestOutput:
     adapter_name: str | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
 
     @property
     def text(self) -> str:

@@ -93,5 +93,7 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(llm: LLM, adapter_
     weights.write_bytes(b"not a safetensors file")
     outputs = llm.generate([PROMPT, PROMPT], PARAMS, adapters=["corrupt", None], use_tqdm=False)
     assert outputs[0].outputs[0].finish_reason == "abort" and outputs[0].token_ids == []
+    assert outputs[0].error is not None and "'corrupt' could not be loaded" in outputs[0].error
+    assert outputs[1].error is None
     assert outputs[1].outputs[0].finish_reason == "length" and len(outputs[1].token_ids) == 6
     assert not engine.loading and not engine.requests

@@ -222,3 +222,19 @@ def test_delete_while_in_flight(server: Server, tmp_path: Path) -> None:
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="busy", prompt=PROMPT, max_tokens=1)
     assert "busy" not in adapter_names(server)
+
+
+def test_adapter_corrupted_in_the_store_is_a_named_error_and_the_server_keeps_serving(
+    server: Server, tmp_path: Path
+) -> None:
+    """Files damaged after registration: the adapter's requests fail with a 500 naming it (JSON)
+    or an error event (streamed); base-model requests go on."""
+    assert upload(server, "damaged", adapter_files(server, tmp_path / "d", seed=21)).status_code == 201
+    store_root = Path(server.engine.adapter_registry.store.root)
+    ((store_root / "damaged").resolve() / WEIGHTS).write_bytes(b"not a safetensors file")
+    body = {"model": "damaged", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    assert_error(server.http.post("/v1/completions", json=body), 500, "damaged", "could not be loaded")
+    streamed = server.http.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 200 and "could not be loaded" in streamed.text and "damaged" in streamed.text
+    ok = server.http.post("/v1/completions", json={**body, "model": MODEL})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
