@@ -43,6 +43,16 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_gpu_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def record(key: str, value: Any) -> None:
     RESULTS[key] = value
     if OUT:
@@ -95,7 +105,7 @@ def part_exact(args: argparse.Namespace) -> None:
                 out = peft.generate(input_ids=ids, **kwargs)
             reference.append(out[0, len(prompt) :].tolist())
     del peft, hf
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    free_gpu_cache()
     for kernels in ("triton", "torch"):
         llm = LLM(str(model_dir), kernels=kernels, device=args.device, memory_budget_mb=2048)
         for name, path in adapters:
@@ -151,8 +161,8 @@ def timed_generate(llm: Any, prompts: list[list[int]], names: list[str] | None, 
         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
         adapters=names[:4] if names else None,
         use_tqdm=False,
-    )  # fmt: skip  (warm-up: JIT)
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    )  # fmt: skip  -- warm-up: compiles the kernels
+    synchronize()
     start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, adapters=names, use_tqdm=False)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -193,7 +203,7 @@ def part_throughput(args: argparse.Namespace) -> None:
             log(f"{key}: {results[key]}")
             record("throughput", results)
         del llm
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        free_gpu_cache()
 
     engine_runs("triton", [("no adapters", None), (f"{args.adapters} adapters", names)])
 
@@ -209,10 +219,10 @@ def part_throughput(args: argparse.Namespace) -> None:
         return (out.shape[1] - width) * len(batch)
 
     def measure(key: str, fn: Callable[[], int]) -> None:
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        synchronize()
         start = time.perf_counter()
         tokens = fn()
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        synchronize()
         wall = time.perf_counter() - start
         results[key] = {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall}
         log(f"{key}: {results[key]}")

@@ -43,6 +43,20 @@ EXPAND_BLOCK_N, EXPAND_BLOCK_R = 64, 16
 
 
 @triton.jit
+def _load_from_pages(weights_ptr, table, elems, mask, PAGE_ELEMS: tl.constexpr):
+    """Elements ``elems`` of an adapter's flat layer buffer, found through its page table."""
+    pages = tl.load(table + elems // PAGE_ELEMS, mask=mask, other=0)
+    return tl.load(weights_ptr + pages * PAGE_ELEMS + elems % PAGE_ELEMS, mask=mask, other=0.0)
+
+
+@triton.jit
+def _dot(lhs, rhs, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        lhs, rhs = lhs.to(tl.float32), rhs.to(tl.float32)
+    return tl.dot(lhs, rhs, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,
     v_ptr,
@@ -84,12 +98,8 @@ def _shrink_kernel(
                 other=0.0,
             )  # [BLOCK_T, BLOCK_K]
             elems = a_offset + rows[:, None] * in_features + cols[None, :]  # [BLOCK_R, BLOCK_K]
-            a_mask = row_mask[:, None] & col_mask[None, :]
-            pages = tl.load(table + elems // PAGE_ELEMS, mask=a_mask, other=0)
-            a = tl.load(weights_ptr + pages * PAGE_ELEMS + elems % PAGE_ELEMS, mask=a_mask, other=0.0)
-            if DOT_FP32:
-                x, a = x.to(tl.float32), a.to(tl.float32)
-            acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)  # [BLOCK_T, BLOCK_R]
+            a = _load_from_pages(weights_ptr, table, elems, row_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
+            acc = _dot(x, tl.trans(a), acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_R]
         tl.store(
             v_ptr + tokens[:, None] * stride_v + rows[None, :],
             acc.to(v_ptr.dtype.element_ty),
@@ -149,12 +159,8 @@ def _expand_kernel(
                 other=0.0,
             )  # [BLOCK_T, BLOCK_R]
             elems = b_offset + ranks[:, None] * out_features + cols[None, :]  # [BLOCK_R, BLOCK_N]
-            b_mask = rank_mask[:, None] & col_mask[None, :]
-            pages = tl.load(table + elems // PAGE_ELEMS, mask=b_mask, other=0)
-            b = tl.load(weights_ptr + pages * PAGE_ELEMS + elems % PAGE_ELEMS, mask=b_mask, other=0.0)
-            if DOT_FP32:
-                v, b = v.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(v, b, acc, input_precision=PRECISION)  # [BLOCK_T, BLOCK_N]
+            b = _load_from_pages(weights_ptr, table, elems, rank_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
+            acc = _dot(v, b, acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_N]
         scale = tl.load(scales_ptr + segment * stride_scales + module)
         if module == 0:
             out_ptr = out0_ptr + tokens[:, None] * stride_out0 + cols[None, :]

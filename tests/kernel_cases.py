@@ -34,6 +34,22 @@ def make_paged(
     return kv, torch.tensor(tables, dtype=torch.long)
 
 
+# (num_heads, num_kv_heads, head_dim, block_size) per decode-attention case, and their ids
+ATTENTION_CASES = [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 4), (6, 2, 24, 16)]
+ATTENTION_IDS = ["gqa3", "mha", "mqa", "head-dim-24"]
+
+
+def decode_case(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """``(query, kv, block_tables, context_lens, scale)``: contexts of 1 token, exact multiples of
+    the block size and not, on shuffled pages with padded block tables."""
+    lens = [1, block_size, block_size + 1, 3 * block_size, 77, 2]
+    kv, tables = make_paged(lens, num_kv_heads, head_dim, block_size, torch.float32, seed=num_heads)
+    query = torch.randn(len(lens), num_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    return query, kv, tables, torch.tensor(lens), head_dim**-0.5
+
+
 HIDDEN, OUTS = 48, (48, 16, 16)  # a q/k/v-like group: three outputs of one input
 NUM_ADAPTERS, BS, PAGE_ELEMS, NUM_LAYERS = 12, 29, 256, 2
 

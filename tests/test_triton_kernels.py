@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from kernel_cases import BS, HIDDEN, POPULARITY, make_paged, run_segments
+from kernel_cases import ATTENTION_CASES, ATTENTION_IDS, BS, HIDDEN, POPULARITY, decode_case, make_paged, run_segments
 from loraserve.kernels.paged_attention import paged_decode_attention
 
 triton_attention = pytest.importorskip("loraserve.kernels.triton_attention")
@@ -28,17 +28,9 @@ def test_kernels_run_where_they_can() -> None:
     assert triton_attention.runs_interpreted() == (DEVICE.type == "cpu")
 
 
-@pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 4), (6, 2, 24, 16)],
-    ids=["gqa3", "mha", "mqa", "head-dim-24"],
-)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), ATTENTION_CASES, ids=ATTENTION_IDS)
 def test_decode_attention_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-    lens = [1, block_size, block_size + 1, 3 * block_size, 77, 2]
-    kv, tables = make_paged(lens, num_kv_heads, head_dim, block_size, torch.float32, seed=num_heads)
-    query = torch.randn(len(lens), num_heads, head_dim, generator=torch.Generator().manual_seed(1))
-    context_lens = torch.tensor(lens)
-    scale = head_dim**-0.5
+    query, kv, tables, context_lens, scale = decode_case(num_heads, num_kv_heads, head_dim, block_size)
     expected = paged_decode_attention(query, kv, tables, context_lens, scale)
     out = triton_attention.paged_decode_attention(
         query.to(DEVICE), kv.to(DEVICE), tables.to(DEVICE), context_lens.to(DEVICE), scale
