@@ -59,7 +59,7 @@ def run_loraserve(llm: Any, work: Workload, with_adapters: bool) -> Run:
     params = SamplingParams(temperature=0, max_tokens=work.max_tokens, ignore_eos=True)
     adapters = [adapter_name(a) for a in work.adapter_of] if with_adapters else None
     start, cpu = time.perf_counter(), time.process_time()
-    outputs = llm.generate(work.prompts, params, adapters=adapters)
+    outputs = llm.generate(work.prompts, params, use_tqdm=False, adapters=adapters)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     lens = [len(o.outputs[0].token_ids) for o in outputs]
     if lens != [work.max_tokens] * len(work.prompts):
@@ -70,44 +70,83 @@ def run_loraserve(llm: Any, work: Workload, with_adapters: bool) -> Run:
     )
 
 
-def run_peft(args: argparse.Namespace, work: Workload, adapters: list[tuple[str, Path]]) -> Run:
+class PeftRunner:
     """PEFT's mixed-adapter batches: one PeftModel holding every adapter, ``generate(adapter_names=...)``."""
-    import transformers
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    from loraserve.models.loader import default_model_dir
+    def __init__(self, args: argparse.Namespace, adapters: list[tuple[str, Path]]) -> None:
+        import transformers
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
 
-    transformers.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", module="transformers|peft")
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=dtype).eval()
-    peft_model = PeftModel.from_pretrained(model, str(adapters[0][1]), adapter_name=adapters[0][0])
-    for name, path in adapters[1:]:
-        peft_model.load_adapter(str(path), adapter_name=name)
-    peft_model = peft_model.to(dtype).eval()
-    pad = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+        from loraserve.models.loader import default_model_dir
+
+        transformers.logging.set_verbosity_error()
+        warnings.filterwarnings("ignore", module="transformers|peft")
+        dtype = getattr(torch, args.dtype)
+        model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=dtype).eval()
+        peft_model = PeftModel.from_pretrained(model, str(adapters[0][1]), adapter_name=adapters[0][0])
+        for name, path in adapters[1:]:
+            peft_model.load_adapter(str(path), adapter_name=name)
+        self.model = peft_model.to(dtype).eval()
+        self.pad = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+        self.batch_size = args.peft_batch
+        self.generate([[1] * 8], [adapters[0][0]], 2)  # warm-up
 
     @torch.inference_mode()
-    def generate(prompts: list[list[int]], names: list[str], new: int) -> int:
+    def generate(self, prompts: list[list[int]], names: list[str], new: int) -> int:
         width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, prompt in enumerate(prompts):  # left padding
             ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
-        out = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, pad_token_id=pad, adapter_names=names)  # fmt: skip
+        out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=self.pad, adapter_names=names)  # fmt: skip
         if out.shape[1] - width != new:
             raise RuntimeError(f"PEFT generated {out.shape[1] - width} tokens, expected {new}")
         return len(prompts) * new
 
-    generate([work.prompts[0][:8]], [adapters[0][0]], 2)  # warm-up
-    tokens, start, cpu = 0, time.perf_counter(), time.process_time()
-    for lo in tqdm(range(0, len(work.prompts), args.peft_batch), desc=f"PEFT batch {args.peft_batch}", unit="batch"):
-        hi = min(len(work.prompts), lo + args.peft_batch)
-        tokens += generate(work.prompts[lo:hi], [adapter_name(a) for a in work.adapter_of[lo:hi]], work.max_tokens)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return Run(f"(c) PEFT mixed-adapter batch of {args.peft_batch}", len(work.prompts), tokens, wall, cpu)
+    def run(self, work: Workload, requests: range) -> Run:
+        """The given requests, in consecutive batches of ``batch_size``."""
+        tokens, start, cpu = 0, time.perf_counter(), time.process_time()
+        for lo in range(requests.start, requests.stop, self.batch_size):
+            hi = min(requests.stop, lo + self.batch_size)
+            tokens += self.generate(work.prompts[lo:hi], [adapter_name(a) for a in work.adapter_of[lo:hi]],
+                                    work.max_tokens)  # fmt: skip
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return Run(f"(c) PEFT mixed-adapter batch of {self.batch_size}", len(requests), tokens, wall, cpu)
+
+
+def total(runs: list[Run]) -> Run:
+    """One system's rounds summed: tokens, wall and CPU seconds; tok/s of each round in ``extra``."""
+    merged = Run(runs[0].system, sum(r.requests for r in runs), sum(r.tokens for r in runs),
+                 sum(r.wall_s for r in runs), sum(r.cpu_s for r in runs))  # fmt: skip
+    merged.extra["rounds_tok_s"] = [round(r.tok_s, 1) for r in runs]
+    for key in runs[0].extra:
+        merged.extra[key] = sum(r.extra[key] for r in runs)
+    return merged
+
+
+def run_rounds(llm: Any, work: Workload, peft: PeftRunner | None, num_rounds: int) -> list[list[Run]]:
+    """Interleaved rounds: (a) and (b) on the whole workload, then (c) on the round's share of it.
+
+    Interleaving puts every system into every stretch of the run, so a drift of the machine's
+    speed (this VM's varies by a quarter within minutes) does not land on one system only.
+    The prefix cache is emptied before each loraserve run: every run computes every prompt.
+    """
+    rounds: list[list[Run]] = []
+    shares = [range(len(work.prompts) * i // num_rounds, len(work.prompts) * (i + 1) // num_rounds)
+              for i in range(num_rounds)]  # fmt: skip
+    for index, share in enumerate(tqdm(shares, desc="rounds", unit="round")):
+        runs = []
+        for with_adapters in (False, True):
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("the prefix cache could not be emptied: requests still running")
+            runs.append(run_loraserve(llm, work, with_adapters))
+        if peft is not None and len(share):
+            runs.append(peft.run(work, share))
+        tqdm.write(f"round {index + 1}: " + ", ".join(f"{r.system.split()[0]} {r.tok_s:.1f} tok/s" for r in runs))
+        rounds.append(runs)
+    return rounds
 
 
 @contextlib.contextmanager
@@ -238,7 +277,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs: list[Run],
+def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs: list[Run], rounds: list[list[Run]],
            ratios: list[dict[str, Any]], profiles: dict[str, dict[str, Any]]) -> str:  # fmt: skip
     """Markdown: machine, workload, tokens/s per system, target ratios, decode-step profile."""
     lines = [
@@ -253,6 +292,14 @@ def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs:
     lines += [*_table(["system", "requests", "gen. tokens", "wall s", "tok/s", "cores busy"], rows), ""]
     rows = [[r["name"], f"{r['ratio']:.2f}x", f"{r['target']}x", "yes" if r["met"] else "NO"] for r in ratios]
     lines += _table(["ratio", "value", "target", "met"], rows)
+    if len(rounds) > 1:
+        lines += ["", "Rounds (interleaved; tok/s of each system in each round and the round's ratios):", ""]
+        rows = []
+        for index, round_runs in enumerate(rounds):
+            a, b, *c = round_runs
+            rows.append([str(index + 1), *(f"{r.tok_s:.1f}" for r in round_runs), *([""] * (3 - len(round_runs))),
+                         f"{b.tok_s / a.tok_s:.2f}x", f"{b.tok_s / c[0].tok_s:.2f}x" if c else ""])  # fmt: skip
+        lines += _table(["round", "(a)", "(b)", "(c)", "(b)/(a)", "(b)/(c)"], rows)
     if not profiles:
         return "\n".join(lines)
     first = next(iter(profiles.values()))
@@ -280,10 +327,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--memory-budget-mb", type=int, default=None, help="loraserve page pool size (default: the engine's)")
     add("--peft-batch", type=int, default=16, help="PEFT mixed-adapter batch size (default 16)")
     add("--no-peft", action="store_true", help="skip PEFT (c)")
+    add("--rounds", type=int, default=4, help="interleaved rounds, (c) on 1/rounds of the requests in each (default 4)")
     add("--profile-steps", type=int, default=8, help="decode steps timed and then profiled (default 8, 0: none)")
     add("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     check_workload_args(parser, args)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.profile_steps = max(0, min(args.profile_steps, (args.max_tokens - 2) // 2))
     return args
 
@@ -308,26 +358,28 @@ def main(argv: list[str] | None = None) -> None:
     names: list[str | None] = [None, *(name for name, _ in adapters)]
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([work.prompts[0][:8]] * len(names), warm, use_tqdm=False, adapters=names)  # warm-up, adapters loaded
-    runs = [run_loraserve(llm, work, with_adapters=False), run_loraserve(llm, work, with_adapters=True)]
+    peft = None if args.no_peft else PeftRunner(args, adapters)
+    rounds = run_rounds(llm, work, peft, args.rounds)
+    runs = [total([r[i] for r in rounds if len(r) > i]) for i in range(max(map(len, rounds)))]
     profiles: dict[str, dict[str, Any]] = {}
     if args.profile_steps:
         for label, with_adapters in (("no adapters", False), ("adapters", True)):
             profiles[label] = profile_decode(llm, work, with_adapters, args.profile_steps)
-    del llm
+    del llm, peft
     gc.collect()
-    if not args.no_peft:
-        runs.append(run_peft(args, work, adapters))
     info["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     pairs = [("(b)/(a): LoRA vs no adapters", runs[1], runs[0], TARGET_LORA_VS_BASE)]
     if not args.no_peft:
         pairs.append(("(b)/(c): LoRA vs PEFT", runs[1], runs[2], TARGET_VS_PEFT))
     ratios = [{"name": name, "ratio": a.tok_s / b.tok_s, "target": target, "met": a.tok_s / b.tok_s >= target}
               for name, a, b, target in pairs]  # fmt: skip
-    print(report(info, work, args, runs, ratios, profiles), flush=True)
+    print(report(info, work, args, runs, rounds, ratios, profiles), flush=True)
     if args.json:
         results = [{**asdict(r), "tok_s": r.tok_s} for r in runs]
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        payload = {"machine": info, "args": settings, "results": results, "ratios": ratios, "profile": profiles}
+        per_round = [[{**asdict(r), "tok_s": r.tok_s} for r in round_runs] for round_runs in rounds]
+        payload = {"machine": info, "args": settings, "results": results, "rounds": per_round, "ratios": ratios,
+                   "profile": profiles}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
 
 

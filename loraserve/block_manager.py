@@ -137,6 +137,20 @@ class KVCacheManager:
         self.prefix_cache.num_hit_tokens += num_hit_tokens
         return num_hit_tokens
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (nothing changed) while a sequence holds KV pages.
+
+        Idle cached pages go back to the free list, so later requests recompute their prefixes.
+        """
+        if self.prefix_cache is None:
+            return True
+        if self.pool.num_pages_by_kind()[PageKind.KV.value]:
+            return False
+        for key in self.pool.evictable_keys():
+            if isinstance(key, tuple) and key[0] == "kv":
+                self.pool.evict(key)
+        return True
+
     def unmatch_prefix(self, seq: Sequence) -> None:
         """Undo ``match_prefix`` for a sequence that could not be admitted after all."""
         if self.prefix_cache is None:

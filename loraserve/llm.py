@@ -45,6 +45,10 @@ class LLM:
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.list_adapters()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing dropped) while requests are running."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: str | Seq[str] | Seq[list[int]],

@@ -262,6 +262,10 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the cached prefix blocks (vLLM's name); False, changing nothing, while requests hold KV."""
+        return self.kv_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self.loading)
 

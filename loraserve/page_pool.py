@@ -199,7 +199,11 @@ class PagePool:
     def evict_oldest(self) -> None:
         if not self._evictable:
             raise OutOfPagesError("no evictable pages left")
-        key, entry = self._evictable.popitem(last=False)
+        self.evict(next(iter(self._evictable)))
+
+    def evict(self, key: Hashable) -> None:
+        """Reclaim one idle entry now: forget its content and free its pages."""
+        entry = self._evictable.pop(key)
         self._num_evictable_pages -= len(entry.page_ids)
         self.num_evictions[entry.kind] = self.num_evictions.get(entry.kind, 0) + 1
         logger.debug("evicting %s entry %r (%d pages)", entry.kind, key, len(entry.page_ids))

@@ -119,3 +119,26 @@ def test_parallel_samples_share_prompt_pages_copy_on_write(llm: LLM) -> None:
     assert [o.token_ids for o in result.outputs] == [o.token_ids for o in separate]
     assert len({tuple(o.token_ids) for o in result.outputs}) > 1  # samples differ
     assert engine.pool.num_free_pages + engine.pool.num_evictable_pages == engine.pool.num_pages
+
+
+def test_reset_prefix_cache_frees_cached_pages_and_refuses_while_running(llm: LLM) -> None:
+    engine = llm.engine
+    first = _run(llm, None)
+    pool = engine.pool
+    num_cached_pages = _expected_cached(llm, PROMPT) // BLOCK
+    assert pool.num_pages_by_kind()["prefix_cache"] >= num_cached_pages > 0
+    engine.add_request("running", PROMPT, GREEDY)
+    engine.step()  # its prompt now holds KV pages
+    cache = engine.kv_manager.prefix_cache
+    assert cache is not None
+    num_hashes = len(cache)
+    assert not llm.reset_prefix_cache()
+    assert len(cache) == num_hashes > 0
+    llm.engine.abort_request("running")
+    assert llm.reset_prefix_cache()
+    assert pool.num_pages_by_kind().get("prefix_cache", 0) == 0
+    assert pool.num_free_pages == pool.num_pages
+    assert len(cache) == 0
+    again = _run(llm, None)
+    assert again.num_cached_tokens == 0
+    assert again.token_ids == first.token_ids

@@ -260,10 +260,14 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
                    const at::Tensor& meta, const at::Tensor& scales);
 
+// Every kernel runs without the GIL (as torch's own ops do), so a server's event-loop thread
+// keeps serving while the engine thread is inside one.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (see kernels/cpu.py)");
-  m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)");
-  m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)");
-  m.def("rope_", &rope_, "rotary embedding in place (see kernels/cpu.py)");
-  m.def("write_kv_", &write_kv_, "store K and V rows in their slots (see kernels/cpu.py)");
+  using no_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (see kernels/cpu.py)", no_gil());
+  m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)", no_gil());
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)",
+        no_gil());
+  m.def("rope_", &rope_, "rotary embedding in place (see kernels/cpu.py)", no_gil());
+  m.def("write_kv_", &write_kv_, "store K and V rows in their slots (see kernels/cpu.py)", no_gil());
 }
