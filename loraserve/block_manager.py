@@ -146,9 +146,8 @@ class KVCacheManager:
             return True
         if self.pool.num_pages_by_kind()[PageKind.KV.value]:
             return False
-        for key in self.pool.evictable_keys():
-            if isinstance(key, tuple) and key[0] == "kv":
-                self.pool.evict(key)
+        for key in self.pool.evictable_keys(PREFIX_CACHE_KIND):
+            self.pool.evict(key)
         return True
 
     def unmatch_prefix(self, seq: Sequence) -> None:

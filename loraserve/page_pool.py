@@ -192,9 +192,9 @@ class PagePool:
     def contains_evictable(self, key: Hashable) -> bool:
         return key in self._evictable
 
-    def evictable_keys(self) -> list[Hashable]:
-        """Keys from least to most recently made idle (eviction order)."""
-        return list(self._evictable)
+    def evictable_keys(self, kind: str | None = None) -> list[Hashable]:
+        """Keys (of entries of ``kind``, or all) from least to most recently made idle (eviction order)."""
+        return [key for key, entry in self._evictable.items() if kind is None or entry.kind == kind]
 
     def evict_oldest(self) -> None:
         if not self._evictable:

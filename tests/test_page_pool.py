@@ -132,13 +132,15 @@ def test_evict_by_key_frees_that_entry_only() -> None:
     pool = PagePool(4)
     events: list[str] = []
     make_idle(pool, "x", pool.allocate(2), events)  # pages 0, 1
-    make_idle(pool, "y", pool.allocate(1), events)  # page 2
+    make_idle(pool, "y", pool.allocate(1), events, kind="adapter")  # page 2
+    assert pool.evictable_keys("adapter") == ["y"]
+    assert pool.evictable_keys("prefix") == ["x"]
     pool.evict("y")
     assert events == ["y"]
     assert pool.evictable_keys() == ["x"]
     assert (pool.num_free_pages, pool.num_evictable_pages) == (2, 2)
     assert pool.allocate(2) == [3, 2]  # the free list first: "x" stays
-    assert pool.num_evictions == {"prefix": 1}
+    assert pool.num_evictions == {"adapter": 1}
     with pytest.raises(KeyError):
         pool.evict("y")
 
