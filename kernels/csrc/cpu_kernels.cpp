@@ -12,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "decode_attention_f32.h"
 
 namespace {
 
@@ -144,6 +145,14 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv,
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: int64");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "context_lens: int64");
   at::Tensor out = at::empty_like(query);
+  const int64_t head_dim = query.size(2);
+  if (query.scalar_type() == at::kFloat && loraserve_attention::can_tile(head_dim, kv.size(2))) {
+    auto exp_fn = [](float x) { return exp_nonpositive(x); };
+    if (head_dim == 32) loraserve_attention::decode_attention_tiled<4>(query, kv, block_tables, context_lens, scale, out, exp_fn);
+    if (head_dim == 64) loraserve_attention::decode_attention_tiled<8>(query, kv, block_tables, context_lens, scale, out, exp_fn);
+    if (head_dim == 128) loraserve_attention::decode_attention_tiled<16>(query, kv, block_tables, context_lens, scale, out, exp_fn);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_impl<scalar_t>(query, kv, block_tables, context_lens, scale, out);
   });

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "simd8.h"
+
 namespace loraserve_lora {
 
 // meta[layer, group, s] = [a_offset, num_rows, (column, rank, b_offset, out_features) x 3]
@@ -48,16 +50,11 @@ struct AdapterBuffer {
   }
 };
 
-// ---- register-tiled LoRA loops (GCC/Clang vector extensions: AVX2 FMA under -march=native) ----
-using f32x8 = float __attribute__((vector_size(32)));
-
-inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
-inline f32x8 splat8(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
+// ---- register-tiled LoRA loops (simd8.h: AVX2 FMA under -march=native) ----
+using loraserve_simd::f32x8;
+using loraserve_simd::load8;
+using loraserve_simd::splat8;
+using loraserve_simd::store8;
 inline float sum8(f32x8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 constexpr int kShrinkRows = 3;    // A rows per shrink tile: 3 rows x 4 tokens = 12 accumulators
