@@ -21,7 +21,16 @@ from loraserve.kernels.paged_attention import paged_decode_attention, write_kv
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), ATTENTION_CASES, ids=ATTENTION_IDS)
+# float32 with head_dim 32/64/128 and block_size a multiple of 8 runs the register-tiled kernel
+# (csrc/decode_attention_f32.h), the other cases the generic one: both against the reference.
+TILED_CASES = [(8, 2, 128, 16), (4, 2, 64, 8)]
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    ATTENTION_CASES + TILED_CASES,
+    ids=[*ATTENTION_IDS, "tiled-head-dim-128", "tiled-block-8"],
+)
 def test_decode_attention_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
     query, kv, tables, context_lens, scale = decode_case(num_heads, num_kv_heads, head_dim, block_size)
     expected = paged_decode_attention(query, kv, tables, context_lens, scale)
