@@ -12,39 +12,17 @@
 #include <limits>
 #include <vector>
 
+#include "attention_common.h"
 #include "decode_attention_f32.h"
 
 namespace {
 
+using loraserve_attention::exp_shifted_in_place;
+using loraserve_attention::prefetch_row;
+
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
-
-// exp(x) for x <= 0 in a form the compiler vectorizes (Cephes' expf: range reduction
-// by ln 2, degree-6 polynomial, exponent bits; about 1 ulp). Inputs below -87 give ~0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// Pages are a few KB: the hardware prefetchers lose the stream at every page boundary, so each
-// row of the next page is prefetched while the same row of this one is read.
-inline void prefetch_row(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at);
-}
 
 // One sequence per work item (dynamic schedule: contexts differ in length): every query
 // head reads the cached rows of its KV head (GQA: h / group), each page's rows are read
@@ -96,16 +74,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv, const 
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * n;
-        float max_score = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : max_score)
-        for (int64_t j = 0; j < n; ++j) max_score = std::max(max_score, s[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = exp_nonpositive(s[j] - max_score);
-          sum += s[j];
-        }
-        sums[h] = sum;
+        sums[h] = exp_shifted_in_place(s, n);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0; b < num_blocks; ++b) {
@@ -147,10 +116,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv,
   at::Tensor out = at::empty_like(query);
   const int64_t head_dim = query.size(2);
   if (query.scalar_type() == at::kFloat && loraserve_attention::can_tile(head_dim, kv.size(2))) {
-    auto exp_fn = [](float x) { return exp_nonpositive(x); };
-    if (head_dim == 32) loraserve_attention::decode_attention_tiled<4>(query, kv, block_tables, context_lens, scale, out, exp_fn);
-    if (head_dim == 64) loraserve_attention::decode_attention_tiled<8>(query, kv, block_tables, context_lens, scale, out, exp_fn);
-    if (head_dim == 128) loraserve_attention::decode_attention_tiled<16>(query, kv, block_tables, context_lens, scale, out, exp_fn);
+    if (head_dim == 32) loraserve_attention::decode_attention_tiled<4>(query, kv, block_tables, context_lens, scale, out);
+    if (head_dim == 64) loraserve_attention::decode_attention_tiled<8>(query, kv, block_tables, context_lens, scale, out);
+    if (head_dim == 128) loraserve_attention::decode_attention_tiled<16>(query, kv, block_tables, context_lens, scale, out);
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {

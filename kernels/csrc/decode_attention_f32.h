@@ -22,6 +22,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_common.h"
 #include "simd8.h"
 
 namespace loraserve_attention {
@@ -33,10 +34,7 @@ using loraserve_simd::splat8;
 using loraserve_simd::store8;
 
 inline void prefetch_rows(const float* first, int64_t num_rows, int64_t row_stride, int64_t row_bytes) {
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const char* p = reinterpret_cast<const char*>(first + r * row_stride);
-    for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(p + at);
-  }
+  for (int64_t r = 0; r < num_rows; ++r) prefetch_row(first + r * row_stride, row_bytes);
 }
 
 // Whether the tiled version applies: rows in groups of 8 inside a page, head_dim in {32, 64, 128}.
@@ -44,10 +42,10 @@ inline bool can_tile(int64_t head_dim, int64_t block_size) {
   return block_size % 8 == 0 && (head_dim == 32 || head_dim == 64 || head_dim == 128);
 }
 
-// kChunks = head_dim / 8 vectors per head row. `exp_fn` is the generic kernel's exp for x <= 0.
-template <int kChunks, typename ExpFn>
+// kChunks = head_dim / 8 vectors per head row.
+template <int kChunks>
 void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale, at::Tensor& out, ExpFn exp_fn) {
+                            const at::Tensor& context_lens, double scale, at::Tensor& out) {
   constexpr int64_t head_dim = kChunks * 8;
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t block_size = kv.size(2), num_kv_heads = kv.size(3);
@@ -95,16 +93,7 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
-        float* s = scores.data() + h * padded;
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) max_score = std::max(max_score, s[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = exp_fn(s[j] - max_score);
-          sum += s[j];
-        }
-        sums[h] = sum;
+        sums[h] = exp_shifted_in_place(scores.data() + h * padded, n);
       }
 
       // out[h] = sum_j p[h, j] V[j, h / group], one head's accumulator in registers per page

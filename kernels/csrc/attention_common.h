@@ -1,0 +1,52 @@
+// Pieces shared by the decode-attention kernels (cpu_kernels.cpp, decode_attention_f32.h).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace loraserve_attention {
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (Cephes' expf: range reduction
+// by ln 2, degree-6 polynomial, exponent bits; about 1 ulp). Inputs below -87 give ~0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Pages are a few KB: the hardware prefetchers lose the stream at every page boundary, so each
+// row of the next page is prefetched while the same row of this one is read.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at);
+}
+
+// s[j] = exp(s[j] - max(s)) for j < n, in place; returns their sum (the softmax's denominator).
+inline float exp_shifted_in_place(float* s, int64_t n) {
+  float max_score = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max_score)
+  for (int64_t j = 0; j < n; ++j) max_score = std::max(max_score, s[j]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = exp_nonpositive(s[j] - max_score);
+    sum += s[j];
+  }
+  return sum;
+}
+
+}  // namespace loraserve_attention
