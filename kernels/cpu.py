@@ -43,15 +43,21 @@ semantics are those of ``RMSNorm`` and ``apply_rope`` in ``models/llama.py``.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` into
 ``~/.cache/loraserve/torch_extensions`` on first use (about a minute); when a compiler is
-missing the engine logs why and falls back to the torch implementations.
+missing the engine logs why and falls back to the torch implementations. torch guards that
+directory with a ``lock`` file that a killed build leaves behind, after which every later
+``load`` waits forever; loraserve processes therefore serialize their builds with an
+``flock`` (released by the kernel when its holder dies) and, holding it, remove such a file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -77,6 +83,23 @@ def _digest() -> str:
     return digest.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _exclusive_build(directory: Path) -> Iterator[None]:
+    """Holds an exclusive ``flock`` on the build directory; clears torch's stale ``lock`` file."""
+    with open(directory / "loraserve-build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # the kernel drops it when the holding process dies
+        # Every loraserve process calls torch's load() only while holding this flock, so a
+        # baton file that exists now was left by a build that was killed.
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left behind by an interrupted kernel build", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load_extension() -> ModuleType | None:
     """The compiled module, building it on first call; None (with the reason logged) if it cannot be built."""
     module = _state.get("module")  # the per-call path of every kernel: no lock once decided
@@ -92,15 +115,17 @@ def load_extension() -> ModuleType | None:
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
             logger.info("building the CPU kernels (once per machine) in %s", directory)
-            module = load(
-                name="loraserve_cpu_kernels",
-                sources=[str(_CSRC / name) for name in _SOURCES],
-                # torch rebuilds when sources or flags change, not headers: the digest of all of csrc is a flag
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", f"-DLORASERVE_CSRC={_digest()}"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                verbose=False,
-            )
+            digest = _digest()
+            with _exclusive_build(directory):
+                module = load(
+                    name="loraserve_cpu_kernels",
+                    sources=[str(_CSRC / name) for name in _SOURCES],
+                    # torch rebuilds when sources or flags change, not headers: the digest of all of csrc is a flag
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", f"-DLORASERVE_CSRC={digest}"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    verbose=False,
+                )
         except Exception as error:  # a missing compiler or headers: serve with the torch kernels
             logger.warning("CPU kernels unavailable, using the torch implementations: %s", error)
             _state["module"] = str(error)

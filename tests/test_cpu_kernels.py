@@ -10,7 +10,12 @@ adapter popularity patterns.
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +131,21 @@ def test_rope_in_place_equals_apply_rope_bit_for_bit() -> None:
     expected = apply_rope(x, cos, sin)
     cpu.rope_(x, cos, sin)
     assert torch.equal(x, expected)
+
+
+def test_a_killed_build_does_not_block_later_loads(tmp_path: Path) -> None:
+    """torch's ``lock`` baton left by a build killed mid-way made every later load wait forever."""
+    directory = tmp_path / "torch_extensions"
+    shutil.copytree(cpu.build_dir(), directory)  # the built module (mtimes kept: ninja has nothing to do)
+    (directory / "lock").touch()
+    load = "from loraserve.kernels import cpu; import sys; sys.exit(0 if cpu.load_extension() is not None else 1)"
+    result = subprocess.run(
+        [sys.executable, "-c", load],
+        env={**os.environ, "LORASERVE_CACHE": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "left behind by an interrupted kernel build" in result.stderr
+    assert not (directory / "lock").exists()
