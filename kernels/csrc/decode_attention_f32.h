@@ -6,11 +6,13 @@
 //
 // Why a second version: the generic loops reach ~14 GB/s of KV even with the KV hot in cache (one
 // horizontal sum per score, the accumulators loaded and stored for every row), so they are
-// compute-bound. Here a score pass takes 8 rows of one head at a time (8 vector accumulators,
-// one 8-way transposing sum), and the value pass keeps one head's accumulator in registers
-// across a page's rows. Both read each page front to back for its first head and from L1 for
-// the rest, and prefetch the next page's rows as they go (pages are a few KB: the hardware
-// prefetchers lose the stream at each page boundary).
+// compute-bound. Here scores take 8 rows of one head at a time (8 vector accumulators, one 8-way
+// transposing sum), and each head's output accumulator stays in registers across a page's rows.
+// One pass over the pages with an online softmax (each head's running max and sum; the output
+// rescaled when the max grows) reads every page once, K half then V half, and the next page is
+// prefetched a few lines per step of work: with the KV cold in DRAM, demand misses left compute
+// and memory serialized (~7.5 GB/s a thread, vs ~16 hot), and a burst of prefetches fills the L1
+// miss buffers and stalls the loads just the same.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -33,14 +35,23 @@ using loraserve_simd::load8;
 using loraserve_simd::splat8;
 using loraserve_simd::store8;
 
-inline void prefetch_rows(const float* first, int64_t num_rows, int64_t row_stride, int64_t row_bytes) {
-  for (int64_t r = 0; r < num_rows; ++r) prefetch_row(first + r * row_stride, row_bytes);
-}
-
-// Whether the tiled version applies: rows in groups of 8 inside a page, head_dim in {32, 64, 128}.
 inline bool can_tile(int64_t head_dim, int64_t block_size) {
   return block_size % 8 == 0 && (head_dim == 32 || head_dim == 64 || head_dim == 128);
 }
+
+// Prefetches a page a few cache lines per call, so the misses overlap the current page's work.
+struct PagePrefetcher {
+  const char* next = nullptr;
+  const char* end = nullptr;
+
+  void start(const float* page, int64_t bytes) {
+    next = reinterpret_cast<const char*>(page);
+    end = next + bytes;
+  }
+  void advance(int64_t lines) {
+    for (; lines > 0 && next < end; --lines, next += 64) __builtin_prefetch(next);
+  }
+};
 
 // kChunks = head_dim / 8 vectors per head row.
 template <int kChunks>
@@ -51,69 +62,86 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
   const int64_t block_size = kv.size(2), num_kv_heads = kv.size(3);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   const int64_t page_stride = kv.stride(0), kv_stride = kv.stride(1), row_stride = kv.stride(2);
-  const int64_t row_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(float));
   const float* q_ptr = query.data_ptr<float>();
   const float* kv_ptr = kv.data_ptr<float>();
   const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
   const int64_t* len_ptr = context_lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  // A page is 2 * kv_stride floats; its lines are spread over the previous page's work, counted
+  // in value rows (num_heads * block_size of them) and score tiles (an eighth as many, each about
+  // as much work as 8 value rows: given 3 rows' share), which together issue >= the page's lines.
+  const int64_t page_bytes = 2 * kv_stride * static_cast<int64_t>(sizeof(float));
+  const int64_t lines_per_row = std::max<int64_t>(1, (3 * (page_bytes / 64) + 4 * num_heads * block_size - 1) /
+                                                         (4 * num_heads * block_size));
+  const int64_t lines_per_tile = 3 * lines_per_row;
   const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_seqs)));
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> scores, q(num_heads * head_dim), sums(num_heads);
+    std::vector<float> scores(num_heads * block_size), q(num_heads * head_dim), maxes(num_heads), sums(num_heads);
+    PagePrefetcher prefetcher;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
       const int64_t n = len_ptr[seq];
       const int64_t* table = table_ptr + seq * max_blocks;
       const int64_t num_blocks = (n + block_size - 1) / block_size;
-      const int64_t padded = num_blocks * block_size;  // scores of the last page's unused rows: ignored
-      scores.resize(num_heads * padded);
       const float* src = q_ptr + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = src[i] * fscale;
-
-      // scores[h, j] = q[h] . K[j, h / group], 8 rows of one head at a time
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const float* page = kv_ptr + table[b] * page_stride;
-        const float* next = b + 1 < num_blocks ? kv_ptr + table[b + 1] * page_stride : nullptr;
-        const int64_t rows = std::min(block_size, n - b * block_size);
-        for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-          if (next != nullptr) prefetch_rows(next + r0 * row_stride, 8, row_stride, row_bytes);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const float* key = page + r0 * row_stride + (h / group) * head_dim;
-            const float* qh = q.data() + h * head_dim;
-            f32x8 acc[8] = {};
-            for (int c = 0; c < kChunks; ++c) {
-              const f32x8 qc = load8(qh + 8 * c);
-              for (int i = 0; i < 8; ++i) acc[i] += qc * load8(key + i * row_stride + 8 * c);
-            }
-            store8(scores.data() + h * padded + b * block_size + r0, lane_sums(acc));
-          }
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        sums[h] = exp_shifted_in_place(scores.data() + h * padded, n);
-      }
-
-      // out[h] = sum_j p[h, j] V[j, h / group], one head's accumulator in registers per page
       float* dst = out_ptr + seq * num_heads * head_dim;
       std::fill(dst, dst + num_heads * head_dim, 0.f);
+      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
+      std::fill(sums.begin(), sums.end(), 0.f);
+
+      // One pass over the pages, K half then V half of each: the page's scores (padded rows past n
+      // are computed and ignored), then each head's online-softmax update of max, sum and output.
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const float* page = kv_ptr + table[b] * page_stride + kv_stride;
-        const float* next = b + 1 < num_blocks ? kv_ptr + table[b + 1] * page_stride + kv_stride : nullptr;
+        const float* page = kv_ptr + table[b] * page_stride;
         const int64_t rows = std::min(block_size, n - b * block_size);
-        if (next != nullptr) prefetch_rows(next, rows, row_stride, row_bytes);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float* value = page + (h / group) * head_dim;
-          const float* p = scores.data() + h * padded + b * block_size;
-          f32x8 acc[kChunks];
-          for (int c = 0; c < kChunks; ++c) acc[c] = load8(dst + h * head_dim + 8 * c);
-          for (int64_t r = 0; r < rows; ++r) {
-            const f32x8 pr = splat8(p[r]);
-            for (int c = 0; c < kChunks; ++c) acc[c] += pr * load8(value + r * row_stride + 8 * c);
+        if (b + 1 < num_blocks) prefetcher.start(kv_ptr + table[b + 1] * page_stride, page_bytes);
+        for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+          for (int64_t g = 0; g < num_kv_heads; ++g) {
+            const float* key = page + r0 * row_stride + g * head_dim;
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              const float* qh = q.data() + h * head_dim;
+              f32x8 acc[8] = {};
+              for (int c = 0; c < kChunks; ++c) {
+                const f32x8 qc = load8(qh + 8 * c);
+                for (int i = 0; i < 8; ++i) acc[i] += qc * load8(key + i * row_stride + 8 * c);
+              }
+              store8(scores.data() + h * block_size + r0, lane_sums(acc));
+              prefetcher.advance(lines_per_tile);
+            }
           }
-          for (int c = 0; c < kChunks; ++c) store8(dst + h * head_dim + 8 * c, acc[c]);
+        }
+        const float* values = page + kv_stride;
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          const float* value = values + g * head_dim;
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            float* s = scores.data() + h * block_size;
+            float page_max = s[0];
+            for (int64_t r = 1; r < rows; ++r) page_max = std::max(page_max, s[r]);
+            const float new_max = std::max(maxes[h], page_max);
+            const float correction = exp_nonpositive(maxes[h] - new_max);
+            float page_sum = 0.f;
+#pragma omp simd reduction(+ : page_sum)
+            for (int64_t r = 0; r < rows; ++r) {
+              s[r] = exp_nonpositive(s[r] - new_max);
+              page_sum += s[r];
+            }
+            maxes[h] = new_max;
+            sums[h] = sums[h] * correction + page_sum;
+            float* o = dst + h * head_dim;
+            const f32x8 corr = splat8(correction);
+            f32x8 acc[kChunks];
+            for (int c = 0; c < kChunks; ++c) acc[c] = load8(o + 8 * c) * corr;
+            for (int64_t r = 0; r < rows; ++r) {
+              prefetcher.advance(lines_per_row);
+              const f32x8 pr = splat8(s[r]);
+              for (int c = 0; c < kChunks; ++c) acc[c] += pr * load8(value + r * row_stride + 8 * c);
+            }
+            for (int c = 0; c < kChunks; ++c) store8(o + 8 * c, acc[c]);
+          }
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
