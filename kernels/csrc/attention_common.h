@@ -7,6 +7,8 @@
 #include <cstring>
 #include <limits>
 
+#include "simd8.h"
+
 namespace loraserve_attention {
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (Cephes' expf: range reduction
@@ -24,6 +26,28 @@ inline float exp_nonpositive(float x) {
   p = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// exp_nonpositive on 8 lanes (the same steps; rounding to nearest by adding and subtracting 1.5 * 2^23).
+inline loraserve_simd::f32x8 exp8_nonpositive(loraserve_simd::f32x8 x) {
+  using loraserve_simd::f32x8;
+  using loraserve_simd::i32x8;
+  using loraserve_simd::splat8;
+  x = x < splat8(-87.0f) ? splat8(-87.0f) : x;
+  const f32x8 round = splat8(12582912.0f);
+  const f32x8 n = (x * 1.44269504088896341f + round) - round;
+  const f32x8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x8 p = splat8(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
+  f32x8 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }

@@ -9,7 +9,7 @@
 // compute-bound. Here scores take 8 rows of one head at a time (8 vector accumulators, one 8-way
 // transposing sum), and each head's output accumulator stays in registers across a page's rows.
 // One pass over the pages with an online softmax (each head's running max and sum; the output
-// rescaled when the max grows) reads every page once, K half then V half, and the next page is
+// rescaled when the max grows) reads every page once, K half then V half, and the page two ahead is
 // prefetched a few lines per step of work: with the KV cold in DRAM, demand misses left compute
 // and memory serialized (~7.5 GB/s a thread, vs ~16 hot), and a burst of prefetches fills the L1
 // miss buffers and stalls the loads just the same.
@@ -30,8 +30,11 @@
 namespace loraserve_attention {
 
 using loraserve_simd::f32x8;
+using loraserve_simd::hmax8;
+using loraserve_simd::hsum8;
 using loraserve_simd::lane_sums;
 using loraserve_simd::load8;
+using loraserve_simd::max8;
 using loraserve_simd::splat8;
 using loraserve_simd::store8;
 
@@ -53,6 +56,10 @@ struct PagePrefetcher {
   }
 };
 
+// Pages prefetched this far ahead of the one being read (measured: 2 beats 1, the first two
+// pages of a sequence are not prefetched).
+constexpr int64_t kPrefetchDistance = 2;
+
 // kChunks = head_dim / 8 vectors per head row.
 template <int kChunks>
 void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& block_tables,
@@ -68,7 +75,7 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
   const int64_t* len_ptr = context_lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  // A page is 2 * kv_stride floats; its lines are spread over the previous page's work, counted
+  // A page is 2 * kv_stride floats; its lines are spread over one page's work, counted
   // in value rows (num_heads * block_size of them) and score tiles (an eighth as many, each about
   // as much work as 8 value rows: given 3 rows' share), which together issue >= the page's lines.
   const int64_t page_bytes = 2 * kv_stride * static_cast<int64_t>(sizeof(float));
@@ -79,7 +86,11 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> scores(num_heads * block_size), q(num_heads * head_dim), maxes(num_heads), sums(num_heads);
+    // Per head (padded to 8 heads: the corrections are computed 8 at a time): running max and sum,
+    // the page's new max, the factor that rescales what was summed under the old max.
+    const int64_t padded_heads = (num_heads + 7) / 8 * 8;
+    std::vector<float> scores(num_heads * block_size), q(num_heads * head_dim), maxes(padded_heads),
+        sums(num_heads), new_maxes(padded_heads, 0.f), corrections(padded_heads);
     PagePrefetcher prefetcher;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
@@ -90,7 +101,7 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
       for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = src[i] * fscale;
       float* dst = out_ptr + seq * num_heads * head_dim;
       std::fill(dst, dst + num_heads * head_dim, 0.f);
-      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
+      std::fill(maxes.begin(), maxes.begin() + num_heads, -std::numeric_limits<float>::infinity());
       std::fill(sums.begin(), sums.end(), 0.f);
 
       // One pass over the pages, K half then V half of each: the page's scores (padded rows past n
@@ -98,7 +109,9 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
       for (int64_t b = 0; b < num_blocks; ++b) {
         const float* page = kv_ptr + table[b] * page_stride;
         const int64_t rows = std::min(block_size, n - b * block_size);
-        if (b + 1 < num_blocks) prefetcher.start(kv_ptr + table[b + 1] * page_stride, page_bytes);
+        if (b + kPrefetchDistance < num_blocks) {
+          prefetcher.start(kv_ptr + table[b + kPrefetchDistance] * page_stride, page_bytes);
+        }
         for (int64_t r0 = 0; r0 < rows; r0 += 8) {
           for (int64_t g = 0; g < num_kv_heads; ++g) {
             const float* key = page + r0 * row_stride + g * head_dim;
@@ -114,23 +127,37 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
             }
           }
         }
+        // Online softmax, vectorized across rows and heads (one head at a time, its max, exps and
+        // rescaling form a chain of dependent scalar steps that cost as much as the matmuls).
+        const int64_t num_vectors = block_size / 8;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float* s = scores.data() + h * block_size;
+          std::fill(s + rows, s + block_size, -std::numeric_limits<float>::infinity());  // past n
+          f32x8 m = load8(s);
+          for (int64_t v = 1; v < num_vectors; ++v) m = max8(m, load8(s + 8 * v));
+          new_maxes[h] = std::max(maxes[h], hmax8(m));
+        }
+        for (int64_t h = 0; h < padded_heads; h += 8) {
+          store8(corrections.data() + h, exp8_nonpositive(load8(maxes.data() + h) - load8(new_maxes.data() + h)));
+          store8(maxes.data() + h, load8(new_maxes.data() + h));
+        }
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float* s = scores.data() + h * block_size;
+          const f32x8 shift = splat8(new_maxes[h]);
+          f32x8 total = splat8(0.f);
+          for (int64_t v = 0; v < num_vectors; ++v) {
+            const f32x8 p = exp8_nonpositive(load8(s + 8 * v) - shift);  // past n: ~1e-38, below the sum's last bit
+            store8(s + 8 * v, p);
+            total += p;
+          }
+          sums[h] = sums[h] * corrections[h] + hsum8(total);
+        }
         const float* values = page + kv_stride;
         for (int64_t g = 0; g < num_kv_heads; ++g) {
           const float* value = values + g * head_dim;
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            float* s = scores.data() + h * block_size;
-            float page_max = s[0];
-            for (int64_t r = 1; r < rows; ++r) page_max = std::max(page_max, s[r]);
-            const float new_max = std::max(maxes[h], page_max);
-            const float correction = exp_nonpositive(maxes[h] - new_max);
-            float page_sum = 0.f;
-#pragma omp simd reduction(+ : page_sum)
-            for (int64_t r = 0; r < rows; ++r) {
-              s[r] = exp_nonpositive(s[r] - new_max);
-              page_sum += s[r];
-            }
-            maxes[h] = new_max;
-            sums[h] = sums[h] * correction + page_sum;
+            const float* s = scores.data() + h * block_size;
+            const float correction = corrections[h];
             float* o = dst + h * head_dim;
             const f32x8 corr = splat8(correction);
             f32x8 acc[kChunks];

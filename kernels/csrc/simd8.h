@@ -17,6 +17,13 @@ inline f32x8 load8(const float* p) {
 }
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
 inline f32x8 splat8(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
+inline f32x8 max8(f32x8 a, f32x8 b) { return a > b ? a : b; }
+inline float hmax8(f32x8 v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = m > v[i] ? m : v[i];
+  return m;
+}
+inline float hsum8(f32x8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 
 #if defined(__clang__)
 #define LORASERVE_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
