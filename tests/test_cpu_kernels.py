@@ -43,6 +43,27 @@ def test_decode_attention_matches_reference(num_heads: int, num_kv_heads: int, h
     torch.testing.assert_close(out, expected, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("slope", [3.0, -3.0], ids=["rising", "falling"])
+def test_decode_attention_scores_that_drift_across_pages(slope: float) -> None:
+    """The tiled kernel's online softmax rescales what it summed whenever a later page holds a
+    larger score. Scores that rise ~120 over the context (the first pages' weights fall below
+    exp's range, -87) or fall (the first page's max stands): scores that large carry float32
+    rounding of ~1e-5, so the kernel is held to twice the float32 reference's error against float64."""
+    lens, num_heads, num_kv_heads, head_dim = [130, 47], 9, 3, 64
+    kv, tables = make_paged(lens, num_kv_heads, head_dim, 16, torch.float32, seed=11)
+    query = torch.randn(len(lens), num_heads, head_dim, generator=torch.Generator().manual_seed(3))
+    direction = query.view(len(lens), num_kv_heads, -1, head_dim).mean(2)  # [seqs, kv_heads, head_dim]
+    for seq, n in enumerate(lens):
+        for j in range(n):
+            page, row = tables[seq, j // 16], j % 16
+            kv[page, 0, row] = 0.1 * kv[page, 0, row] + slope * (j - n / 2) / 8 * direction[seq]
+    context_lens, scale = torch.tensor(lens), head_dim**-0.5
+    exact = paged_decode_attention(query.double(), kv.double(), tables, context_lens, scale)
+    reference_error = (paged_decode_attention(query, kv, tables, context_lens, scale).double() - exact).abs().max()
+    error = (cpu.paged_decode_attention(query, kv, tables, context_lens, scale).double() - exact).abs().max()
+    assert error <= 2 * reference_error + 1e-6, (float(error), float(reference_error))
+
+
 def test_decode_attention_bfloat16_close_to_float32_reference() -> None:
     lens = [5, 40, 129]
     kv, tables = make_paged(lens, 2, 32, 16, torch.bfloat16, seed=7)
