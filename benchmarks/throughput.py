@@ -173,18 +173,35 @@ def run_hf(model: Any, work: Workload, count: int, batch_size: int) -> Row:
     return Row("hf", mode, batch_size, count, sum(work.output_lens[:count]), seconds, cpu, sum(utils) / len(utils))
 
 
+def batch1_around(rows: list[Row], index: int) -> tuple[float, str] | None:
+    """HF batch-1 tok/s for the row at ``index``: the mean of the batch-1 runs just before and just
+    after it in run order (the machine's speed drifts), or the one that exists; None if neither."""
+    before = next((r for r in reversed(rows[:index]) if r.mode == "batch-1"), None)
+    after = next((r for r in rows[index + 1 :] if r.mode == "batch-1"), None)
+    runs = [r for r in (before, after) if r is not None]
+    if not runs:
+        return None
+    label = "HF batch-1, " + (" and ".join(("before", "after")[i] for i, r in enumerate((before, after)) if r))
+    return sum(r.tok_s for r in runs) / len(runs), label
+
+
 def ratios(rows: list[Row]) -> list[dict[str, Any]]:
-    """loraserve at each concurrency >= 8 vs HF batch 1 and vs the HF static batch of the same size."""
-    batch1 = next((r for r in rows if r.mode == "batch-1"), None)
+    """loraserve at each concurrency >= 8 vs HF batch 1 (the runs around it) and vs the HF static
+    batch of the same size."""
     static = {r.size: r for r in rows if r.mode == "static padded"}
     found = []
-    for row in (r for r in rows if r.system == "loraserve" and r.size >= 8):
-        for base, target in ((batch1, TARGET_VS_BATCH1), (static.get(row.size), TARGET_VS_STATIC)):
+    for index, row in enumerate(rows):
+        if row.system != "loraserve" or row.size < 8:
+            continue
+        bases = [batch1_around(rows, index)]
+        if (batch := static.get(row.size)) is not None:
+            bases.append((batch.tok_s, f"HF {batch.mode} {batch.size}"))
+        for base, target in zip(bases, (TARGET_VS_BATCH1, TARGET_VS_STATIC), strict=False):
             if base is not None:
-                ratio, applies = row.tok_s / base.tok_s, row.size >= TARGET_MIN_CONCURRENCY
+                ratio, applies = row.tok_s / base[0], row.size >= TARGET_MIN_CONCURRENCY
                 met = ratio >= target if applies else None
-                found.append({"concurrency": row.size, "baseline": f"HF {base.mode} {base.size}", "ratio": ratio,
-                              "target": target, "target_applies": applies, "met": met})  # fmt: skip
+                found.append({"concurrency": row.size, "baseline": base[1], "baseline_tok_s": base[0],
+                              "ratio": ratio, "target": target, "target_applies": applies, "met": met})  # fmt: skip
     return found
 
 
@@ -200,7 +217,9 @@ def report(info: dict[str, Any], args: argparse.Namespace, rows: list[Row], foun
         f"load average {info['load_avg_at_start']} at start, {info['load_avg_at_end']} at end",
         f"Workload: {args.requests} requests (seed {args.seed}), prompt and output lengths uniform in "
         f"[{args.min_len}, {args.max_len}), random token ids, greedy, ignore_eos; level N serves the first "
-        f"min({args.requests}, {args.rounds}*N) requests (HF batch-1: the first {args.hf_batch1_requests})",
+        f"min({args.requests}, {args.rounds}*N) requests (HF batch-1: the first {args.hf_batch1_requests}, run before "
+        f"the first level and after each level >= {TARGET_MIN_CONCURRENCY}; HF static batches: at most the first "
+        f"{args.hf_static_requests or 'N'})",
         "",
         "| system | mode | conc./batch | requests | gen. tokens | wall s | tok/s | decode-step tok/s "
         "| prefill-step time | KV util | preempt. | cores busy |",
@@ -227,7 +246,10 @@ def report(info: dict[str, Any], args: argparse.Namespace, rows: list[Row], foun
             met = (
                 ("yes" if f["met"] else "NO") if f["target_applies"] else f"(target is for >= {TARGET_MIN_CONCURRENCY})"
             )
-            lines.append(f"| {f['concurrency']} | {f['baseline']} | {f['ratio']:.2f}x | {f['target']}x | {met} |")
+            lines.append(
+                f"| {f['concurrency']} | {f['baseline']} ({f['baseline_tok_s']:.1f} tok/s) | {f['ratio']:.2f}x "
+                f"| {f['target']}x | {met} |"
+            )
     return "\n".join(lines)
 
 
@@ -243,6 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--rounds", type=int, default=2, help="level N serves the first min(requests, rounds*N) (default 2)")
     add("--hf-batch1-requests", type=int, default=4, help="requests run one at a time by HF (default 4, 0: skip)")
     add("--hf-batch-sizes", type=ints, default=None, help="HF static batch sizes (default: concurrencies >= 8)")
+    add("--hf-static-requests", type=int, default=None, help="cap on the requests of each HF static batch size")
     add("--no-hf", action="store_true", help="measure loraserve only")
     add("--block-size", type=int, default=None, help="engine block_size (default: engine default)")
     add("--num-pages", type=int, default=None, help="engine num_pages (default: from its memory budget)")
@@ -292,14 +315,23 @@ def main(argv: list[str] | None = None) -> None:
             info["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
             write_json(args.json, info, args, rows)
 
+    model = None if args.no_hf else load_hf_model()
+    batch1_count = min(args.requests, args.hf_batch1_requests)
+
+    def batch1() -> None:
+        if model is not None and batch1_count:
+            record(run_hf(model, work, batch1_count, 1))
+
+    # HF batch-1 runs before the levels and again after each level that has a target: each of
+    # those is compared with the batch-1 runs on either side of it, not with one run minutes away.
+    batch1()
     for c in args.concurrency:
         record(run_loraserve(work, count(c), c, options))
-    if not args.no_hf:
-        model = load_hf_model()
-        if args.hf_batch1_requests:
-            record(run_hf(model, work, min(args.requests, args.hf_batch1_requests), 1))
+        if c >= TARGET_MIN_CONCURRENCY:
+            batch1()
+    if model is not None:
         for b in args.hf_batch_sizes:
-            record(run_hf(model, work, count(b), b))
+            record(run_hf(model, work, min(count(b), args.hf_static_requests or count(b)), b))
     info["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print("\n" + report(info, args, rows, ratios(rows)), flush=True)
     if args.json:
