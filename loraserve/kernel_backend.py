@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class KernelBackend:
     """Kernels of one backend; ``rms_norm``/``rope`` None means the model's torch ops;
-    ``pack_linears``: run the linear layers as ``PackedLinear`` (oneDNN) for small batches."""
+    ``pack_linears``: run the linear layers as ``PackedLinear`` (oneDNN) for small batches, the
+    projections that share an input (q/k/v, gate/up) as one ``PackedLinearGroup`` GEMM each."""
 
     name: str
     decode_attention: DecodeAttention

@@ -7,7 +7,7 @@ as they are, and the arithmetic follows it step by step so fp32 outputs match.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ from torch import nn
 
 from loraserve.forward_batch import ForwardBatch
 from loraserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from loraserve.models.packed_linear import PackedLinearGroup
 
 # (input, layer_index, group, outputs, batch): adds the LoRA deltas of one input group
 # ("qkv", "o", "gate_up", "down") to its projections' outputs in place.
@@ -93,6 +94,8 @@ def _head_dim(config: Any) -> int:
 
 
 class LlamaAttention(nn.Module):
+    fused_groups: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_packed": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, config: Any, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -106,6 +109,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.qkv_packed: PackedLinearGroup | None = None  # set by pack_linears
         self.decode_attention: DecodeAttention = paged_decode_attention
         self.write_kv: WriteKV = write_kv
         self.fused_rope: FusedRope | None = None
@@ -119,7 +123,10 @@ class LlamaAttention(nn.Module):
         lora: LoRAHook | None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if self.qkv_packed is not None:
+            q, k, v = self.qkv_packed(hidden)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         if lora is not None:
             lora(hidden, self.layer_index, "qkv", (q, k, v), batch)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
@@ -132,17 +139,18 @@ class LlamaAttention(nn.Module):
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.write_kv(kv, k, v, batch.slot_mapping)
-        out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-        num_decode = batch.num_decode_tokens
-        if num_decode:
-            out[:num_decode] = self.decode_attention(
-                q[:num_decode], kv, batch.decode_block_tables, batch.decode_context_lens, self.scale
-            )
-        for span in batch.prefills:
-            rows = slice(span.start, span.start + span.num_new)
-            out[rows] = paged_prefill_attention(
-                q[rows], kv, span.block_table, span.num_cached, self.scale, k[rows], v[rows]
-            )
+        decode = (kv, batch.decode_block_tables, batch.decode_context_lens, self.scale)
+        if not batch.prefills:  # a decode-only step: the kernel's output is the whole result
+            out = self.decode_attention(q, *decode)  # [num_tokens, num_heads, head_dim]
+        else:
+            out = torch.empty_like(q)
+            if num_decode := batch.num_decode_tokens:
+                out[:num_decode] = self.decode_attention(q[:num_decode], *decode)
+            for span in batch.prefills:
+                rows = slice(span.start, span.start + span.num_new)
+                out[rows] = paged_prefill_attention(
+                    q[rows], kv, span.block_table, span.num_cached, self.scale, k[rows], v[rows]
+                )
         attn = out.view(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
         result = self.o_proj(attn)
         if lora is not None:
@@ -151,6 +159,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    fused_groups: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_packed": ("gate_proj", "up_proj")}
+
     def __init__(self, config: Any, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -158,9 +168,13 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_packed: PackedLinearGroup | None = None  # set by pack_linears
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
-        gate, up = self.gate_proj(hidden), self.up_proj(hidden)  # [num_tokens, intermediate]
+        if self.gate_up_packed is not None:
+            gate, up = self.gate_up_packed(hidden)  # [num_tokens, intermediate] each
+        else:
+            gate, up = self.gate_proj(hidden), self.up_proj(hidden)
         if lora is not None:
             lora(hidden, self.layer_index, "gate_up", (gate, up), batch)
         act = F.silu(gate, inplace=True).mul_(up)  # [num_tokens, intermediate], in place: no temporaries
