@@ -1,4 +1,4 @@
-// Pieces shared by the decode-attention kernels (cpu_kernels.cpp, decode_attention_f32.h).
+// Pieces of the decode-attention kernels (cpu_kernels.cpp's generic loops, decode_attention_f32.h).
 #pragma once
 
 #include <algorithm>
@@ -11,26 +11,31 @@
 
 namespace loraserve_attention {
 
-// exp(x) for x <= 0 in a form the compiler vectorizes (Cephes' expf: range reduction
-// by ln 2, degree-6 polynomial, exponent bits; about 1 ulp). Inputs below -87 give ~0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+// exp(x) for x <= 0 after Cephes' expf: with n = round(x / ln 2) and r = x - n ln 2 (ln 2 in two
+// parts), exp(x) = 2^n * e^r, e^r by a degree-6 polynomial; about 1 ulp. Inputs below -87 give
+// ~0. This is the part the scalar and the 8-lane version share (T: float or f32x8).
+template <typename T>
+inline T exp_of_remainder(T x, T n) {
+  const T r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  T p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// In a form the compiler vectorizes (the generic kernel's loops).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return exp_of_remainder(x, n) * scale;
 }
 
-// exp_nonpositive on 8 lanes (the same steps; rounding to nearest by adding and subtracting 1.5 * 2^23).
+// 8 lanes at once (rounding to nearest by adding and subtracting 1.5 * 2^23).
 inline loraserve_simd::f32x8 exp8_nonpositive(loraserve_simd::f32x8 x) {
   using loraserve_simd::f32x8;
   using loraserve_simd::i32x8;
@@ -38,18 +43,10 @@ inline loraserve_simd::f32x8 exp8_nonpositive(loraserve_simd::f32x8 x) {
   x = x < splat8(-87.0f) ? splat8(-87.0f) : x;
   const f32x8 round = splat8(12582912.0f);
   const f32x8 n = (x * 1.44269504088896341f + round) - round;
-  const f32x8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x8 p = splat8(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
   const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
   f32x8 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return exp_of_remainder(x, n) * scale;
 }
 
 // Pages are a few KB: the hardware prefetchers lose the stream at every page boundary, so each
