@@ -31,7 +31,7 @@ TARGET_LORA_VS_BASE = 0.8
 TARGET_VS_PEFT = 5.0
 SCOPE = "cpu_perf::"
 MATMULS = frozenset(
-    {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "mkldnn::_linear_pointwise"}
+    {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "cpu_kernels.linear_panels"}
 )
 PARTS = ("attention", "base matmuls", "lora", "sampling", "other ops", "python overhead")
 
@@ -185,7 +185,7 @@ def profiler_scopes(engine: Any) -> Iterator[None]:
         wrap(layer.self_attn, "decode_attention", "attention")
     extension = cpu.load_extension()
     if extension is not None:
-        for name in ("paged_decode_attention", "lora_segments"):
+        for name in ("paged_decode_attention", "lora_segments", "linear_panels", "rms_norm", "rope_", "write_kv_"):
             original = getattr(extension, name)
             patched.append((extension, name, original, True))
             setattr(extension, name, _recorded(f"cpu_kernels.{name}", original))

@@ -37,6 +37,18 @@ ones as two grouped MKL GEMM calls (all shrinks, then all expands). float32 only
 ``write_kv_`` stores each token's K and V rows in its slot, as ``paged_attention.write_kv``
 (any dtype; slots are checked to lie inside the pages).
 
+``linear_panels`` computes linear layers that share an input, ``out_i = x @ W_i^T + b_i``, on
+weights packed once by ``pack_panels``: each ``W_i`` (``[out_i, in_features]``) padded with zero
+rows to a multiple of 16 and cut into panels ``panel[p][k][j] = W_i[16 * p + j, k]``, the
+panels of all the ``W_i`` one after another (bias likewise padded and concatenated). Register
+tiles of 6 rows x 16 columns run over all of ``in_features``; threads split the panels.
+float32 only; results differ from ``F.linear`` only by the order of float additions.
+
+    x:         [num_rows, in_features] float32, contiguous
+    panels:    [num_panels, in_features, 16] float32, num_panels = sum(ceil(out_i / 16))
+    bias:      [num_panels * 16] float32 or None
+    out_sizes: [out_1, ..., out_n];  returns n contiguous tensors [num_rows, out_i]
+
 ``rms_norm`` (optionally adding ``residual += x`` in place first) and ``rope_`` (in place)
 are the float32 elementwise parts of a Llama layer fused into one pass each; their
 semantics are those of ``RMSNorm`` and ``apply_rope`` in ``models/llama.py``.
@@ -66,7 +78,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_kernels.cpp", "lora_segments.cpp")
+_SOURCES = ("cpu_kernels.cpp", "lora_segments.cpp", "linear_panels.cpp")
 _lock = threading.Lock()
 _state: dict[str, ModuleType | str] = {}
 
@@ -194,3 +206,40 @@ def rope_(
     module = load_extension()
     assert module is not None, "rope_ needs the compiled CPU kernels"
     module.rope_(x, cos, sin)
+
+
+PANEL_WIDTH = 16  # output columns per panel (kernels/csrc/linear_panels.cpp)
+
+
+def pack_panels(
+    weights: list[torch.Tensor],  # each [out_i, in_features] float32
+    biases: list[torch.Tensor | None] | None = None,  # each [out_i] or None
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [num_panels, in_features, 16], [num_panels * 16] or None
+    """The panels (and padded bias, None when no layer has one) of ``linear_panels``."""
+    panels: list[torch.Tensor] = []
+    padded_biases: list[torch.Tensor] = []
+    given = biases if biases is not None else [None] * len(weights)
+    for weight, given_bias in zip(weights, given, strict=True):
+        out_features, in_features = weight.shape
+        num_panels = -(-out_features // PANEL_WIDTH)
+        padded = weight.new_zeros(num_panels * PANEL_WIDTH, in_features)  # [num_panels * 16, in_features]
+        padded[:out_features] = weight
+        panels.append(padded.view(num_panels, PANEL_WIDTH, in_features).transpose(1, 2))
+        bias = padded.new_zeros(num_panels * PANEL_WIDTH)  # [num_panels * 16]
+        if given_bias is not None:
+            bias[:out_features] = given_bias
+        padded_biases.append(bias)
+    has_bias = any(b is not None for b in given)
+    return torch.cat(panels).contiguous(), torch.cat(padded_biases) if has_bias else None
+
+
+def linear_panels(
+    x: torch.Tensor,  # [num_rows, in_features] float32
+    panels: torch.Tensor,  # [num_panels, in_features, 16] from pack_panels
+    bias: torch.Tensor | None,  # [num_panels * 16] from pack_panels
+    out_sizes: list[int],
+) -> list[torch.Tensor]:  # each [num_rows, out_i], contiguous
+    module = load_extension()
+    assert module is not None, "linear_panels needs the compiled CPU kernels"
+    outputs: list[torch.Tensor] = module.linear_panels(x.contiguous(), panels, bias, out_sizes)
+    return outputs

@@ -3,7 +3,7 @@
 * ``torch``: the torch implementations in ``kernels/`` (the references; any device, any dtype).
 * ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention and
   the KV write (any dtype), and for float32 also the LoRA segments, fused RMSNorm / RoPE and the model's
-  linear layers on oneDNN-packed weights for decode-sized batches (``models/packed_linear.py``).
+  linear layers on weights packed into panels for loraserve's GEMM (``models/packed_linear.py``).
 * ``triton``: the Triton kernels (GPU): paged decode attention (``kernels/triton_attention.py``)
   and LoRA read in place from the pool pages (``kernels/triton_lora.py``); on a CPU device
   only under Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class KernelBackend:
     """Kernels of one backend; ``rms_norm``/``rope`` None means the model's torch ops;
-    ``pack_linears``: run the linear layers as ``PackedLinear`` (oneDNN) for small batches, the
-    projections that share an input (q/k/v, gate/up) as one ``PackedLinearGroup`` GEMM each."""
+    ``pack_linears``: run the linear layers as ``PackedLinear`` (loraserve's panel GEMM), the
+    projections that share an input (q/k/v, gate/up) as one ``PackedLinearGroup`` call each."""
 
     name: str
     decode_attention: DecodeAttention

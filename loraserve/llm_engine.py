@@ -102,7 +102,7 @@ class LLMEngine:
         kernels = self.kernels
         self.model.use_kernels(kernels.decode_attention, kernels.write_kv, kernels.rms_norm, kernels.rope)
         if self.kernels.pack_linears:
-            pack_linears(self.model, batch_hint=config.max_num_seqs)
+            pack_linears(self.model)
         self.runner.lora_hook = self.kernels.make_lora_hook(self.adapters)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)

@@ -1,7 +1,7 @@
 // Compiled CPU kernels of loraserve: paged decode attention, fused RMSNorm and RoPE, and the
-// module definition (segmented LoRA is in lora_segments.cpp). Semantics and argument shapes are
-// documented in kernels/cpu.py; the torch references they are tested against are
-// kernels/paged_attention.py and models/llama.py.
+// module definition (segmented LoRA is in lora_segments.cpp, linear layers in linear_panels.cpp).
+// Semantics and argument shapes are documented in kernels/cpu.py; the torch references they are
+// tested against are kernels/paged_attention.py, models/llama.py and F.linear.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -236,6 +236,9 @@ void write_kv_(at::Tensor& kv, const at::Tensor& key, const at::Tensor& value, c
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
                    const at::Tensor& meta, const at::Tensor& scales);
+// linear_panels.cpp
+std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& panels,
+                                      const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes);
 
 // Every kernel runs without the GIL (as torch's own ops do), so a server's event-loop thread
 // keeps serving while the engine thread is inside one.
@@ -247,4 +250,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil());
   m.def("rope_", &rope_, "rotary embedding in place (see kernels/cpu.py)", no_gil());
   m.def("write_kv_", &write_kv_, "store K and V rows in their slots (see kernels/cpu.py)", no_gil());
+  m.def("linear_panels", &linear_panels, "linear layers on 16-column weight panels (see kernels/cpu.py)", no_gil());
 }

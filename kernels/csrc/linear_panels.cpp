@@ -1,0 +1,127 @@
+// Linear layers on weights packed into 16-column panels (float32); semantics, shapes and the
+// packing are documented in kernels/cpu.py, the reference is torch's F.linear.
+//
+// Each output tile of 6 rows x 16 columns is held in 12 vector registers while the loop runs
+// over all of K: per k, two weight vectors (one row of the panel, contiguous) and one broadcast
+// input element per row, 12 FMAs. A panel ([K, 16], at most ~100 KB) stays in L1/L2 while every
+// row block of the input passes over it, so each weight is read from memory once per block of
+// 64 rows; the next panel is prefetched a cache line at a time during those passes.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "simd8.h"
+
+namespace {
+
+using loraserve_simd::f32x8;
+using loraserve_simd::load8;
+using loraserve_simd::splat8;
+using loraserve_simd::store8;
+
+constexpr int64_t kPanel = 16;     // output columns per panel: two 8-lane vectors
+constexpr int kTileRows = 6;       // 6 x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of 16 registers
+constexpr int64_t kRowBlock = 64;  // input rows whose passes over one panel run back to back
+
+// One panel's output columns for R rows: c[i, j] = bias[j] + sum_k a[i, k] * panel[k, j].
+// While it runs it prefetches lines first, first + every, ... of `next` (a panel's line is one
+// k row of 16 floats), so the tiles of one panel between them fetch all of the next one.
+template <int R>
+void tile(const float* a, int64_t lda, const float* panel, int64_t K, const float* bias, float* c, int64_t ldc,
+          int64_t num_cols, const float* next, int64_t every, int64_t first) {
+  f32x8 acc0[R], acc1[R];
+  const f32x8 bias0 = bias != nullptr ? load8(bias) : splat8(0.f);
+  const f32x8 bias1 = bias != nullptr ? load8(bias + 8) : splat8(0.f);
+  for (int i = 0; i < R; ++i) {
+    acc0[i] = bias0;
+    acc1[i] = bias1;
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += every) {
+    if (next != nullptr && k0 + first < K) __builtin_prefetch(next + (k0 + first) * kPanel, 0, 3);
+    const int64_t k_end = std::min(K, k0 + every);
+    for (int64_t k = k0; k < k_end; ++k) {
+      const f32x8 w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const f32x8 x = splat8(a[i * lda + k]);
+        acc0[i] += x * w0;
+        acc1[i] += x * w1;
+      }
+    }
+  }
+  if (num_cols == kPanel) {
+    for (int i = 0; i < R; ++i) {
+      store8(c + i * ldc, acc0[i]);
+      store8(c + i * ldc + 8, acc1[i]);
+    }
+    return;
+  }
+  for (int i = 0; i < R; ++i) {  // the last panel of an output whose width is not a multiple of 16
+    float row[kPanel];
+    store8(row, acc0[i]);
+    store8(row + 8, acc1[i]);
+    std::copy(row, row + num_cols, c + i * ldc);
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
+                        const float*, int64_t, int64_t);
+constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+
+// Rows [0, m) of a (stride lda) times one panel into c (stride ldc).
+void panel_rows(const float* a, int64_t lda, int64_t m, const float* panel, int64_t K, const float* bias, float* c,
+                int64_t ldc, int64_t num_cols, const float* next) {
+  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t row = t * kTileRows, rows = std::min<int64_t>(kTileRows, m - row);
+    kTiles[rows](a + row * lda, lda, panel, K, bias, c + row * ldc, ldc, num_cols, next, num_tiles, t);
+  }
+}
+
+}  // namespace
+
+// outputs[i] = x @ W_i^T + b_i for the weights W_i packed one after another into `panels`.
+std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& panels,
+                                      const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "linear_panels is float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [num_rows, in_features]");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == x.size(1),
+              "panels must be a contiguous [num_panels, in_features, 16] matching x");
+  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0);
+  std::vector<at::Tensor> outputs;
+  std::vector<float*> out_ptrs;
+  std::vector<int64_t> owner, first_panel;  // the output of each panel, the first panel of each output
+  for (size_t i = 0; i < out_sizes.size(); ++i) {
+    TORCH_CHECK(out_sizes[i] > 0, "out_sizes must be positive");
+    first_panel.push_back(static_cast<int64_t>(owner.size()));
+    owner.insert(owner.end(), (out_sizes[i] + kPanel - 1) / kPanel, static_cast<int64_t>(i));
+    outputs.push_back(at::empty({M, out_sizes[i]}, x.options()));
+    out_ptrs.push_back(outputs.back().data_ptr<float>());
+  }
+  TORCH_CHECK(static_cast<int64_t>(owner.size()) == num_panels, "out_sizes need ", owner.size(), " panels, got ",
+              num_panels);
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == num_panels * kPanel,
+                "bias must be a contiguous float32 [num_panels * 16]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  if (M == 0) return outputs;
+  const float* a = x.data_ptr<float>();
+  const float* w = panels.data_ptr<float>();
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = 0; row < M; row += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - row);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t out = owner[p], col = (p - first_panel[out]) * kPanel, width = out_sizes[out];
+        const float* next = p + 1 < end ? w + (p + 1) * K * kPanel : nullptr;
+        panel_rows(a + row * K, K, rows, w + p * K * kPanel, K, bias_ptr ? bias_ptr + p * kPanel : nullptr,
+                   out_ptrs[out] + row * width + col, width, std::min(kPanel, width - col), next);
+      }
+    }
+  });
+  return outputs;
+}
