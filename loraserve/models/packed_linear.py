@@ -71,8 +71,8 @@ class PackedLinearGroup(nn.Module):
 class PackedLinear(nn.Module):
     """``nn.Linear`` semantics (``y = x @ W^T + b``), on the panel kernel for 2-D inputs.
 
-    Shares ``weight`` and ``bias`` with the layer it wraps (so a tied LM head stays tied); the
-    panels are a plain attribute, not part of the state dict.
+    Shares ``weight`` and ``bias`` with the layer it wraps (so a tied LM head stays tied); its
+    panels are a group of one, which is not part of the state dict.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -80,14 +80,10 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # [out_features, in_features]
         self.bias = linear.bias  # [out_features] or None
-        with torch.no_grad():
-            bias = [linear.bias.detach()] if linear.bias is not None else None
-            self.panels, self.panel_bias = cpu.pack_panels([linear.weight.detach()], bias)
+        self.group = PackedLinearGroup([linear])  # the panels (a group of one)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_rows, in_features] -> [num_rows, out_features]
-        if x.dim() != 2:
-            return F.linear(x, self.weight, self.bias)
-        return cpu.linear_panels(x, self.panels, self.panel_bias, [self.out_features])[0]
+        return self.group(x)[0]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, on 16-column panels"
@@ -123,7 +119,8 @@ def pack_linears(model: nn.Module) -> int:
         setattr(parent, name, PackedLinear(child))
     num_packed = len(targets) + num_grouped
     if num_packed:
-        num_bytes = sum(p.numel() * p.element_size() for m in model.modules() for p in _panels_of(m))
+        groups = [m for m in model.modules() if isinstance(m, PackedLinearGroup)]
+        num_bytes = sum(g.panels.numel() * g.panels.element_size() for g in groups)
         logger.info(
             "packed %d linear weights into panels, %d of them in groups (%.0f MiB)",
             num_packed,
@@ -131,7 +128,3 @@ def pack_linears(model: nn.Module) -> int:
             num_bytes / 2**20,
         )
     return num_packed
-
-
-def _panels_of(module: nn.Module) -> list[torch.Tensor]:
-    return [module.panels] if isinstance(module, PackedLinear | PackedLinearGroup) else []
