@@ -16,6 +16,8 @@ Exposed names (``model`` is the base model id or the adapter name):
   idle cached KV blocks reclaimed; ``adapter``: idle adapters),
   ``loraserve_adapter_loads_total``, ``loraserve_adapter_evictions_total``,
   ``loraserve_adapters_registered``, ``loraserve_engine_step_errors_total``
+* ``loraserve_cpu_gemm_kernel{shape,rows,kernel}``: 1 for the GEMM kernel each linear layer shape runs
+  on at each row bucket (``models/gemm_choice.py``; none when the linear layers are not packed)
 * ``loraserve_prompt_tokens_total{model}``, ``loraserve_generation_tokens_total{model}``,
   ``loraserve_prefix_cache_hits_total{model}`` (requests that reused cached prompt tokens),
   ``loraserve_prefix_cache_hit_tokens_total{model}``, ``loraserve_request_success_total{model,finish_reason}``
@@ -67,6 +69,7 @@ class EngineSnapshot:
     prefix_cache_matched_tokens: int = 0
     prefix_cache_hit_rate: float = 0.0
     prefix_cache_blocks: int = 0
+    cpu_gemm: dict[str, dict[str, str]] = field(default_factory=dict)  # layer shape -> bucket rows -> kernel
 
 
 def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
@@ -92,6 +95,7 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         prefix_cache_matched_tokens=int(index.num_hit_tokens) if index is not None else 0,
         prefix_cache_hit_rate=float(index.hit_rate) if index is not None else 0.0,
         prefix_cache_blocks=len(index) if index is not None else 0,
+        cpu_gemm=engine.gemm_plan.as_dict()["layers"] if hasattr(engine, "gemm_plan") else {},
     )
 
 
@@ -135,6 +139,15 @@ class EngineSnapshotCollector(Collector):
         yield CounterMetricFamily(
             "loraserve_engine_step_errors", "Engine steps that raised", value=self.num_step_errors
         )
+        gemm = GaugeMetricFamily(
+            "loraserve_cpu_gemm_kernel",
+            "1 for the GEMM kernel that runs each linear layer shape at each row bucket (chosen by timing)",
+            labels=["shape", "rows", "kernel"],
+        )
+        for shape, by_rows in sorted(snap.cpu_gemm.items()):
+            for rows, kernel in by_rows.items():
+                gemm.add_metric([shape, rows, kernel], 1)
+        yield gemm
 
 
 def _prefix_cache_metrics(snap: EngineSnapshot) -> Iterator[Metric]:

@@ -56,7 +56,11 @@ async def health(request: Request) -> JSONResponse:
         state.async_engine.start()
     except EngineDeadError as error:
         return JSONResponse({"status": "error", "message": str(error)}, status_code=503)
-    return JSONResponse({"status": "ok", "model": state.settings.model_id})
+    body: dict[str, Any] = {"status": "ok", "model": state.settings.model_id, "kernels": state.engine.kernels.name}
+    plan = state.engine.gemm_plan
+    if plan.choices:  # the CPU GEMM kernel of each linear layer shape and row bucket, and how it was chosen
+        body["cpu_gemm"] = plan.as_dict()
+    return JSONResponse(body)
 
 
 @router.get(

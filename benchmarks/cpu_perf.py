@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tqdm.auto import tqdm
 
 from benchmarks._workload import Workload, adapter_name, add_workload_args, check_workload_args, ensure_adapters
+from loraserve.config import CPU_GEMM_CHOICES
 
 TARGET_LORA_VS_BASE = 0.8
 TARGET_VS_PEFT = 5.0
@@ -281,10 +282,13 @@ def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs:
            ratios: list[dict[str, Any]], profiles: dict[str, dict[str, Any]]) -> str:  # fmt: skip
     """Markdown: machine, workload, tokens/s per system, target ratios, decode-step profile."""
     lines = [
-        f"Machine: {info['cpu']}, {info['usable_cores']} usable of {info['logical_cores']} cores, torch "
+        f"Machine: {info['cpu']} ({info['isa']}: {info['cpu_flags']}), {info['usable_cores']} usable of "
+        f"{info['logical_cores']} cores, torch "
         f"{info['torch']} ({info['torch_threads']} threads), transformers {info['transformers']}, {args.dtype}; "
         f"load average {info['load_avg_at_start']} at start, {info['load_avg_at_end']} at end",
         f"Workload: {work.describe(args)}; loraserve max_num_seqs={args.max_num_seqs}",
+        f"loraserve's CPU GEMM ({info['cpu_gemm']['source']}, kernel per row bucket): "
+        + "; ".join(f"{shape} {'/'.join(by_rows.values())}" for shape, by_rows in info["cpu_gemm"]["layers"].items()),
         "",
     ]
     rows = [[r.system, str(r.requests), str(r.tokens), f"{r.wall_s:.1f}", f"{r.tok_s:.1f}", f"{r.cpu_s / r.wall_s:.2f}"]
@@ -325,6 +329,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and KV dtype (default float32)")
     add("--threads", type=int, default=None, help="torch threads for every system (default: torch's)")
     add("--memory-budget-mb", type=int, default=None, help="loraserve page pool size (default: the engine's)")
+    add("--cpu-gemm", choices=CPU_GEMM_CHOICES, default="auto", help="loraserve's GEMM kernel (default auto: timed)")
     add("--peft-batch", type=int, default=16, help="PEFT mixed-adapter batch size (default 16)")
     add("--no-peft", action="store_true", help="skip PEFT (c)")
     add("--rounds", type=int, default=4, help="interleaved rounds, (c) on 1/rounds of the requests in each (default 4)")
@@ -351,8 +356,9 @@ def main(argv: list[str] | None = None) -> None:
     adapters = ensure_adapters(args, hf_config)
     info = {**machine_info(), "dtype": args.dtype}
     options = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype, "num_threads": args.threads,
-               "memory_budget_mb": args.memory_budget_mb}  # fmt: skip
+               "memory_budget_mb": args.memory_budget_mb, "cpu_gemm": args.cpu_gemm}  # fmt: skip
     llm = LLM(**{k: v for k, v in options.items() if v is not None})
+    info["cpu_gemm"] = llm.engine.gemm_plan.as_dict()
     for name, path in adapters:
         llm.add_adapter(name, path)
     names: list[str | None] = [None, *(name for name, _ in adapters)]

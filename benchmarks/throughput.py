@@ -10,7 +10,6 @@ static batches, and loraserve's KV-slot utilisation step by step. See
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -66,15 +65,11 @@ class Row:
 
 def machine_info() -> dict[str, Any]:
     import transformers
+    from loraserve.kernels import cpu_features
 
-    cpu = "unknown"
-    with contextlib.suppress(OSError, StopIteration):
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    return {"cpu": cpu, "logical_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+    info = cpu_features.cpu_info()
+    return {"cpu": info.model_name, "isa": info.vector_isa, "cpu_flags": " ".join(info.features),
+            "logical_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "torch_threads": torch.get_num_threads(), "dtype": "float32",
             "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip

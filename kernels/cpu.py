@@ -41,8 +41,9 @@ ones as two grouped MKL GEMM calls (all shrinks, then all expands). float32 only
 weights packed once by ``pack_panels``: each ``W_i`` (``[out_i, in_features]``) padded with zero
 rows to a multiple of 16 and cut into panels ``panel[p][k][j] = W_i[16 * p + j, k]``, the
 panels of all the ``W_i`` one after another (bias likewise padded and concatenated). Register
-tiles of 6 rows x 16 columns run over all of ``in_features``; threads split the panels.
-float32 only; results differ from ``F.linear`` only by the order of float additions.
+tiles of 6 rows x 16 columns run over all of ``in_features`` (with AVX-512: 12 rows x 2 panels);
+threads split the panels. ``variant`` picks a tiling of ``linear_panels_variants()`` ("" = the
+widest). float32 only; results differ from ``F.linear`` only by the order of float additions.
 
     x:         [num_rows, in_features] float32, contiguous
     panels:    [num_panels, in_features, 16] float32, num_panels = sum(ceil(out_i / 16))
@@ -54,7 +55,9 @@ are the float32 elementwise parts of a Llama layer fused into one pass each; the
 semantics are those of ``RMSNorm`` and ``apply_rope`` in ``models/llama.py``.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` into
-``~/.cache/loraserve/torch_extensions`` on first use (about a minute); when a compiler is
+``~/.cache/loraserve/torch_extensions/<CPU signature>`` on first use (about a minute; the
+signature digests the CPU's model and instruction-set features, ``cpu_features.py``, so a
+build is only ever loaded on the kind of CPU it was built for); when a compiler is
 missing the engine logs why and falls back to the torch implementations. torch guards that
 directory with a ``lock`` file that a killed build leaves behind, after which every later
 ``load`` waits forever; loraserve processes therefore serialize their builds with an
@@ -74,6 +77,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from loraserve.kernels import cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +87,15 @@ _lock = threading.Lock()
 _state: dict[str, ModuleType | str] = {}
 
 
+def cache_root() -> Path:
+    """loraserve's cache directory: ``$LORASERVE_CACHE`` or ``~/.cache/loraserve``."""
+    return Path(os.environ.get("LORASERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "loraserve"))
+
+
 def build_dir() -> Path:
-    root = os.environ.get("LORASERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "loraserve")
-    return Path(root) / "torch_extensions"
+    """Where this CPU's build lives: one directory per CPU signature, since ``-march=native`` code
+    from another CPU may use instructions this one lacks (a home directory shared between machines)."""
+    return cache_root() / "torch_extensions" / cpu_features.signature()
 
 
 def _digest() -> str:
@@ -126,7 +136,7 @@ def load_extension() -> ModuleType | None:
 
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
-            logger.info("building the CPU kernels (once per machine) in %s", directory)
+            logger.info("building the CPU kernels (once per CPU: %s) in %s", cpu_features.summary(), directory)
             digest = _digest()
             with _exclusive_build(directory):
                 module = load(
@@ -238,8 +248,18 @@ def linear_panels(
     panels: torch.Tensor,  # [num_panels, in_features, 16] from pack_panels
     bias: torch.Tensor | None,  # [num_panels * 16] from pack_panels
     out_sizes: list[int],
+    variant: str = "",
 ) -> list[torch.Tensor]:  # each [num_rows, out_i], contiguous
     module = load_extension()
     assert module is not None, "linear_panels needs the compiled CPU kernels"
-    outputs: list[torch.Tensor] = module.linear_panels(x.contiguous(), panels, bias, out_sizes)
+    outputs: list[torch.Tensor] = module.linear_panels(x.contiguous(), panels, bias, out_sizes, variant)
     return outputs
+
+
+def linear_panels_variants() -> list[str]:
+    """The panel tilings in this build, widest first: ``avx512`` (2 panels x 12 rows of 16-lane
+    registers; built where the CPU has AVX-512F) and ``vec8`` (6 rows x 1 panel of 8-lane pairs)."""
+    module = load_extension()
+    assert module is not None, "linear_panels needs the compiled CPU kernels"
+    variants: list[str] = module.linear_panels_variants()
+    return variants

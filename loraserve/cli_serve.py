@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from loraserve.config import DTYPES, KERNEL_CHOICES, EngineConfig
+from loraserve.config import CPU_GEMM_CHOICES, DTYPES, KERNEL_CHOICES, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,13 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--seed", "seed", int, "seed of unseeded sampling (default 0)"),
     ("--num-threads", "num_threads", int, "torch CPU threads (default: torch's choice)"),
     ("--kernels", "kernels", str, f"kernels, one of {KERNEL_CHOICES} (default auto: C++ on CPU, Triton on CUDA)"),
+    (
+        "--cpu-gemm",
+        "cpu_gemm",
+        str,
+        f"GEMM kernel of the linear layers on the CPU, one of {CPU_GEMM_CHOICES} (default auto: timed on this "
+        "CPU per layer shape and row count at the first start, the choice cached per CPU kind)",
+    ),
 )
 
 

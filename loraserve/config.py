@@ -19,6 +19,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 PREEMPTION_MODES = ("recompute", "swap")
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # see loraserve/kernel_backend.py
+CPU_GEMM_CHOICES = ("auto", "panels", "onednn", "torch")  # "auto" or a GemmKernel (models/packed_linear.py)
 
 
 class ConfigError(ValueError):
@@ -37,6 +38,9 @@ class EngineConfig:
     adapters kept in host memory. ``kernels`` picks the kernel backend: ``torch``
     (the reference implementations), ``cpu`` (compiled C++), ``triton`` (GPU kernels),
     ``auto`` (``cpu`` on a CPU device when it builds, ``triton`` on CUDA, else ``torch``).
+    ``cpu_gemm`` picks the GEMM kernel of the linear layers under the ``cpu`` backend: ``auto``
+    (timed per layer shape and row count on this CPU at start, the choice cached per CPU kind),
+    or ``panels``, ``onednn`` or ``torch`` for every layer (``models/gemm_choice.py``).
     """
 
     model: str | None = None
@@ -57,6 +61,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     host_adapter_cache_mb: int = 2048
     kernels: str = "auto"
+    cpu_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         _require(
@@ -96,6 +101,14 @@ class EngineConfig:
             self.host_adapter_cache_mb >= 0, f"host_adapter_cache_mb must be >= 0, got {self.host_adapter_cache_mb}"
         )
         _require(self.kernels in KERNEL_CHOICES, f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        _require(
+            self.cpu_gemm in CPU_GEMM_CHOICES, f"cpu_gemm must be one of {CPU_GEMM_CHOICES}, got {self.cpu_gemm!r}"
+        )
+        _require(
+            self.cpu_gemm == "auto" or (self.kernels in ("auto", "cpu") and torch.device(self.device).type == "cpu"),
+            f"cpu_gemm={self.cpu_gemm!r} applies to the compiled CPU backend only (kernels 'cpu' or 'auto' on "
+            f"a CPU device), not kernels={self.kernels!r} on device {self.device!r}",
+        )
         try:
             torch.device(self.device)
         except RuntimeError as error:

@@ -2,8 +2,9 @@
 
 * ``torch``: the torch implementations in ``kernels/`` (the references; any device, any dtype).
 * ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention and
-  the KV write (any dtype), and for float32 also the LoRA segments, fused RMSNorm / RoPE and the model's
-  linear layers on weights packed into panels for loraserve's GEMM (``models/packed_linear.py``).
+  the KV write (any dtype), and for float32 also the LoRA segments and fused RMSNorm / RoPE; the
+  model's float32 and bfloat16 linear layers run on the GEMM kernel timed fastest on this CPU for
+  their shape and row count (``models/gemm_choice.py``).
 * ``triton``: the Triton kernels (GPU): paged decode attention (``kernels/triton_attention.py``)
   and LoRA read in place from the pool pages (``kernels/triton_lora.py``); on a CPU device
   only under Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
@@ -33,8 +34,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class KernelBackend:
     """Kernels of one backend; ``rms_norm``/``rope`` None means the model's torch ops;
-    ``pack_linears``: run the linear layers as ``PackedLinear`` (loraserve's panel GEMM), the
-    projections that share an input (q/k/v, gate/up) as one ``PackedLinearGroup`` call each."""
+    ``pack_linears``: run the linear layers as ``PackedLinear`` on the chosen CPU GEMM kernels,
+    the projections that share an input (q/k/v, gate/up) as one ``PackedLinearGroup`` each."""
 
     name: str
     decode_attention: DecodeAttention
@@ -53,7 +54,7 @@ def _cpu_backend(dtype: torch.dtype) -> KernelBackend:
     if cpu.load_extension() is None:
         raise RuntimeError("kernels='cpu' needs the compiled CPU kernels, which could not be built (see the log)")
     if dtype != torch.float32:  # the fused and LoRA kernels are float32; attention takes any dtype
-        return KernelBackend("cpu", cpu.paged_decode_attention, cpu.write_kv_, LoRAApplier)
+        return KernelBackend("cpu", cpu.paged_decode_attention, cpu.write_kv_, LoRAApplier, pack_linears=True)
     return KernelBackend(
         "cpu", cpu.paged_decode_attention, cpu.write_kv_, CompiledLoRAApplier, cpu.rms_norm, cpu.rope_, True
     )

@@ -20,12 +20,12 @@ from loraserve.adapters import (
     make_store,
 )
 from loraserve.block_manager import KVCacheManager
-from loraserve.config import EngineConfig
+from loraserve.config import ConfigError, EngineConfig
 from loraserve.detokenizer import Detokenizer
 from loraserve.kernel_backend import select_backend
 from loraserve.model_runner import ModelRunner, PageLayout
-from loraserve.models.loader import load_hf_config, load_model, resolve_model_dir
-from loraserve.models.packed_linear import pack_linears
+from loraserve.models.gemm_choice import GemmPlan, GemmPolicy, pack_linears
+from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
 from loraserve.output_processor import OutputProcessor, Request
 from loraserve.outputs import RequestOutput
 from loraserve.page_pool import PagePool
@@ -101,8 +101,17 @@ class LLMEngine:
         self.kernels = select_backend(config.kernels, self.device, config.torch_dtype)
         kernels = self.kernels
         self.model.use_kernels(kernels.decode_attention, kernels.write_kv, kernels.rms_norm, kernels.rope)
+        self.gemm_plan = GemmPlan()  # the CPU GEMM kernel of each linear layer shape and row bucket
         if self.kernels.pack_linears:
-            pack_linears(self.model)
+            policy = GemmPolicy(
+                config.cpu_gemm,
+                max_rows=config.max_num_batched_tokens,
+                row_limits=(("lm_head", config.max_num_seqs),),  # one row per sampled sequence
+                cache_dir=cache_root() / "cpu_gemm",
+            )
+            self.gemm_plan = pack_linears(self.model, policy)
+        elif config.cpu_gemm != "auto":
+            raise ConfigError(f"cpu_gemm={config.cpu_gemm!r} needs the compiled CPU kernels (kernels 'cpu')")
         self.runner.lora_hook = self.kernels.make_lora_hook(self.adapters)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from loraserve.api import ServerSettings, ServerThread, create_app
+from loraserve.kernels import cpu_features
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraserve.config import EngineConfig
@@ -74,7 +75,16 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]
 
 
 def test_health_models_and_openapi(http: httpx.Client, client: openai.OpenAI) -> None:
-    assert http.get("/health").json()["status"] == "ok"
+    health = http.get("/health").json()
+    assert health["status"] == "ok" and health["kernels"] in ("cpu", "torch")
+    if health["kernels"] == "cpu":  # the linear layers' GEMM kernels, chosen by timing or read from the cache
+        gemm = health["cpu_gemm"]
+        assert gemm["source"] in ("measured", "cached", "mixed") and gemm["cpu"] == cpu_features.summary()
+        assert all(set(by_rows.values()) <= {"panels", "onednn", "torch"} for by_rows in gemm["layers"].values())
+        metrics = http.get("/metrics").text
+        for shape, by_rows in gemm["layers"].items():
+            for rows, kernel in by_rows.items():
+                assert f'loraserve_cpu_gemm_kernel{{kernel="{kernel}",rows="{rows}",shape="{shape}"}} 1.0' in metrics
     assert [model.id for model in client.models.list()] == [MODEL]
     paths = http.get("/openapi.json").json()["paths"]
     for path in (

@@ -10,6 +10,7 @@ adapter popularity patterns.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_cases import ATTENTION_CASES, ATTENTION_IDS, BS, HIDDEN, POPULARITY, decode_case, make_paged, run_segments
-from loraserve.kernels import cpu
+from loraserve.kernels import cpu, cpu_features
 from loraserve.kernels.paged_attention import paged_decode_attention, write_kv
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
@@ -156,7 +157,7 @@ def test_rope_in_place_equals_apply_rope_bit_for_bit() -> None:
 
 def test_a_killed_build_does_not_block_later_loads(tmp_path: Path) -> None:
     """torch's ``lock`` baton left by a build killed mid-way made every later load wait forever."""
-    directory = tmp_path / "torch_extensions"
+    directory = tmp_path / "torch_extensions" / cpu_features.signature()
     shutil.copytree(cpu.build_dir(), directory)  # the built module (mtimes kept: ninja has nothing to do)
     (directory / "lock").touch()
     load = "from loraserve.kernels import cpu; import sys; sys.exit(0 if cpu.load_extension() is not None else 1)"
@@ -170,3 +171,13 @@ def test_a_killed_build_does_not_block_later_loads(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "left behind by an interrupted kernel build" in result.stderr
     assert not (directory / "lock").exists()
+
+
+def test_the_build_directory_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build made on another CPU (a shared home directory) is never loaded here: its directory differs."""
+    here = cpu.build_dir()
+    assert here.name == cpu_features.signature() and here.parent.name == "torch_extensions"
+    info = cpu_features.cpu_info()
+    other = dataclasses.replace(info, features=(*(f for f in info.features if not f.startswith("avx512")), "x"))
+    monkeypatch.setattr(cpu_features, "cpu_info", lambda: other)
+    assert cpu.build_dir() != here and cpu.build_dir().parent == here.parent

@@ -1,4 +1,4 @@
-"""The panel GEMM (``kernels/cpu.py: linear_panels``) and the layers on it, against ``F.linear``.
+"""The CPU GEMM kernels (panels, oneDNN, torch) and the layers on them, against ``F.linear``.
 
 Row counts cover a partial register tile (1, 5, 7 rows), whole tiles and row blocks (6, 64),
 and several row blocks with a ragged end (130); output widths that are not multiples of the
@@ -15,12 +15,23 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
-from loraserve.kernels import cpu
+from loraserve.kernels import cpu, cpu_features
 from torch import nn
 
-from loraserve.models.packed_linear import PackedLinear, PackedLinearGroup, can_pack, pack_linears
+from loraserve.models.gemm_choice import GemmPolicy, pack_linears
+from loraserve.models.packed_linear import (
+    ROW_BUCKETS,
+    GemmKernel,
+    PackedLinear,
+    PackedLinearGroup,
+    bucket_index,
+    can_pack,
+    kernels_for,
+)
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
+KERNELS = list(GemmKernel)
+FORCED = GemmPolicy("panels")
 
 ROWS = [0, 1, 5, 6, 7, 64, 130]
 
@@ -34,16 +45,26 @@ def assert_float_close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         assert (out.double() - exact).abs().max() <= 2 * float_error + 1e-5
 
 
+VARIANTS = ["avx512", "vec8"]  # the panel tilings (kernels/csrc/linear_panels.cpp); this CPU's build has some
+
+
+def _variant(name: str) -> str:
+    if name not in cpu.linear_panels_variants():
+        pytest.skip(f"the {name} panel tiling is not in this CPU's build (it has {cpu.linear_panels_variants()})")
+    return name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", ROWS)
-def test_linear_panels_matches_f_linear(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("rows", [*ROWS, 12, 13, 25])
+def test_linear_panels_matches_f_linear(rows: int, bias: bool, variant: str) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(200, 96, generator=gen)  # 200 = 12 panels + 8 columns
     b = torch.randn(200, generator=gen) if bias else None
     panels, panel_bias = cpu.pack_panels([weight], [b])
     assert panels.shape == (13, 96, 16) and (panel_bias is None) == (not bias)
     x = torch.randn(rows, 96, generator=gen)
-    (out,) = cpu.linear_panels(x, panels, panel_bias, [200])
+    (out,) = cpu.linear_panels(x, panels, panel_bias, [200], _variant(variant))
     assert out.is_contiguous()
     assert_float_close(out, x, weight, b)
 
@@ -57,14 +78,35 @@ def test_linear_panels_checks_its_arguments() -> None:
         cpu.linear_panels(torch.randn(3, 9), panels, None, [32])
     with pytest.raises(RuntimeError, match="float32 only"):
         cpu.linear_panels(x.double(), panels, None, [32])
+    with pytest.raises(RuntimeError, match="variant 'neon' is not compiled"):
+        cpu.linear_panels(x, panels, None, [32], "neon")
+    assert cpu.linear_panels_variants()[-1] == "vec8"  # every build has the 8-lane tiling
+    if cpu_features.cpu_info().has("avx512f"):
+        assert cpu.linear_panels_variants() == ["avx512", "vec8"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows", [1, 12, 30, 130])
+def test_linear_panels_pairs_panels_of_different_outputs(rows: int, variant: str) -> None:
+    """The AVX-512 tiling takes two panels at a time: pairs that straddle two outputs, odd ends."""
+    gen = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(n, 40, generator=gen) for n in (40, 8, 16, 33, 16)]  # 3, 1, 1, 3, 1 panels
+    biases = [torch.randn(n, generator=gen) for n in (40, 8, 16, 33, 16)]
+    panels, bias = cpu.pack_panels(weights, biases)
+    x = torch.randn(rows, 40, generator=gen)
+    outs = cpu.linear_panels(x, panels, bias, [40, 8, 16, 33, 16], _variant(variant))
+    for out, weight, b in zip(outs, weights, biases, strict=True):
+        assert out.is_contiguous()
+        assert_float_close(out, x, weight, b)
 
 
 def test_packed_linear_keeps_nn_linear_semantics() -> None:
     torch.manual_seed(0)
     linear = nn.Linear(48, 40)
-    packed = PackedLinear(linear)
-    x = torch.randn(9, 48)
-    assert_float_close(packed(x), x, linear.weight, linear.bias)
+    for kernel in KERNELS:
+        packed = PackedLinear(linear, (kernel,))
+        x = torch.randn(9, 48)
+        assert_float_close(packed(x), x, linear.weight, linear.bias)
     batched = torch.randn(2, 3, 48)  # not 2-D: plain F.linear, bit for bit
     assert torch.equal(packed(batched), F.linear(batched, linear.weight, linear.bias))
 
@@ -74,12 +116,13 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_weights_shared() -> N
     model = nn.ModuleDict({"embed": embed, "proj": nn.Linear(16, 16), "head": nn.Linear(16, 50, bias=False)})
     model["head"].weight = embed.weight
     state_keys = set(model.state_dict())
-    assert pack_linears(model) == 2
+    assert pack_linears(model, FORCED).num_layers == 2
     assert isinstance(model["proj"], PackedLinear) and isinstance(model["head"], PackedLinear)
     assert model["head"].weight is embed.weight  # still tied
     assert set(model.state_dict()) == state_keys  # the panels are not state
-    assert pack_linears(model) == 0  # idempotent: nothing left to pack
-    assert not can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))  # the kernel is float32 only
+    assert pack_linears(model, FORCED).num_layers == 0  # idempotent: nothing left to pack
+    assert not can_pack(torch.zeros(4, 4, dtype=torch.float16))  # no packed kernel takes float16
+    assert kernels_for(torch.bfloat16) == (GemmKernel.ONEDNN, GemmKernel.TORCH)  # panels are float32 only
 
 
 class _SharedInput(nn.Module):
@@ -95,12 +138,15 @@ class _SharedInput(nn.Module):
         self.abc_packed: PackedLinearGroup | None = None
 
 
+@pytest.mark.parametrize("kernel", KERNELS, ids=[k.value for k in KERNELS])
 @pytest.mark.parametrize("rows", ROWS)
-def test_packed_linear_group_matches_its_layers(rows: int) -> None:
+def test_packed_linear_group_matches_its_layers(rows: int, kernel: GemmKernel) -> None:
     torch.manual_seed(rows)
     module = _SharedInput()
-    group = PackedLinearGroup([module.a, module.b, module.c])
-    assert group.panels.shape == (3 + 1 + 1, 24, 16)  # 40 -> 3 panels, 8 -> 1, 16 -> 1
+    group = PackedLinearGroup([module.a, module.b, module.c], (kernel,))
+    if kernel is GemmKernel.PANELS:
+        assert group.panels is not None and group.panels.shape == (3 + 1 + 1, 24, 16)  # 40 -> 3, 8 -> 1, 16 -> 1
+    assert (group.packed_bytes() == 0) == (kernel is GemmKernel.TORCH)  # torch runs on the weights as they are
     x = torch.randn(rows, 24)
     outs = group(x)
     assert [o.shape for o in outs] == [(rows, 40), (rows, 8), (rows, 16)]
@@ -109,14 +155,36 @@ def test_packed_linear_group_matches_its_layers(rows: int) -> None:
         assert_float_close(out, x, linear.weight, linear.bias)
 
 
+def test_a_group_runs_each_row_bucket_on_its_kernel_and_packs_only_those(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _SharedInput()
+    kernels = (GemmKernel.PANELS, GemmKernel.TORCH, GemmKernel.TORCH, GemmKernel.PANELS)
+    group = PackedLinearGroup([module.a, module.b, module.c], kernels)
+    assert group.panels is not None and group.onednn_weights == []  # no copy for a kernel it never runs
+    ran: list[GemmKernel] = []
+    run = group.run
+    monkeypatch.setattr(group, "run", lambda kernel, x: ran.append(kernel) or run(kernel, x))
+    for rows in (1, 3, 5, 16, 30, 200, 5000):  # buckets 1, 4, 4, 16, 16 (log-nearest), 64 (the last), 64
+        group(torch.randn(rows, 24))
+    assert ran == [kernels[i] for i in (0, 1, 1, 2, 2, 3, 3)]
+    assert [bucket_index(r) for r in (1, 2, 3, 7, 9, 100, 180, 4096)] == [0, 0, 1, 1, 2, 3, 4, 5]  # log midpoints
+    assert ROW_BUCKETS[bucket_index(64)] == 64
+    with pytest.raises(ValueError, match=r"cannot run torch\.bfloat16"):
+        PackedLinearGroup([nn.Linear(8, 8).bfloat16()], (GemmKernel.PANELS,))
+
+
 def test_pack_linears_builds_declared_groups_and_packs_the_rest() -> None:
     module = _SharedInput()
     state_keys = set(module.state_dict())
-    assert pack_linears(module) == 4  # a, b, c in the group, out alone
+    plan = pack_linears(module, FORCED)
+    assert plan.num_layers == 4 and plan.source == "forced"  # a, b, c in the group, out alone
+    assert plan.choices == {
+        "float32 24->40+8+16 +bias": (GemmKernel.PANELS,),
+        "float32 40->24 +bias": (GemmKernel.PANELS,),
+    }
     assert isinstance(module.abc_packed, PackedLinearGroup)
     assert all(type(getattr(module, name)) is nn.Linear for name in "abc")  # members stay as they are
     assert isinstance(module.out, PackedLinear)
     assert set(module.state_dict()) == state_keys  # neither the group nor the panels are state
-    assert pack_linears(module) == 0
+    assert pack_linears(module, FORCED).num_layers == 0
     with pytest.raises(ValueError, match="share in_features"):
-        PackedLinearGroup([module.a, nn.Linear(8, 8)])
+        PackedLinearGroup([module.a, nn.Linear(8, 8)], (GemmKernel.TORCH,))

@@ -238,7 +238,9 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
                    const at::Tensor& meta, const at::Tensor& scales);
 // linear_panels.cpp
 std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& panels,
-                                      const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes);
+                                      const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes,
+                                      const std::string& variant);
+std::vector<std::string> linear_panels_variants();
 
 // Every kernel runs without the GIL (as torch's own ops do), so a server's event-loop thread
 // keeps serving while the engine thread is inside one.
@@ -251,4 +253,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place (see kernels/cpu.py)", no_gil());
   m.def("write_kv_", &write_kv_, "store K and V rows in their slots (see kernels/cpu.py)", no_gil());
   m.def("linear_panels", &linear_panels, "linear layers on 16-column weight panels (see kernels/cpu.py)", no_gil());
+  m.def("linear_panels_variants", &linear_panels_variants, "the panel tilings compiled in, widest first");
 }

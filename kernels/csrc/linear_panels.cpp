@@ -6,11 +6,19 @@
 // input element per row, 12 FMAs. A panel ([K, 16], at most ~100 KB) stays in L1/L2 while every
 // row block of the input passes over it, so each weight is read from memory once per block of
 // 64 rows; the next panel is prefetched a cache line at a time during those passes.
+//
+// Where the build targets AVX-512 (-march=native on such a CPU; the build is cached per CPU
+// signature), a second tiling runs instead: two panels side by side (32 columns, two 16-lane
+// registers) for 12 rows, 24 accumulators of the 32 registers, so each broadcast input element
+// feeds two FMAs; an odd last panel of a thread's range runs as one-panel tiles of 12 rows.
+// linear_panels_variant() names the one compiled in.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "simd8.h"
@@ -81,11 +89,111 @@ void panel_rows(const float* a, int64_t lda, int64_t m, const float* panel, int6
   }
 }
 
+#if defined(__AVX512F__)
+#define LORASERVE_PANELS_AVX512 1
+using f32x16 = float __attribute__((vector_size(64)));
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+constexpr int kWideRows = 12;  // 12 x 2 accumulators + 2 weight vectors + 1 broadcast: 27 of 32 registers
+
+// Where one panel's tile goes: its bias (or null), its output rows and their stride, its width.
+struct PanelOut {
+  const float* panel;
+  const float* bias;
+  float* c;
+  int64_t ldc;
+  int64_t num_cols;
+};
+
+template <int R>
+inline void store_tile(const f32x16* acc, const PanelOut& out) {
+  for (int i = 0; i < R; ++i) {
+    if (out.num_cols == kPanel) {
+      store16(out.c + i * out.ldc, acc[i]);
+    } else {
+      float row[kPanel];
+      store16(row, acc[i]);
+      std::copy(row, row + out.num_cols, out.c + i * out.ldc);
+    }
+  }
+}
+
+// R rows times NP (1 or 2) panels side by side; prefetches lines of the next NP panels as tile() does.
+template <int R, int NP>
+void wide_tile(const float* a, int64_t lda, const PanelOut* outs, int64_t K, const float* const* next, int64_t every,
+               int64_t first) {
+  f32x16 acc[NP][R];
+  for (int j = 0; j < NP; ++j) {
+    const f32x16 b = outs[j].bias != nullptr ? load16(outs[j].bias) : splat16(0.f);
+    for (int i = 0; i < R; ++i) acc[j][i] = b;
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += every) {
+    if (k0 + first < K)
+      for (int j = 0; j < NP; ++j)
+        if (next[j] != nullptr) __builtin_prefetch(next[j] + (k0 + first) * kPanel, 0, 3);
+    const int64_t k_end = std::min(K, k0 + every);
+    for (int64_t k = k0; k < k_end; ++k) {
+      f32x16 w[NP];
+      for (int j = 0; j < NP; ++j) w[j] = load16(outs[j].panel + k * kPanel);
+#pragma GCC unroll 12
+      for (int i = 0; i < R; ++i) {
+        const f32x16 x = splat16(a[i * lda + k]);
+        for (int j = 0; j < NP; ++j) acc[j][i] += x * w[j];
+      }
+    }
+  }
+  for (int j = 0; j < NP; ++j) store_tile<R>(acc[j], outs[j]);
+}
+
+using WideTileFn = void (*)(const float*, int64_t, const PanelOut*, int64_t, const float* const*, int64_t, int64_t);
+template <int NP>
+constexpr WideTileFn kWideTiles[kWideRows + 1] = {
+    nullptr,           wide_tile<1, NP>, wide_tile<2, NP>, wide_tile<3, NP>,  wide_tile<4, NP>,
+    wide_tile<5, NP>,  wide_tile<6, NP>, wide_tile<7, NP>, wide_tile<8, NP>,  wide_tile<9, NP>,
+    wide_tile<10, NP>, wide_tile<11, NP>, wide_tile<12, NP>};
+
+// Rows [0, m) of a times the NP panels of outs (their tiles' output pointers at row 0).
+template <int NP>
+void wide_rows(const float* a, int64_t lda, int64_t m, const PanelOut* outs, int64_t K, const float* const* next) {
+  const int64_t num_tiles = (m + kWideRows - 1) / kWideRows;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t row = t * kWideRows, rows = std::min<int64_t>(kWideRows, m - row);
+    PanelOut shifted[NP];
+    for (int j = 0; j < NP; ++j) {
+      shifted[j] = outs[j];
+      shifted[j].c += row * outs[j].ldc;
+    }
+    kWideTiles<NP>[rows](a + row * lda, lda, shifted, K, next, num_tiles, t);
+  }
+}
+#endif
+
 }  // namespace
 
+// The tilings compiled into this build, widest first.
+std::vector<std::string> linear_panels_variants() {
+#if defined(LORASERVE_PANELS_AVX512)
+  return {"avx512", "vec8"};
+#else
+  return {"vec8"};
+#endif
+}
+
 // outputs[i] = x @ W_i^T + b_i for the weights W_i packed one after another into `panels`.
+// variant: one of linear_panels_variants(), or "" for the widest.
 std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& panels,
-                                      const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes) {
+                                      const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes,
+                                      const std::string& variant) {
+  const auto variants = linear_panels_variants();
+  TORCH_CHECK(variant.empty() || std::find(variants.begin(), variants.end(), variant) != variants.end(),
+              "linear_panels variant '", variant, "' is not compiled into this build");
+  const bool wide = variant.empty() ? variants.front() != "vec8" : variant != "vec8";
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "linear_panels is float32 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [num_rows, in_features]");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == x.size(1),
@@ -112,6 +220,35 @@ std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& pan
   if (M == 0) return outputs;
   const float* a = x.data_ptr<float>();
   const float* w = panels.data_ptr<float>();
+#if defined(LORASERVE_PANELS_AVX512)
+  if (wide) {
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    auto out_of = [&](int64_t p, int64_t row) {
+      const int64_t out = owner[p], col = (p - first_panel[out]) * kPanel, width = out_sizes[out];
+      return PanelOut{w + p * K * kPanel, bias_ptr ? bias_ptr + p * kPanel : nullptr, out_ptrs[out] + row * width + col,
+                      width, std::min(kPanel, width - col)};
+    };
+    for (int64_t row = 0; row < M; row += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - row);
+      for (int64_t p = begin; p < end; p += 2) {
+        if (p + 1 < end) {
+          const PanelOut outs[2] = {out_of(p, row), out_of(p + 1, row)};
+          const float* next[2] = {p + 2 < end ? w + (p + 2) * K * kPanel : nullptr,
+                                  p + 3 < end ? w + (p + 3) * K * kPanel : nullptr};
+          wide_rows<2>(a + row * K, K, rows, outs, K, next);
+        } else {
+          const PanelOut outs[1] = {out_of(p, row)};
+          const float* next[1] = {nullptr};
+          wide_rows<1>(a + row * K, K, rows, outs, K, next);
+        }
+      }
+    }
+  });
+  return outputs;
+  }
+#else
+  (void)wide;
+#endif
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = 0; row < M; row += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, M - row);

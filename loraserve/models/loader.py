@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from loraserve.kernels.cpu import cache_root
 from loraserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -26,11 +26,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
 class ModelLoadError(RuntimeError):
     """The model cannot be found or is not a supported Llama-family checkpoint."""
-
-
-def cache_root() -> Path:
-    """Where converted models live: ``$LORASERVE_CACHE`` or ``~/.cache/loraserve``."""
-    return Path(os.environ.get("LORASERVE_CACHE", Path.home() / ".cache" / "loraserve"))
 
 
 def resolve_model_dir(model: str | None) -> Path:

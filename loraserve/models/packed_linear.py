@@ -1,22 +1,28 @@
-"""Linear layers that run loraserve's CPU GEMM (``kernels/cpu.py: linear_panels``) on weights
-packed once into 16-column panels.
+"""Linear layers on the CPU GEMM kernel chosen for their shape and row count.
 
-On this machine kind (AVX2, 2 cores) the register-tiled kernel beats the BLAS libraries torch
-calls at every batch size a step has. Measured on SmolLM2-135M's decoder projections, 30
-layers, weights cold in cache, medians of alternating runs (ms, this kernel / oneDNN on weights
-reordered for the batch size / MKL on the plain weight): 1 row 19.7 / 29.4; 8 rows 23.5 / 31.8;
-64 rows 97.7 / 121.2; 512 rows 763 / 790 / 824; 2048 rows 2574 / 2912 / 2715. The price is a
-second copy of each weight (the panels); results differ from ``F.linear`` only by the order of
-float additions.
+Three kernels compute ``y = x @ W^T + b`` (``GemmKernel``):
+
+* ``panels``: loraserve's register-tiled GEMM (``kernels/cpu.py: linear_panels``) on weights
+  packed once into 16-column panels; float32.
+* ``onednn``: oneDNN on weights reordered once into its blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``); float32, and bfloat16
+  on AMX or AVX-512-BF16 where the CPU has them.
+* ``torch``: ``F.linear`` on the plain weights (MKL's sgemm for float32, oneDNN for bfloat16).
+
+Which one is fastest depends on the CPU (an AVX2 EPYC and an AVX-512 Xeon disagree) and on the
+number of rows, so a group holds one kernel per row bucket (``ROW_BUCKETS``), chosen by timing
+on the machine (``models/gemm_choice.py``). A group keeps the packed copy of only the kernels it
+uses; ``torch`` needs none. Results differ from ``F.linear`` only by the order of float additions.
 
 Projections that read the same input (Llama's q/k/v, gate/up) run as one ``PackedLinearGroup``:
-one kernel call over the panels of all of them, each output written contiguous in place (no
-split copies; the LoRA kernels add into them). A model names its groups in ``fused_groups``.
+each output written contiguous (the LoRA kernels add into them in place); the panel kernel
+makes one call over the panels of all of them. A model names its groups in ``fused_groups``.
 """
 
 from __future__ import annotations
 
-import logging
+import enum
+import math
 from collections.abc import Sequence
 
 import torch
@@ -25,106 +31,122 @@ from torch import nn
 
 from loraserve.kernels import cpu
 
-logger = logging.getLogger(__name__)
+ROW_BUCKETS = (1, 4, 16, 64, 256, 1024)  # a call with r rows uses the bucket nearest r on a log scale
+ONEDNN_ROWS_HINT = 64  # the batch-size hint of oneDNN's weight reorder (the layout serves any row count)
+
+
+class GemmKernel(str, enum.Enum):
+    PANELS = "panels"
+    ONEDNN = "onednn"
+    TORCH = "torch"
+
+
+def bucket_index(rows: int, num_buckets: int = len(ROW_BUCKETS)) -> int:
+    """Index of the bucket nearest ``rows`` on a log scale, among the first ``num_buckets``."""
+    if rows <= 1:
+        return 0
+    index = min(range(num_buckets), key=lambda i: abs(math.log(rows / ROW_BUCKETS[i])))
+    return index
+
+
+def kernels_for(dtype: torch.dtype) -> tuple[GemmKernel, ...]:
+    """The kernels that can run weights of ``dtype`` on this build (panels need the C++ extension)."""
+    available: list[GemmKernel] = []
+    if dtype == torch.float32 and cpu.load_extension() is not None:
+        available.append(GemmKernel.PANELS)
+    if dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+        available.append(GemmKernel.ONEDNN)
+    available.append(GemmKernel.TORCH)
+    return tuple(available)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can run on the panel kernel (a CPU float32 matrix, the kernels built)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.dtype == torch.float32
-        and cpu.load_extension() is not None
-    )
+    """Whether ``weight`` can run on a packed kernel (a CPU float32 or bfloat16 matrix)."""
+    return weight.device.type == "cpu" and weight.dim() == 2 and len(kernels_for(weight.dtype)) > 1
 
 
 class PackedLinearGroup(nn.Module):
-    """Linear layers that share an input, ``(x @ W_1^T + b_1, ..., x @ W_n^T + b_n)``: for 2-D
-    inputs ``[num_rows, in_features]`` one ``linear_panels`` call, each output contiguous; other
-    inputs ``F.linear`` each.
+    """Linear layers that share an input, ``(x @ W_1^T + b_1, ..., x @ W_n^T + b_n)``; for 2-D
+    inputs ``[num_rows, in_features]`` on ``kernels[bucket_index(num_rows, len(kernels))]``, each
+    output contiguous; other inputs ``F.linear`` each.
 
-    Holds no state of its own: it reads the members' weights, and the panels are a plain
-    attribute, so the wrapped layers stay where they are (state dict, LoRA, PEFT comparisons).
+    Holds no state of its own: it reads the members' weights, and the packed copies are plain
+    attributes, so the wrapped layers stay where they are (state dict, LoRA, PEFT comparisons).
     """
 
-    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+    def __init__(self, linears: Sequence[nn.Linear], kernels: Sequence[GemmKernel]) -> None:
         super().__init__()
         if len({linear.in_features for linear in linears}) != 1:
             raise ValueError("a PackedLinearGroup's layers must share in_features")
+        if not kernels:
+            raise ValueError("a PackedLinearGroup needs a kernel for at least one row bucket")
         self.weights = [linear.weight for linear in linears]  # each [out_i, in_features]
         self.biases = [linear.bias for linear in linears]  # each [out_i] or None
         self.out_sizes = [linear.out_features for linear in linears]
+        self.kernels = tuple(GemmKernel(k) for k in kernels)
+        dtype = self.weights[0].dtype
+        missing = set(self.kernels) - set(kernels_for(dtype))
+        if missing:
+            raise ValueError(f"kernels {sorted(k.value for k in missing)} cannot run {dtype} weights here")
+        self.panels: torch.Tensor | None = None  # [num_panels, in_features, 16]
+        self.panel_bias: torch.Tensor | None = None  # [num_panels * 16]
+        self.onednn_weights: list[torch.Tensor] = []  # each oneDNN's blocked copy of W_i
         with torch.no_grad():
+            weights = [w.detach() for w in self.weights]
             biases = [b.detach() if b is not None else None for b in self.biases]
-            # [num_panels, in_features, 16], [num_panels * 16] or None
-            self.panels, self.panel_bias = cpu.pack_panels([w.detach() for w in self.weights], biases)
+            if GemmKernel.PANELS in self.kernels:
+                self.panels, self.panel_bias = cpu.pack_panels(weights, biases)
+            if GemmKernel.ONEDNN in self.kernels:
+                reorder = torch.ops.mkldnn._reorder_linear_weight
+                self.onednn_weights = [reorder(w, ONEDNN_ROWS_HINT) for w in weights]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [num_rows, in] -> each [num_rows, out_i]
         if x.dim() != 2:
             return tuple(F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True))
-        return tuple(cpu.linear_panels(x, self.panels, self.panel_bias, self.out_sizes))
+        return self.run(self.kernels[bucket_index(x.shape[0], len(self.kernels))], x)
+
+    def run(self, kernel: GemmKernel, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The group's outputs for ``x`` ``[num_rows, in_features]`` on ``kernel`` (one this group packed)."""
+        if kernel is GemmKernel.PANELS:
+            assert self.panels is not None, "this group has no panels"
+            return tuple(cpu.linear_panels(x, self.panels, self.panel_bias, self.out_sizes))
+        if kernel is GemmKernel.ONEDNN and x.shape[0] > 0:
+            assert self.onednn_weights, "this group has no oneDNN weights"
+            linear = torch.ops.mkldnn._linear_pointwise
+            x = x.contiguous()
+            return tuple(linear(x, w, b, "none", [], "") for w, b in zip(self.onednn_weights, self.biases, strict=True))
+        return tuple(F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True))
+
+    def packed_bytes(self) -> int:
+        """Bytes of the packed copies this group keeps beside its members' weights."""
+        tensors = [t for t in (self.panels, self.panel_bias, *self.onednn_weights) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def extra_repr(self) -> str:
-        return f"out_sizes={self.out_sizes}, on 16-column panels"
+        return f"out_sizes={self.out_sizes}, kernels by row bucket {[k.value for k in self.kernels]}"
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` semantics (``y = x @ W^T + b``), on the panel kernel for 2-D inputs.
+    """``nn.Linear`` semantics (``y = x @ W^T + b``), on the chosen kernels for 2-D inputs.
 
     Shares ``weight`` and ``bias`` with the layer it wraps (so a tied LM head stays tied); its
-    panels are a group of one, which is not part of the state dict.
+    packed copies belong to ``group``, a ``PackedLinearGroup`` of ``linear`` alone (built from
+    ``kernels`` when not given), which is not part of the state dict.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(
+        self, linear: nn.Linear, kernels: Sequence[GemmKernel] = (), group: PackedLinearGroup | None = None
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # [out_features, in_features]
         self.bias = linear.bias  # [out_features] or None
-        self.group = PackedLinearGroup([linear])  # the panels (a group of one)
+        self.group = group if group is not None else PackedLinearGroup([linear], kernels)
+        if len(self.group.weights) != 1 or self.group.weights[0] is not linear.weight:
+            raise ValueError("a PackedLinear's group must be the layer it wraps alone")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_rows, in_features] -> [num_rows, out_features]
         return self.group(x)[0]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, on 16-column panels"
-
-
-def pack_linears(model: nn.Module) -> int:
-    """Run ``model``'s float32 linear layers on the panel kernel; returns how many layers were packed.
-
-    Every module with a ``fused_groups`` mapping (attribute name -> names of linear children that
-    share an input) gets a ``PackedLinearGroup`` of those children under that attribute; every
-    other ``nn.Linear`` child is replaced by a ``PackedLinear``. Leaves the model as it is
-    (returns 0) when its weights cannot be packed; packing twice packs nothing more.
-    """
-    grouped: set[int] = set()
-    num_grouped = 0
-    for module in model.modules():
-        for attr, names in getattr(module, "fused_groups", {}).items():
-            members = [getattr(module, name) for name in names]
-            existing = getattr(module, attr, None)
-            if existing is not None:
-                grouped.update(id(member) for member in members)
-            elif all(type(m) is nn.Linear and can_pack(m.weight) for m in members):
-                setattr(module, attr, PackedLinearGroup(members))
-                grouped.update(id(member) for member in members)
-                num_grouped += len(members)
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear and can_pack(child.weight) and id(child) not in grouped
-    ]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    num_packed = len(targets) + num_grouped
-    if num_packed:
-        groups = [m for m in model.modules() if isinstance(m, PackedLinearGroup)]
-        num_bytes = sum(g.panels.numel() * g.panels.element_size() for g in groups)
-        logger.info(
-            "packed %d linear weights into panels, %d of them in groups (%.0f MiB)",
-            num_packed,
-            num_grouped,
-            num_bytes / 2**20,
-        )
-    return num_packed
+        return f"in_features={self.in_features}, out_features={self.out_features}"

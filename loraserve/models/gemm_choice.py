@@ -1,0 +1,309 @@
+"""Choosing each linear layer's CPU GEMM kernel by timing it on this machine, and packing the model.
+
+For every distinct layer shape (``GemmShape``: input width, output widths of a group, dtype,
+bias) and every row bucket a step can produce (``ROW_BUCKETS`` up to ``GemmPolicy.max_rows``),
+the candidate kernels (``kernels_for(dtype)``) are timed on the model's own weights: up to 8
+layers of that shape one after another, so the weights come from memory as in a real step, the
+best of several passes. A shape keeps at most one packed copy of its weights: it takes one packed
+kernel (the one with the smallest summed slowdown against the per-bucket best) and, in the
+buckets where plain ``F.linear`` is faster, ``torch``, which needs no copy.
+
+The choice is written to ``<cache>/cpu_gemm/<cpu signature>.json`` (keyed by the shape, torch's
+thread count and version), so later starts on the same kind of CPU read it instead of timing.
+``GemmPolicy.kernel`` forces one kernel everywhere (``--cpu-gemm panels|onednn|torch``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loraserve.config import CPU_GEMM_CHOICES
+from loraserve.kernels import cpu_features
+from loraserve.models.packed_linear import (
+    ROW_BUCKETS,
+    GemmKernel,
+    PackedLinear,
+    PackedLinearGroup,
+    can_pack,
+    kernels_for,
+)
+
+logger = logging.getLogger(__name__)
+
+GEMM_CHOICES = ("auto", *(k.value for k in GemmKernel))
+assert GEMM_CHOICES == CPU_GEMM_CHOICES, "config.CPU_GEMM_CHOICES must list the GemmKernel values"
+MAX_TIMED_LAYERS = 8  # layers of one shape timed back to back (their weights exceed the caches)
+TIE_TOLERANCE = 0.03  # timings this close are a tie (noise between passes is about that)
+MIN_PASS_SECONDS = 0.02  # passes are repeated until at least this long in total (and at least 3)
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    in_features: int
+    out_sizes: tuple[int, ...]
+    dtype: torch.dtype
+    bias: bool
+
+    @property
+    def key(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype} {self.in_features}->{'+'.join(map(str, self.out_sizes))}{' +bias' if self.bias else ''}"
+
+
+@dataclass(frozen=True)
+class GemmPolicy:
+    """How ``pack_linears`` picks kernels: ``kernel`` ``auto`` (timed, cached) or a ``GemmKernel``
+    value for every layer; ``max_rows`` bounds the rows of any call (the step's token budget),
+    ``row_limits`` lower it for named modules (the LM head sees one row per sequence);
+    ``cache_dir`` None times at every start."""
+
+    kernel: str = "auto"
+    max_rows: int = 1024
+    row_limits: tuple[tuple[str, int], ...] = ()
+    cache_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel not in GEMM_CHOICES:
+            raise ValueError(f"cpu_gemm must be one of {GEMM_CHOICES}, got {self.kernel!r}")
+        if self.max_rows < 1 or any(rows < 1 for _, rows in self.row_limits):
+            raise ValueError("GemmPolicy row limits must be positive")
+
+    def num_buckets(self, name: str) -> int:
+        rows = min([self.max_rows] + [limit for module, limit in self.row_limits if module == name])
+        return 1 + max(i for i, bucket in enumerate(ROW_BUCKETS) if i == 0 or ROW_BUCKETS[i - 1] < rows)
+
+
+@dataclass
+class GemmPlan:
+    """What ``pack_linears`` decided: per shape key, the kernel of each row bucket."""
+
+    choices: dict[str, tuple[GemmKernel, ...]] = field(default_factory=dict)
+    source: str = "none"  # forced | measured | cached | mixed | none
+    seconds: float = 0.0  # spent timing
+    packed_bytes: int = 0  # the packed copies kept beside the model's weights
+    num_layers: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "cpu": cpu_features.summary(),
+            "timing_seconds": round(self.seconds, 2),
+            "packed_mib": round(self.packed_bytes / 2**20, 1),
+            "layers": {
+                key: {str(ROW_BUCKETS[i]): k.value for i, k in enumerate(kernels)}
+                for key, kernels in self.choices.items()
+            },
+        }
+
+    def summary(self) -> str:
+        parts = [f"{key}: {'/'.join(k.value for k in ks)}" for key, ks in self.choices.items()]
+        return f"{self.source}; " + "; ".join(parts)
+
+
+# A member list per layer that shares one shape, and the module names they stand for.
+_Targets = dict[GemmShape, list[tuple[list[nn.Linear], Callable[[PackedLinearGroup], None]]]]
+
+
+def pack_linears(model: nn.Module, policy: GemmPolicy) -> GemmPlan:
+    """Run ``model``'s float32/bfloat16 CPU linear layers on the kernels ``policy`` picks.
+
+    Every module with a ``fused_groups`` mapping (attribute name -> names of linear children that
+    share an input) gets a ``PackedLinearGroup`` of those children under that attribute; every
+    other ``nn.Linear`` child is replaced by a ``PackedLinear``. Leaves the model as it is when
+    its weights cannot be packed; packing twice packs nothing more.
+    """
+    targets: _Targets = {}
+    buckets: dict[GemmShape, int] = {}
+
+    def add(members: list[nn.Linear], name: str, install: Callable[[PackedLinearGroup], None]) -> None:
+        weight = members[0].weight
+        shape = GemmShape(
+            members[0].in_features,
+            tuple(m.out_features for m in members),
+            weight.dtype,
+            any(m.bias is not None for m in members),
+        )
+        targets.setdefault(shape, []).append((members, install))
+        buckets[shape] = max(buckets.get(shape, 1), policy.num_buckets(name))
+
+    grouped: set[int] = set()
+    for module in model.modules():
+        for attr, names in getattr(module, "fused_groups", {}).items():
+            members = [getattr(module, name) for name in names]
+            if getattr(module, attr, None) is not None:
+                grouped.update(id(m) for m in members)
+            elif all(type(m) is nn.Linear and can_pack(m.weight) for m in members):
+                add(members, attr, functools.partial(_set_group, module, attr))
+                grouped.update(id(m) for m in members)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and can_pack(child.weight) and id(child) not in grouped:
+                add([child], name, functools.partial(_replace_linear, parent, name))
+    plan = GemmPlan()
+    if not targets:
+        return plan
+    choices, plan.source, plan.seconds = _choose(targets, buckets, policy)
+    for shape, instances in targets.items():
+        plan.choices[shape.key] = choices[shape]
+        for members, install in instances:
+            group = PackedLinearGroup(members, choices[shape])
+            plan.packed_bytes += group.packed_bytes()
+            plan.num_layers += len(members)
+            install(group)
+    logger.info(
+        "CPU GEMM kernels for %d linear layers (%s, %.1f s timing, %.0f MiB packed): %s",
+        plan.num_layers,
+        cpu_features.summary(),
+        plan.seconds,
+        plan.packed_bytes / 2**20,
+        plan.summary(),
+    )
+    return plan
+
+
+def _set_group(module: nn.Module, attr: str, group: PackedLinearGroup) -> None:
+    setattr(module, attr, group)
+
+
+def _replace_linear(parent: nn.Module, name: str, group: PackedLinearGroup) -> None:
+    setattr(parent, name, PackedLinear(getattr(parent, name), group=group))
+
+
+def _choose(
+    targets: _Targets, buckets: dict[GemmShape, int], policy: GemmPolicy
+) -> tuple[dict[GemmShape, tuple[GemmKernel, ...]], str, float]:
+    if policy.kernel != "auto":
+        forced = GemmKernel(policy.kernel)
+        for shape in targets:
+            if forced not in kernels_for(shape.dtype):
+                raise ValueError(f"cpu_gemm={forced.value!r} cannot run {shape.dtype} weights on this build")
+        return {shape: (forced,) for shape in targets}, "forced", 0.0
+    cache = _ChoiceCache(policy.cache_dir)
+    choices: dict[GemmShape, tuple[GemmKernel, ...]] = {}
+    sources: set[str] = set()
+    seconds = 0.0
+    for shape, instances in targets.items():
+        cached = cache.get(shape, buckets[shape])
+        if cached is not None:
+            choices[shape] = cached
+            sources.add("cached")
+            continue
+        start = time.perf_counter()
+        members = [m for m, _ in instances[:MAX_TIMED_LAYERS]]
+        times = time_kernels(members, ROW_BUCKETS[: buckets[shape]], kernels_for(shape.dtype))
+        seconds += time.perf_counter() - start
+        choices[shape] = pick_kernels(times)
+        cache.put(shape, choices[shape], times)
+        sources.add("measured")
+    return choices, sources.pop() if len(sources) == 1 else "mixed", seconds
+
+
+def time_kernels(
+    instances: Sequence[Sequence[nn.Linear]], rows: Sequence[int], kernels: Sequence[GemmKernel]
+) -> dict[GemmKernel, list[float]]:
+    """Seconds for one pass over ``instances`` (layers of one shape) per kernel and row count."""
+    times: dict[GemmKernel, list[float]] = {}
+    in_features = instances[0][0].in_features
+    dtype = instances[0][0].weight.dtype
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(r, in_features, generator=gen).to(dtype) for r in rows]  # each [r, in_features]
+    with torch.no_grad():
+        for kernel in kernels:
+            groups = [PackedLinearGroup(members, (kernel,)) for members in instances]
+            times[kernel] = [_best_pass(groups, kernel, x) for x in inputs]
+            del groups
+    return times
+
+
+def _best_pass(groups: list[PackedLinearGroup], kernel: GemmKernel, x: torch.Tensor) -> float:
+    for group in groups:  # warm-up: first-call costs (oneDNN primitive creation, page faults)
+        group.run(kernel, x)
+    best, total, passes = float("inf"), 0.0, 0
+    while passes < 3 or (total < MIN_PASS_SECONDS and passes < 50):
+        start = time.perf_counter()
+        for group in groups:
+            group.run(kernel, x)
+        elapsed = time.perf_counter() - start
+        best, total, passes = min(best, elapsed), total + elapsed, passes + 1
+    return best
+
+
+def pick_kernels(times: dict[GemmKernel, list[float]]) -> tuple[GemmKernel, ...]:
+    """Per bucket, the fastest of ``torch`` and one packed kernel; the packed kernel is the one
+    whose summed slowdown against each bucket's fastest candidate is smallest (one packed copy).
+
+    Within ``TIE_TOLERANCE`` (timing noise) ``torch`` wins, since it needs no packed copy: per
+    bucket, and for the whole shape when ``torch`` alone is that close to the best schedule."""
+    num_buckets = len(next(iter(times.values())))
+    best = [min(t[i] for t in times.values()) for i in range(num_buckets)]
+    plain = times.get(GemmKernel.TORCH)
+
+    def schedule(packed: GemmKernel) -> tuple[tuple[GemmKernel, ...], float]:
+        kernels, loss = [], 0.0
+        for i in range(num_buckets):
+            use_plain = plain is not None and plain[i] <= times[packed][i] * (1 + TIE_TOLERANCE)
+            kernels.append(GemmKernel.TORCH if use_plain else packed)
+            loss += (plain[i] if use_plain and plain is not None else times[packed][i]) / best[i]
+        return tuple(kernels), loss
+
+    options = [schedule(k) for k in times if k is not GemmKernel.TORCH]
+    if not options:
+        return (GemmKernel.TORCH,) * num_buckets
+    kernels, loss = min(options, key=lambda option: option[1])
+    if plain is not None and sum(t / b for t, b in zip(plain, best, strict=True)) <= loss * (1 + TIE_TOLERANCE):
+        return (GemmKernel.TORCH,) * num_buckets
+    return kernels
+
+
+class _ChoiceCache:
+    """The choices of this CPU kind in one JSON file; unreadable or stale entries are timed again."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.path = directory / f"{cpu_features.signature()}.json" if directory is not None else None
+        self.entries: dict[str, Any] = {}
+        if self.path is not None and self.path.exists():
+            try:
+                self.entries = json.loads(self.path.read_text())
+            except (OSError, ValueError) as error:
+                logger.warning("ignoring the GEMM choice cache %s: %s", self.path, error)
+
+    @staticmethod
+    def _key(shape: GemmShape) -> str:
+        return f"{shape.key} | threads={torch.get_num_threads()} | torch={torch.__version__}"
+
+    def get(self, shape: GemmShape, num_buckets: int) -> tuple[GemmKernel, ...] | None:
+        entry = self.entries.get(self._key(shape))
+        if not isinstance(entry, dict):
+            return None
+        try:
+            kernels = tuple(GemmKernel(entry["kernels"][str(rows)]) for rows in ROW_BUCKETS[:num_buckets])
+        except (KeyError, TypeError, ValueError):
+            return None
+        return kernels if set(kernels) <= set(kernels_for(shape.dtype)) else None
+
+    def put(self, shape: GemmShape, kernels: tuple[GemmKernel, ...], times: dict[GemmKernel, list[float]]) -> None:
+        if self.path is None:
+            return
+        self.entries[self._key(shape)] = {
+            "kernels": {str(ROW_BUCKETS[i]): k.value for i, k in enumerate(kernels)},
+            "ms": {k.value: [t * 1e3 for t in ts] for k, ts in times.items()},
+            "cpu": cpu_features.summary(),
+        }
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = self.path.with_suffix(f".{os.getpid()}.tmp")
+            scratch.write_text(json.dumps(self.entries, indent=1))
+            scratch.replace(self.path)  # atomic: a concurrent start reads the old or the new file
+        except OSError as error:
+            logger.warning("could not write the GEMM choice cache %s: %s", self.path, error)

@@ -1,0 +1,135 @@
+"""The GEMM kernel of each linear layer shape, chosen by timing on this CPU and cached per CPU kind."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from loraserve.kernels import cpu, cpu_features
+from torch import nn
+
+from loraserve.config import ConfigError, EngineConfig
+from loraserve.models import gemm_choice
+from loraserve.models.gemm_choice import GemmPolicy, pack_linears, pick_kernels
+from loraserve.models.packed_linear import ROW_BUCKETS, GemmKernel, PackedLinear, PackedLinearGroup
+
+pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
+
+P, D, T = GemmKernel.PANELS, GemmKernel.ONEDNN, GemmKernel.TORCH  # D: oneDNN
+
+
+def test_pick_takes_the_fastest_with_one_packed_copy_and_prefers_torch_in_a_tie() -> None:
+    # per bucket the fastest; panels and oneDNN never both (each would be a copy of the weights)
+    assert pick_kernels({P: [1.0, 1.0, 9.0], D: [2.0, 2.0, 3.0], T: [5.0, 5.0, 5.0]}) == (P, P, T)
+    assert pick_kernels({P: [1.0, 9.0, 9.0], D: [2.0, 2.0, 3.0], T: [5.0, 5.0, 5.0]}) == (D, D, D)
+    assert pick_kernels({P: [1.0, 9.0, 9.0], D: [9.0, 9.0, 9.0], T: [5.0, 2.0, 2.0]}) == (P, T, T)
+    # within the tolerance torch wins: no copy at all
+    assert pick_kernels({P: [1.0, 1.0], D: [2.0, 2.0], T: [1.02, 1.01]}) == (T, T)
+    assert pick_kernels({P: [1.0], T: [1.5]}) == (P,)
+    assert pick_kernels({T: [1.0, 2.0]}) == (T, T)
+
+
+class _Block(nn.Module):
+    fused_groups: ClassVar[dict[str, tuple[str, ...]]] = {"qk_packed": ("q", "k")}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(32, 48, bias=False), nn.Linear(32, 16, bias=False), nn.Linear(48, 32)
+        self.qk_packed: PackedLinearGroup | None = None
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"layers": nn.ModuleList(_Block() for _ in range(3)), "lm_head": nn.Linear(32, 100)})
+
+
+def test_auto_times_every_shape_and_bucket_then_reads_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policy = GemmPolicy("auto", max_rows=100, row_limits=(("lm_head", 4),), cache_dir=tmp_path)
+    model = _model()
+    reference = copy.deepcopy(model)
+    plan = pack_linears(model, policy)
+    assert plan.source == "measured" and plan.seconds > 0 and plan.num_layers == 3 * 3 + 1
+    assert set(plan.choices) == {"float32 32->48+16", "float32 48->32 +bias", "float32 32->100 +bias"}
+    assert len(plan.choices["float32 32->48+16"]) == 5  # rows up to 100: buckets 1, 4, 16, 64, 256
+    assert len(plan.choices["float32 32->100 +bias"]) == 2  # the LM head: one row per sequence, at most 4
+
+    # the file records what was timed, and the choice is what those timings pick
+    entries = json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())
+    assert len(entries) == 3
+    for key, entry in entries.items():
+        shape = key.split(" | ")[0]
+        times = {GemmKernel(k): [t / 1e3 for t in ms] for k, ms in entry["ms"].items()}
+        assert set(times) == {P, D, T} and entry["cpu"] == cpu_features.summary()
+        assert pick_kernels(times) == plan.choices[shape]
+        assert list(entry["kernels"]) == [str(r) for r in ROW_BUCKETS[: len(plan.choices[shape])]]
+        assert list(entry["kernels"].values()) == [k.value for k in plan.choices[shape]]
+
+    # each layer runs its shape's kernels and computes what the plain layers compute
+    layer = model["layers"][1]
+    assert isinstance(layer.qk_packed, PackedLinearGroup) and isinstance(layer.o, PackedLinear)
+    assert layer.qk_packed.kernels == plan.choices["float32 32->48+16"]
+    for rows in (1, 3, 20, 100):
+        x = torch.randn(rows, 32)
+        q, k = layer.qk_packed(x)
+        torch.testing.assert_close(q, reference["layers"][1].q(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, reference["layers"][1].k(x), rtol=1e-5, atol=1e-5)
+
+    # a second start on this CPU reads the choice: nothing is timed
+    def no_timing(*args: Any) -> None:
+        raise AssertionError("timed although the choice was cached")
+
+    monkeypatch.setattr(gemm_choice, "time_kernels", no_timing)
+    again = pack_linears(copy.deepcopy(reference), policy)
+    assert again.source == "cached" and again.seconds == 0 and again.choices == plan.choices
+    # a larger step budget needs buckets the cache lacks: those shapes are timed again
+    monkeypatch.undo()
+    wider = pack_linears(copy.deepcopy(reference), GemmPolicy("auto", 2000, (("lm_head", 4),), tmp_path))
+    assert wider.source == "mixed" and len(wider.choices["float32 32->48+16"]) == 6
+    assert wider.choices["float32 32->100 +bias"] == plan.choices["float32 32->100 +bias"]
+
+
+def test_a_corrupt_cache_is_timed_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / f"{cpu_features.signature()}.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        plan = pack_linears(_model(), GemmPolicy("auto", 8, cache_dir=tmp_path))
+    assert plan.source == "measured" and "ignoring the GEMM choice cache" in caplog.text
+    assert json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())  # rewritten whole
+
+
+def test_a_forced_kernel_runs_everywhere_and_is_checked() -> None:
+    model = _model()
+    plan = pack_linears(model, GemmPolicy("onednn"))
+    assert plan.source == "forced" and set(plan.choices.values()) == {(D,)}
+    assert model["layers"][0].qk_packed.onednn_weights and model["layers"][0].qk_packed.panels is None
+    with pytest.raises(ValueError, match=r"cannot run torch\.bfloat16"):
+        pack_linears(_model().bfloat16(), GemmPolicy("panels"))
+    with pytest.raises(ValueError, match="cpu_gemm must be one of"):
+        GemmPolicy("mkl")
+
+
+def test_the_option_is_validated_and_applies_only_to_the_cpu_backend() -> None:
+    with pytest.raises(ConfigError, match="cpu_gemm must be one of"):
+        EngineConfig(cpu_gemm="fast")
+    with pytest.raises(ConfigError, match="applies to the compiled CPU backend only"):
+        EngineConfig(cpu_gemm="panels", kernels="torch")
+    assert EngineConfig(cpu_gemm="panels").cpu_gemm == "panels"
+
+
+def test_every_forced_kernel_generates_the_same_greedy_tokens(tiny_model_dir: Path) -> None:
+    from loraserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20"]
+    outputs = {}
+    for kernel in ("panels", "onednn", "torch"):
+        llm = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu", cpu_gemm=kernel)
+        assert set(llm.engine.gemm_plan.choices.values()) == {(GemmKernel(kernel),)}
+        outputs[kernel] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["panels"] == outputs["onednn"] == outputs["torch"]
