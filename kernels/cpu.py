@@ -98,7 +98,8 @@ def build_dir() -> Path:
     return cache_root() / "torch_extensions" / cpu_features.signature()
 
 
-def _digest() -> str:
+def source_digest() -> str:
+    """A digest of every file in ``csrc/`` (what a build of the extension is made from)."""
     digest = hashlib.sha256()
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -137,7 +138,7 @@ def load_extension() -> ModuleType | None:
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
             logger.info("building the CPU kernels (once per CPU: %s) in %s", cpu_features.summary(), directory)
-            digest = _digest()
+            digest = source_digest()
             with _exclusive_build(directory):
                 module = load(
                     name="loraserve_cpu_kernels",

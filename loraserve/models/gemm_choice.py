@@ -9,7 +9,7 @@ kernel (the one with the smallest summed slowdown against the per-bucket best) a
 buckets where plain ``F.linear`` is faster, ``torch``, which needs no copy.
 
 The choice is written to ``<cache>/cpu_gemm/<cpu signature>.json`` (keyed by the shape, torch's
-thread count and version), so later starts on the same kind of CPU read it instead of timing.
+thread count and version, and the digest of loraserve's kernel sources), so later starts on the same kind of CPU read it instead of timing.
 ``GemmPolicy.kernel`` forces one kernel everywhere (``--cpu-gemm panels|onednn|torch``).
 """
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from loraserve.config import CPU_GEMM_CHOICES
-from loraserve.kernels import cpu_features
+from loraserve.kernels import cpu, cpu_features
 from loraserve.models.packed_linear import (
     ROW_BUCKETS,
     GemmKernel,
@@ -280,7 +280,9 @@ class _ChoiceCache:
 
     @staticmethod
     def _key(shape: GemmShape) -> str:
-        return f"{shape.key} | threads={torch.get_num_threads()} | torch={torch.__version__}"
+        # a new build of loraserve's kernels (sources changed) or of torch is timed anew
+        build = cpu.source_digest()
+        return f"{shape.key} | threads={torch.get_num_threads()} | torch={torch.__version__} | kernels={build}"
 
     def get(self, shape: GemmShape, num_buckets: int) -> tuple[GemmKernel, ...] | None:
         entry = self.entries.get(self._key(shape))
