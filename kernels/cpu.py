@@ -12,6 +12,17 @@ runs a register-tiled version with one online-softmax pass over the pages
     block_tables: [num_seqs, max_blocks] int64;  context_lens: [num_seqs] int64
     returns       [num_seqs, num_heads, head_dim]
 
+``paged_prefill_attention`` is the causal attention of every prefill chunk of a step in one call,
+with the semantics of ``paged_attention.paged_prefill_attention_varlen``: chunk ``s`` is query
+rows ``query_starts[s]:query_starts[s + 1]`` at positions ``cached_lens[s] ..``; it reads K and V
+(its own tokens' too, written before the call) from the pages of ``block_tables[s]``. Float32
+scores and accumulation; any block size; every page id a chunk uses is checked against the pool.
+
+    query:        [num_tokens, num_heads, head_dim]  float32 | bfloat16 | float16, contiguous
+    kv:           [num_pages, 2, block_size, num_kv_heads, head_dim]  same dtype, rows contiguous
+    query_starts: [num_seqs + 1] int64 (0 .. num_tokens);  cached_lens: [num_seqs] int64
+    block_tables: [num_seqs, max_blocks] int64 (zero padded);  returns [num_tokens, num_heads, head_dim]
+
 ``lora_segments`` has the semantics of ``lora.apply_lora_segments`` (SGMV: for each
 segment ``s`` of tokens ``start:end`` using one adapter, ``v = x[seg] @ A_s^T`` and
 ``out_m[seg] += scale_m * v[:, col_m:col_m + r_m] @ B_m^T``) with the weights read in
@@ -82,7 +93,7 @@ from loraserve.kernels import cpu_features
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_kernels.cpp", "lora_segments.cpp", "linear_panels.cpp")
+_SOURCES = ("cpu_kernels.cpp", "lora_segments.cpp", "linear_panels.cpp", "prefill_attention.cpp")
 _lock = threading.Lock()
 _state: dict[str, ModuleType | str] = {}
 
@@ -167,6 +178,24 @@ def paged_decode_attention(
     module = load_extension()
     assert module is not None, "paged_decode_attention needs the compiled CPU kernels"
     out: torch.Tensor = module.paged_decode_attention(query.contiguous(), kv, block_tables, context_lens, scale)
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]
+    query_starts: torch.Tensor,  # [num_seqs + 1] int64
+    cached_lens: torch.Tensor,  # [num_seqs] int64
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    scale: float,
+    new_key: torch.Tensor | None = None,  # unused: the kernel reads the pages after the write
+    new_value: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    module = load_extension()
+    assert module is not None, "paged_prefill_attention needs the compiled CPU kernels"
+    out: torch.Tensor = module.paged_prefill_attention(
+        query.contiguous(), kv, query_starts, cached_lens, block_tables, scale
+    )
     return out
 
 

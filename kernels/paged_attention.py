@@ -15,6 +15,8 @@ These functions run on the CPU serving path and are the reference for GPU kernel
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -99,3 +101,26 @@ def paged_prefill_attention(
     mask = kv_positions[None, :] <= q_positions[:, None]  # [num_new, context_len]
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
+
+
+def paged_prefill_attention_varlen(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]
+    query_starts: torch.Tensor,  # [num_seqs + 1] int64, rows of each chunk (0 .. num_tokens)
+    cached_lens: torch.Tensor,  # [num_seqs] int64, tokens cached before each chunk
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64, zero padded
+    scale: float,
+    new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], the chunks' own K
+    new_value: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """``paged_prefill_attention`` for every prefill chunk of a step: chunk ``s`` is query rows
+    ``query_starts[s]:query_starts[s + 1]`` at positions ``cached_lens[s]`` on (one call per chunk)."""
+    out = torch.empty_like(query)
+    starts, cached = query_starts.tolist(), cached_lens.tolist()
+    for s, (start, end) in enumerate(itertools.pairwise(starts)):
+        rows = slice(start, end)
+        key = new_key[rows] if new_key is not None else None
+        value = new_value[rows] if new_value is not None else None
+        num_blocks = -(-(cached[s] + end - start) // kv.shape[2])
+        out[rows] = paged_prefill_attention(query[rows], kv, block_tables[s, :num_blocks], cached[s], scale, key, value)
+    return out

@@ -9,13 +9,14 @@ import torch
 
 
 @dataclass
-class PrefillSpan:
-    """One sequence's chunk of new tokens inside the flattened batch."""
+class PrefillBatch:
+    """The step's prefill chunks, which follow the decode tokens: chunk ``s`` is rows
+    ``query_starts[s]:query_starts[s + 1]`` of the prefill part, at positions ``cached_lens[s]``
+    on, its context in the pages of ``block_tables[s]`` (what one attention call for all takes)."""
 
-    start: int
-    num_new: int
-    num_cached: int
-    block_table: torch.Tensor  # [num_blocks] int64
+    query_starts: torch.Tensor  # [num_prefills + 1] int64, from 0 to the prefill tokens
+    cached_lens: torch.Tensor  # [num_prefills] int64
+    block_tables: torch.Tensor  # [num_prefills, max_blocks] int64, zero padded
 
 
 @dataclass
@@ -31,6 +32,6 @@ class ForwardBatch:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [num_decode_tokens, max_blocks] int64
     decode_context_lens: torch.Tensor  # [num_decode_tokens] int64
-    prefills: list[PrefillSpan]
+    prefill: PrefillBatch | None  # None: a decode-only step
     logits_indices: torch.Tensor  # [num_sampled] int64, rows whose logits are sampled
     lora: Any = None

@@ -1,10 +1,11 @@
 """Which kernels the engine runs: a small registry of backends chosen by ``EngineConfig.kernels``.
 
 * ``torch``: the torch implementations in ``kernels/`` (the references; any device, any dtype).
-* ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention and
-  the KV write (any dtype), and for float32 also the LoRA segments and fused RMSNorm / RoPE; the
-  model's float32 and bfloat16 linear layers run on the GEMM kernel timed fastest on this CPU for
-  their shape and row count (``models/gemm_choice.py``).
+* ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention, the
+  prefill attention of all a step's prompts in one call, and the KV write (any dtype), and for
+  float32 also the LoRA segments and fused RMSNorm / RoPE; the model's float32 and bfloat16
+  linear layers run on the GEMM kernel timed fastest on this CPU for their shape and row count
+  (``models/gemm_choice.py``).
 * ``triton``: the Triton kernels (GPU): paged decode attention (``kernels/triton_attention.py``)
   and LoRA read in place from the pool pages (``kernels/triton_lora.py``); on a CPU device
   only under Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
@@ -23,10 +24,10 @@ import torch
 
 from loraserve.adapter_manager import AdapterManager
 from loraserve.kernels import cpu
-from loraserve.kernels.paged_attention import paged_decode_attention, write_kv
+from loraserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_varlen, write_kv
 from loraserve.lora_batch import LoRAApplier
 from loraserve.lora_compiled import CompiledLoRAApplier
-from loraserve.models.llama import DecodeAttention, FusedRMSNorm, FusedRope, LoRAHook, WriteKV
+from loraserve.models.llama import DecodeAttention, FusedRMSNorm, FusedRope, LoRAHook, PrefillAttention, WriteKV
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class KernelBackend:
 
     name: str
     decode_attention: DecodeAttention
+    prefill_attention: PrefillAttention
     write_kv: WriteKV
     make_lora_hook: Callable[[AdapterManager], LoRAHook]
     rms_norm: FusedRMSNorm | None = None
@@ -47,16 +49,30 @@ class KernelBackend:
 
 
 def _torch_backend(dtype: torch.dtype) -> KernelBackend:
-    return KernelBackend("torch", paged_decode_attention, write_kv, LoRAApplier)
+    return KernelBackend("torch", paged_decode_attention, paged_prefill_attention_varlen, write_kv, LoRAApplier)
 
 
 def _cpu_backend(dtype: torch.dtype) -> KernelBackend:
     if cpu.load_extension() is None:
         raise RuntimeError("kernels='cpu' needs the compiled CPU kernels, which could not be built (see the log)")
     if dtype != torch.float32:  # the fused and LoRA kernels are float32; attention takes any dtype
-        return KernelBackend("cpu", cpu.paged_decode_attention, cpu.write_kv_, LoRAApplier, pack_linears=True)
+        return KernelBackend(
+            "cpu",
+            cpu.paged_decode_attention,
+            cpu.paged_prefill_attention,
+            cpu.write_kv_,
+            LoRAApplier,
+            pack_linears=True,
+        )
     return KernelBackend(
-        "cpu", cpu.paged_decode_attention, cpu.write_kv_, CompiledLoRAApplier, cpu.rms_norm, cpu.rope_, True
+        "cpu",
+        cpu.paged_decode_attention,
+        cpu.paged_prefill_attention,
+        cpu.write_kv_,
+        CompiledLoRAApplier,
+        cpu.rms_norm,
+        cpu.rope_,
+        True,
     )
 
 
@@ -67,7 +83,9 @@ def _triton_backend(dtype: torch.dtype) -> KernelBackend:
     from loraserve.kernels import triton_attention
     from loraserve.lora_triton import TritonLoRAApplier
 
-    return KernelBackend("triton", triton_attention.paged_decode_attention, write_kv, TritonLoRAApplier)
+    return KernelBackend(
+        "triton", triton_attention.paged_decode_attention, paged_prefill_attention_varlen, write_kv, TritonLoRAApplier
+    )
 
 
 BACKENDS: dict[str, Callable[[torch.dtype], KernelBackend]] = {

@@ -100,7 +100,9 @@ class LLMEngine:
         self.scheduler.adapters = self.adapters
         self.kernels = select_backend(config.kernels, self.device, config.torch_dtype)
         kernels = self.kernels
-        self.model.use_kernels(kernels.decode_attention, kernels.write_kv, kernels.rms_norm, kernels.rope)
+        self.model.use_kernels(
+            kernels.decode_attention, kernels.prefill_attention, kernels.write_kv, kernels.rms_norm, kernels.rope
+        )
         self.gemm_plan = GemmPlan()  # the CPU GEMM kernel of each linear layer shape and row bucket
         if self.kernels.pack_linears:
             policy = GemmPolicy(

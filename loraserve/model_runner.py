@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from loraserve.forward_batch import ForwardBatch, PrefillSpan
+from loraserve.forward_batch import ForwardBatch, PrefillBatch
 from loraserve.lora_batch import LoRABatch
 from loraserve.models.llama import LlamaForCausalLM, LoRAHook
 from loraserve.sampler import Sampler
@@ -104,7 +104,9 @@ class ModelRunner:
         num_decode = 0
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
+        prefill_tables: list[list[int]] = []
+        prefill_starts: list[int] = [0]
+        prefill_cached: list[int] = []
         for i in order:
             seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
@@ -118,21 +120,27 @@ class ModelRunner:
                 decode_tables.append(seq.block_ids)
                 decode_lens.append(end)
             else:
-                table = torch.tensor(seq.block_ids, dtype=torch.long, device=self.device)
-                prefills.append(PrefillSpan(len(input_ids) - num_new, num_new, start, table))
+                prefill_tables.append(seq.block_ids)
+                prefill_starts.append(prefill_starts[-1] + num_new)
+                prefill_cached.append(start)
             if batch.samples(i):
                 logits_rows.append(len(input_ids) - 1)
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
         dev = self.device
+        prefill = None
+        if prefill_tables:
+            prefill = PrefillBatch(
+                query_starts=torch.tensor(prefill_starts, dtype=torch.long, device=dev),
+                cached_lens=torch.tensor(prefill_cached, dtype=torch.long, device=dev),
+                block_tables=_padded(prefill_tables, dev),
+            )
         forward_batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=num_decode,
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev).view(num_decode, max_blocks),
+            decode_block_tables=_padded(decode_tables, dev),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev),
-            prefills=prefills,
+            prefill=prefill,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             lora=LoRABatch.from_ranges(lora_ranges),
         )
@@ -154,6 +162,12 @@ class ModelRunner:
             for i, token in zip(sampling_index, self.sampler(logits, seqs), strict=True):
                 sampled[i] = token
         return sampled
+
+
+def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:  # [len(tables), max_blocks] int64
+    max_blocks = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.long, device=device).view(len(tables), max_blocks)
 
 
 def _pairs(mapping: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ adapter popularity patterns.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import random
 import shutil
@@ -181,3 +182,44 @@ def test_the_build_directory_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch
     other = dataclasses.replace(info, features=(*(f for f in info.features if not f.startswith("avx512")), "x"))
     monkeypatch.setattr(cpu_features, "cpu_info", lambda: other)
     assert cpu.build_dir() != here and cpu.build_dir().parent == here.parent
+
+
+# (cached, new) per chunk: prompts from scratch, prompts over cached prefixes, single tokens and
+# lengths at the 16-row query block and 16-position chunk boundaries
+PREFILL_CHUNKS = [(0, 1), (0, 15), (0, 16), (0, 17), (5, 1), (16, 16), (31, 40), (0, 33), (48, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), ATTENTION_CASES, ids=ATTENTION_IDS)
+def test_prefill_attention_of_a_whole_step_matches_the_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    from loraserve.kernels.paged_attention import paged_prefill_attention_varlen
+
+    cached = [c for c, _ in PREFILL_CHUNKS]
+    new = [n for _, n in PREFILL_CHUNKS]
+    kv, tables = make_paged([c + n for c, n in PREFILL_CHUNKS], num_kv_heads, head_dim, block_size, dtype, seed=3)
+    starts = torch.tensor([0, *itertools.accumulate(new)])
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    cached_lens = torch.tensor(cached)
+    out = cpu.paged_prefill_attention(query, kv, starts, cached_lens, tables, head_dim**-0.5)
+    # the reference in float32 (the kernel's scores and sums are float32 whatever the dtype)
+    expected = paged_prefill_attention_varlen(query.float(), kv.float(), starts, cached_lens, tables, head_dim**-0.5)
+    assert out.dtype == dtype and out.shape == query.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_prefill_attention_checks_page_ids_and_offsets() -> None:
+    kv, tables = make_paged([20, 7], 2, 16, 8, torch.float32, seed=0)
+    query = torch.randn(27, 4, 16)
+    starts, cached = torch.tensor([0, 20, 27]), torch.tensor([0, 0])
+    bad = tables.clone()
+    bad[1, 0] = kv.shape[0]  # one past the pool
+    with pytest.raises(RuntimeError, match=r"page \d+ is outside the pool"):
+        cpu.paged_prefill_attention(query, kv, starts, cached, bad, 0.25)
+    with pytest.raises(RuntimeError, match="needs 4 blocks, its table has 3"):
+        cpu.paged_prefill_attention(query, kv, starts, torch.tensor([0, 20]), tables, 0.25)
+    with pytest.raises(RuntimeError, match="from 0 to the number of query rows"):
+        cpu.paged_prefill_attention(query, kv, torch.tensor([0, 20, 26]), cached, tables, 0.25)

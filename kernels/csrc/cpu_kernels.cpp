@@ -241,12 +241,17 @@ std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& pan
                                       const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes,
                                       const std::string& variant);
 std::vector<std::string> linear_panels_variants();
+// prefill_attention.cpp
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& query_starts,
+                                   const at::Tensor& cached_lens, const at::Tensor& block_tables, double scale);
 
 // Every kernel runs without the GIL (as torch's own ops do), so a server's event-loop thread
 // keeps serving while the engine thread is inside one.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (see kernels/cpu.py)", no_gil());
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal paged attention of all the prefill chunks of a step (see kernels/cpu.py)", no_gil());
   m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)", no_gil());
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)",
         no_gil());

@@ -9,8 +9,9 @@ kernel (the one with the smallest summed slowdown against the per-bucket best) a
 buckets where plain ``F.linear`` is faster, ``torch``, which needs no copy.
 
 The choice is written to ``<cache>/cpu_gemm/<cpu signature>.json`` (keyed by the shape, torch's
-thread count and version, and the digest of loraserve's kernel sources), so later starts on the same kind of CPU read it instead of timing.
-``GemmPolicy.kernel`` forces one kernel everywhere (``--cpu-gemm panels|onednn|torch``).
+thread count and version, and the digest of loraserve's kernel sources), so later starts on the
+same kind of CPU read it instead of timing. ``GemmPolicy.kernel`` forces one kernel everywhere
+(``--cpu-gemm panels|onednn|torch``).
 """
 
 from __future__ import annotations

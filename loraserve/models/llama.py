@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve.forward_batch import ForwardBatch
-from loraserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from loraserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_varlen, write_kv
 from loraserve.models.packed_linear import PackedLinearGroup
 
 # (input, layer_index, group, outputs, batch): adds the LoRA deltas of one input group
@@ -22,6 +22,12 @@ from loraserve.models.packed_linear import PackedLinearGroup
 LoRAHook = Callable[[torch.Tensor, int, str, tuple[torch.Tensor, ...], ForwardBatch], None]
 # (query, kv, block_tables, context_lens, scale) -> out: see kernels/paged_attention.py.
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (query, kv, query_starts, cached_lens, block_tables, scale, new_key, new_value) -> out: every
+# prefill chunk of a step (see kernels/paged_attention.py: paged_prefill_attention_varlen).
+PrefillAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
 # (x, weight, eps, residual or None) -> out; with a residual, residual += x in place first.
 FusedRMSNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], torch.Tensor]
 # (kv, key, value, slot_mapping) -> None: stores each token's K and V in its slot.
@@ -111,6 +117,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.qkv_packed: PackedLinearGroup | None = None  # set by pack_linears
         self.decode_attention: DecodeAttention = paged_decode_attention
+        self.prefill_attention: PrefillAttention = paged_prefill_attention_varlen
         self.write_kv: WriteKV = write_kv
         self.fused_rope: FusedRope | None = None
 
@@ -140,17 +147,20 @@ class LlamaAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.write_kv(kv, k, v, batch.slot_mapping)
         decode = (kv, batch.decode_block_tables, batch.decode_context_lens, self.scale)
-        if not batch.prefills:  # a decode-only step: the kernel's output is the whole result
+        prefill = batch.prefill
+        num_decode = batch.num_decode_tokens
+        if prefill is None:  # a decode-only step: the kernel's output is the whole result
             out = self.decode_attention(q, *decode)  # [num_tokens, num_heads, head_dim]
         else:
-            out = torch.empty_like(q)
-            if num_decode := batch.num_decode_tokens:
+            tables = (prefill.query_starts, prefill.cached_lens, prefill.block_tables)
+            rows = slice(num_decode, num_tokens)  # the prefill chunks, one call for all of them
+            prefill_out = self.prefill_attention(q[rows], kv, *tables, self.scale, k[rows], v[rows])
+            if num_decode:
+                out = torch.empty_like(q)
                 out[:num_decode] = self.decode_attention(q[:num_decode], *decode)
-            for span in batch.prefills:
-                rows = slice(span.start, span.start + span.num_new)
-                out[rows] = paged_prefill_attention(
-                    q[rows], kv, span.block_table, span.num_cached, self.scale, k[rows], v[rows]
-                )
+                out[rows] = prefill_out
+            else:
+                out = prefill_out  # [num_tokens, num_heads, head_dim]
         attn = out.view(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
         result = self.o_proj(attn)
         if lora is not None:
@@ -229,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
     def use_kernels(
         self,
         decode_attention: DecodeAttention,
+        prefill_attention: PrefillAttention,
         write_kv: WriteKV,
         rms_norm: FusedRMSNorm | None,
         rope: FusedRope | None,
@@ -237,6 +248,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.decode_attention = decode_attention
+            layer.self_attn.prefill_attention = prefill_attention
             layer.self_attn.write_kv = write_kv
             layer.self_attn.fused_rope = rope
             layer.input_layernorm.fused = rms_norm
