@@ -206,8 +206,10 @@ def report(info: dict[str, Any], args: argparse.Namespace, url: str, ids: list[s
     """Markdown: client machine, server, workload, one row per phase."""
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     lines = [
-        f"Client machine: {info['cpu']}, {info['usable_cores']} usable of {info['logical_cores']} cores; load "
-        f"average {info['load_avg_at_start']} at start, {info['load_avg_at_end']} at end",
+        f"Client machine: {info['cpu']} ({info['isa']}: {info['cpu_flags']}), {info['usable_cores']} usable of "
+        f"{info['logical_cores']} cores; load average {info['load_avg_at_start']} at start, "
+        f"{info['load_avg_at_end']} at end",
+        f"Server kernels (its /health): {_server_kernels(info.get('server_health'))}",
         f"Server: {url} ({'loraserve in this process, ' + args.dtype if args.start_loraserve else 'external'}); "
         f"base model {ids[0]!r}, adapters {ids[1:]}",
         f"Workload: {work.describe(args)}; concurrency {args.concurrency}, "
@@ -229,6 +231,18 @@ def report(info: dict[str, Any], args: argparse.Namespace, url: str, ids: list[s
     lines += [f"{p.name}: {p.usage_missing} responses had no usage; streamed chunks counted" for p in phases
               if p.usage_missing]  # fmt: skip
     return "\n".join(lines)
+
+
+def _server_kernels(health: dict[str, Any] | None) -> str:
+    """A loraserve server's kernel backend and GEMM choice per layer shape; other servers say none."""
+    if not health or "kernels" not in health:
+        return "not reported (not a loraserve server)"
+    gemm = health.get("cpu_gemm")
+    if not gemm:
+        return str(health["kernels"])
+    shapes = "; ".join(f"{shape} {'/'.join(by_rows.values())}" for shape, by_rows in gemm["layers"].items())
+    rows = "/".join(max(gemm["layers"].values(), key=len))
+    return f"{health['kernels']}; GEMM kernel per row bucket ({rows} rows, {gemm['source']}): {shapes}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -272,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         url = args.url
         if args.start_loraserve:
             url = stack.enter_context(local_loraserve(args, ensure_adapters(args, hf_config)))
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            info["server_health"] = httpx.get(url.rstrip("/") + "/health", timeout=10).json()
         try:
             ids, phases = asyncio.run(bench(args, url.rstrip("/"), work))
         except httpx.HTTPError as error:

@@ -133,3 +133,19 @@ def test_every_forced_kernel_generates_the_same_greedy_tokens(tiny_model_dir: Pa
         assert set(llm.engine.gemm_plan.choices.values()) == {(GemmKernel(kernel),)}
         outputs[kernel] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["panels"] == outputs["onednn"] == outputs["torch"]
+
+
+def test_bfloat16_weights_run_on_onednn_and_follow_the_float32_model(tiny_model_dir: Path) -> None:
+    """bfloat16 has no panel kernel; oneDNN (AMX or AVX-512-BF16 where the CPU has them) runs it."""
+    from loraserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = ["1 2 3 4 5 6 7 8 9 10 11 12"]
+    llm = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu", dtype="bfloat16", cpu_gemm="onednn")
+    assert set(llm.engine.gemm_plan.choices) == {"bfloat16 64->64+32+32", "bfloat16 64->128+128", "bfloat16 64->64",
+                                                 "bfloat16 128->64", "bfloat16 64->49152"}  # fmt: skip
+    group = llm.engine.model.model.layers[0].self_attn.qkv_packed
+    assert group is not None and group.kernels == (D,) and group.onednn_weights[0].dtype == torch.bfloat16
+    bf16 = llm.generate(prompt, params, use_tqdm=False)[0].token_ids
+    fp32 = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu").generate(prompt, params, use_tqdm=False)
+    assert len(bf16) == 6 and bf16[:2] == fp32[0].token_ids[:2]  # bfloat16 rounding may part them later

@@ -4,9 +4,10 @@
 // Work items are (sequence, KV head, block of 16 query rows), scheduled dynamically. An item walks
 // the sequence's context 16 positions at a time, as far as its last row may look (causal): the 16
 // keys and values of its KV head are gathered from their pages (any block size, any dtype) into
-// float buffers, keys transposed, then for each query row of the block and each query head of the
-// group, 16 scores come out of one 16-lane accumulator over head_dim, and an online-softmax step
-// folds them into that row's output. Every page id a sequence uses is checked against the pool
+// float buffers, keys transposed; then, 4 query vectors (row x head of the group) at a time, 16
+// scores each come out of one 16-lane accumulator over head_dim (4 independent chains, each key
+// row loaded once), and an online-softmax step folds them into the vectors' outputs, 16 columns at
+// a time in registers. Every page id a sequence uses is checked against the pool
 // before any work starts.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -24,7 +25,8 @@ namespace {
 
 using f32x16 = float __attribute__((vector_size(64)));
 constexpr int64_t kChunk = 16;      // context positions per step: one 16-lane score vector
-constexpr int64_t kQueryBlock = 16;  // query rows per work item
+constexpr int64_t kQueryBlock = 64;  // query rows per work item (the gathered keys and values serve them all)
+constexpr int64_t kVecBlock = 4;     // query vectors whose scores and outputs are computed together
 
 inline f32x16 load16(const float* p) {
   f32x16 v;
@@ -33,6 +35,38 @@ inline f32x16 load16(const float* p) {
 }
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+using i32x16 = int32_t __attribute__((vector_size(64)));
+constexpr i32x16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+#if defined(__clang__)
+#define LORASERVE_SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define LORASERVE_SHUFFLE16(v, ...) __builtin_shuffle(v, i32x16{__VA_ARGS__})
+#endif
+
+// The largest lane, by a tree of lane swaps (no serial chain through 16 lanes).
+inline float hmax16(f32x16 m) {
+  f32x16 t = LORASERVE_SHUFFLE16(m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  m = m > t ? m : t;
+  t = LORASERVE_SHUFFLE16(m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  m = m > t ? m : t;
+  t = LORASERVE_SHUFFLE16(m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  m = m > t ? m : t;
+  t = LORASERVE_SHUFFLE16(m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  m = m > t ? m : t;
+  return m[0];
+}
+
+// exp(x) for x <= 0 in 16 lanes (attention_common.h's polynomial; rounding by adding 1.5 * 2^23).
+inline f32x16 exp16_nonpositive(f32x16 x) {
+  x = x < splat16(-87.0f) ? splat16(-87.0f) : x;
+  const f32x16 round = splat16(12582912.0f);
+  const f32x16 n = (x * 1.44269504088896341f + round) - round;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return loraserve_attention::exp_of_remainder(x, n) * scale;
+}
 
 struct WorkItem {
   int64_t seq, kv_head, row0, rows;
@@ -63,7 +97,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
   {
     const int64_t vecs = kQueryBlock * group;  // query vectors of an item: rows x heads of the group
     std::vector<float> keys_t(head_dim * kChunk), values(kChunk * head_dim), q(vecs * head_dim), acc(vecs * head_dim);
-    std::vector<float> max_score(vecs), sum(vecs);
+    std::vector<float> max_score(vecs);
+    std::vector<f32x16> sums(vecs);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item_index = 0; item_index < num_items; ++item_index) {
       const WorkItem item = items[item_index];
@@ -77,7 +112,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
         }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(max_score.begin(), max_score.end(), -std::numeric_limits<float>::infinity());
-      std::fill(sum.begin(), sum.end(), 0.f);
+      std::fill(sums.begin(), sums.end(), splat16(0.f));
       const int64_t num_keys = num_cached + item.row0 + item.rows;  // the last row sees positions < this
       for (int64_t j0 = 0; j0 < num_keys; j0 += kChunk) {
         const int64_t chunk = std::min(kChunk, num_keys - j0);
@@ -95,35 +130,51 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
             values[jj * head_dim + d] = static_cast<float>(value_row[d]);
           }
         }
-        for (int64_t i = 0; i < item.rows; ++i) {
-          const int64_t visible = num_cached + item.row0 + i + 1 - j0;  // causal: positions <= own
-          if (visible <= 0) continue;
-          const int64_t valid = std::min(chunk, visible);
-          for (int64_t hh = 0; hh < group; ++hh) {
-            const int64_t v = i * group + hh;
-            const float* qv = q.data() + v * head_dim;
-            f32x16 scores = splat16(0.f);
-            for (int64_t d = 0; d < head_dim; ++d) scores += splat16(qv[d]) * load16(keys_t.data() + d * kChunk);
-            float s[kChunk];
-            store16(s, scores);
-            float chunk_max = -std::numeric_limits<float>::infinity();
-            for (int64_t jj = 0; jj < valid; ++jj) chunk_max = std::max(chunk_max, s[jj]);
-            const float new_max = std::max(max_score[v], chunk_max);
-            const float correction = loraserve_attention::exp_nonpositive(max_score[v] - new_max);
-            float chunk_sum = 0.f;
-            for (int64_t jj = 0; jj < kChunk; ++jj) {
-              s[jj] = jj < valid ? loraserve_attention::exp_nonpositive(s[jj] - new_max) : 0.f;
-              chunk_sum += s[jj];
-            }
-            sum[v] = sum[v] * correction + chunk_sum;
+        // the query vectors (row-major: row i, head hh -> i * group + hh) whose rows see position j0
+        const int64_t v_begin = std::max<int64_t>(0, j0 - num_cached - item.row0) * group;
+        const int64_t v_end = item.rows * group;
+        for (int64_t v0 = v_begin; v0 < v_end; v0 += kVecBlock) {
+          const int64_t nv = std::min(kVecBlock, v_end - v0);
+          // scores of kVecBlock query vectors at once: independent accumulators, each key row loaded once
+          const float* qs[kVecBlock];
+          for (int64_t b = 0; b < kVecBlock; ++b) qs[b] = q.data() + std::min(v0 + b, v_end - 1) * head_dim;
+          f32x16 scores[kVecBlock];
+          for (int64_t b = 0; b < kVecBlock; ++b) scores[b] = splat16(0.f);
+          for (int64_t d = 0; d < head_dim; ++d) {
+            const f32x16 key = load16(keys_t.data() + d * kChunk);
+            for (int64_t b = 0; b < kVecBlock; ++b) scores[b] += splat16(qs[b][d]) * key;
+          }
+          float p[kVecBlock][kChunk];
+          float correction[kVecBlock];
+          for (int64_t b = 0; b < nv; ++b) {  // the online-softmax step of each vector
+            const int64_t v = v0 + b, i = v / group;
+            const int64_t valid = std::min(chunk, num_cached + item.row0 + i + 1 - j0);  // causal: <= own
+            const auto visible_lanes = kLanes < static_cast<int32_t>(valid);
+            const f32x16 masked = visible_lanes ? scores[b] : splat16(-std::numeric_limits<float>::infinity());
+            const float new_max = std::max(max_score[v], hmax16(masked));
+            correction[b] = loraserve_attention::exp_nonpositive(max_score[v] - new_max);
+            const f32x16 probs = visible_lanes ? exp16_nonpositive(scores[b] - new_max) : splat16(0.f);
+            store16(p[b], probs);
+            sums[v] = sums[v] * correction[b] + probs;  // lane-wise: one horizontal sum at the end
             max_score[v] = new_max;
-            float* a = acc.data() + v * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-            for (int64_t jj = 0; jj < valid; ++jj) {
-              const float p = s[jj];
-              const float* value = values.data() + jj * head_dim;
-#pragma omp simd
-              for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
+          }
+          // acc_v = acc_v * correction + p_v @ V, 16 columns of head_dim at a time held in registers
+          int64_t d0 = 0;
+          for (; d0 + 16 <= head_dim; d0 += 16) {
+            f32x16 out[kVecBlock];
+            for (int64_t b = 0; b < nv; ++b) out[b] = load16(acc.data() + (v0 + b) * head_dim + d0) * correction[b];
+            for (int64_t jj = 0; jj < chunk; ++jj) {
+              const f32x16 value = load16(values.data() + jj * head_dim + d0);
+              for (int64_t b = 0; b < nv; ++b) out[b] += splat16(p[b][jj]) * value;
+            }
+            for (int64_t b = 0; b < nv; ++b) store16(acc.data() + (v0 + b) * head_dim + d0, out[b]);
+          }
+          for (int64_t b = 0; b < nv; ++b) {  // the columns past the last multiple of 16
+            float* a = acc.data() + (v0 + b) * head_dim;
+            for (int64_t d = d0; d < head_dim; ++d) {
+              float total = a[d] * correction[b];
+              for (int64_t jj = 0; jj < chunk; ++jj) total += p[b][jj] * values[jj * head_dim + d];
+              a[d] = total;
             }
           }
         }
@@ -131,7 +182,9 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
       for (int64_t i = 0; i < item.rows; ++i)
         for (int64_t hh = 0; hh < group; ++hh) {
           const int64_t v = i * group + hh;
-          const float inv = 1.f / sum[v];  // every row sees at least its own position
+          float total = 0.f;
+          for (int jj = 0; jj < kChunk; ++jj) total += sums[v][jj];
+          const float inv = 1.f / total;  // every row sees at least its own position
           scalar_t* dst = out_ptr + ((first_row + i) * num_heads + item.kv_head * group + hh) * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[v * head_dim + d] * inv);
         }
