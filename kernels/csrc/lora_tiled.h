@@ -12,8 +12,6 @@
 #include <utility>
 #include <vector>
 
-#include "simd8.h"
-
 namespace loraserve_lora {
 
 // meta[layer, group, s] = [a_offset, num_rows, (column, rank, b_offset, out_features) x 3]
@@ -50,17 +48,38 @@ struct AdapterBuffer {
   }
 };
 
-// ---- register-tiled LoRA loops (simd8.h: AVX2 FMA under -march=native) ----
-using loraserve_simd::f32x8;
-using loraserve_simd::load8;
-using loraserve_simd::splat8;
-using loraserve_simd::store8;
-inline float sum8(f32x8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+// ---- register-tiled LoRA loops: 8-lane vectors (AVX2 FMA under -march=native), or
+// 16-lane ones where the build targets AVX-512 (the build is per CPU signature) ----
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+using vecf = float __attribute__((vector_size(4 * kLanes)));
+
+inline vecf loadv(const float* p) {
+  vecf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
+template <size_t... I>
+inline vecf splat_lanes(float x, std::index_sequence<I...>) {
+  return vecf{((void)I, x)...};  // a brace list of kLanes copies: one broadcast, no arithmetic
+}
+inline vecf splatv(float x) { return splat_lanes(x, std::make_index_sequence<kLanes>{}); }
+inline float sumv(vecf v) {
+  float half[kLanes];
+  storev(half, v);
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) half[i] += half[i + width];
+  return half[0];
+}
 
 constexpr int kShrinkRows = 3;    // A rows per shrink tile: 3 rows x 4 tokens = 12 accumulators
 constexpr int kTokenBlock = 4;    // tokens per tile
 constexpr int64_t kShrinkItemRows = 12;  // A rows per shrink work item (4 tiles)
-constexpr int64_t kExpandCols = 16;  // output columns per expand tile (two vectors)
+constexpr int64_t kExpandCols = 2 * kLanes;  // output columns per expand tile (two vectors)
 constexpr int64_t kExpandBlock = 512;  // output columns per expand work item (at most)
 constexpr int64_t kRankBlock = 8;     // rank rows streamed together
 
@@ -72,17 +91,17 @@ void shrink_tile(const float* x, int64_t in, const float* const* a, int num_rows
   const float* r0 = a[0];
   const float* r1 = num_rows > 1 ? a[1] : a[0];
   const float* r2 = num_rows > 2 ? a[2] : a[0];
-  f32x8 acc[kShrinkRows][TB] = {};
+  vecf acc[kShrinkRows][TB] = {};
   int64_t k = 0;
-  for (; k + 8 <= in; k += 8) {
+  for (; k + kLanes <= in; k += kLanes) {
     if (next != nullptr && k % 16 == 0) {
       __builtin_prefetch(next[0] + k);
       __builtin_prefetch(next[1] + k);
       __builtin_prefetch(next[2] + k);
     }
-    const f32x8 a0 = load8(r0 + k), a1 = load8(r1 + k), a2 = load8(r2 + k);
+    const vecf a0 = loadv(r0 + k), a1 = loadv(r1 + k), a2 = loadv(r2 + k);
     for (int j = 0; j < TB; ++j) {
-      const f32x8 xv = load8(x + j * in + k);
+      const vecf xv = loadv(x + j * in + k);
       acc[0][j] += a0 * xv;
       acc[1][j] += a1 * xv;
       acc[2][j] += a2 * xv;
@@ -90,7 +109,7 @@ void shrink_tile(const float* x, int64_t in, const float* const* a, int num_rows
   }
   for (int i = 0; i < num_rows; ++i) {
     for (int j = 0; j < TB; ++j) {
-      float dot = sum8(acc[i][j]);
+      float dot = sumv(acc[i][j]);
       for (int64_t kk = k; kk < in; ++kk) dot += a[i][kk] * x[j * in + kk];
       v[j * ldv + i] = dot;
     }
@@ -109,22 +128,22 @@ void expand_tile(const float* v, int64_t ldv, const float* const* b, int64_t ran
   for (int64_t r0 = 0; r0 < rank; r0 += kRankBlock) {
     const int64_t r1 = std::min(rank, r0 + kRankBlock);
     for (int64_t o = 0; o < vectorized; o += kExpandCols) {
-      f32x8 acc[TB][2];
+      vecf acc[TB][2];
       for (int j = 0; j < TB; ++j) {
-        acc[j][0] = load8(tmp + j * n + o);
-        acc[j][1] = load8(tmp + j * n + o + 8);
+        acc[j][0] = loadv(tmp + j * n + o);
+        acc[j][1] = loadv(tmp + j * n + o + kLanes);
       }
       for (int64_t r = r0; r < r1; ++r) {
-        const f32x8 b0 = load8(b[r] + o0 + o), b1 = load8(b[r] + o0 + o + 8);
+        const vecf b0 = loadv(b[r] + o0 + o), b1 = loadv(b[r] + o0 + o + kLanes);
         for (int j = 0; j < TB; ++j) {
-          const f32x8 c = splat8(v[j * ldv + r]);
+          const vecf c = splatv(v[j * ldv + r]);
           acc[j][0] += c * b0;
           acc[j][1] += c * b1;
         }
       }
       for (int j = 0; j < TB; ++j) {
-        store8(tmp + j * n + o, acc[j][0]);
-        store8(tmp + j * n + o + 8, acc[j][1]);
+        storev(tmp + j * n + o, acc[j][0]);
+        storev(tmp + j * n + o + kLanes, acc[j][1]);
       }
     }
     for (int64_t o = vectorized; o < n; ++o) {
