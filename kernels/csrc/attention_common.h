@@ -35,18 +35,21 @@ inline float exp_nonpositive(float x) {
   return exp_of_remainder(x, n) * scale;
 }
 
-// 8 lanes at once (rounding to nearest by adding and subtracting 1.5 * 2^23).
-inline loraserve_simd::f32x8 exp8_nonpositive(loraserve_simd::f32x8 x) {
-  using loraserve_simd::f32x8;
-  using loraserve_simd::i32x8;
-  using loraserve_simd::splat8;
-  x = x < splat8(-87.0f) ? splat8(-87.0f) : x;
-  const f32x8 round = splat8(12582912.0f);
-  const f32x8 n = (x * 1.44269504088896341f + round) - round;
-  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
-  f32x8 scale;
+// All lanes at once (F: a float vector, I: the int32 vector of as many lanes; low = all -87,
+// round = all 1.5 * 2^23: rounding to nearest by adding and subtracting it).
+template <typename F, typename I>
+inline F exp_lanes_nonpositive(F x, F low, F round) {
+  x = x < low ? low : x;
+  const F n = (x * 1.44269504088896341f + round) - round;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  F scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return exp_of_remainder(x, n) * scale;
+}
+
+inline loraserve_simd::f32x8 exp8_nonpositive(loraserve_simd::f32x8 x) {
+  using loraserve_simd::splat8;
+  return exp_lanes_nonpositive<loraserve_simd::f32x8, loraserve_simd::i32x8>(x, splat8(-87.0f), splat8(12582912.0f));
 }
 
 // Pages are a few KB: the hardware prefetchers lose the stream at every page boundary, so each

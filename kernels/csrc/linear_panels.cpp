@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "simd16.h"
 #include "simd8.h"
 
 namespace {
@@ -91,14 +92,10 @@ void panel_rows(const float* a, int64_t lda, int64_t m, const float* panel, int6
 
 #if defined(__AVX512F__)
 #define LORASERVE_PANELS_AVX512 1
-using f32x16 = float __attribute__((vector_size(64)));
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+using loraserve_simd::f32x16;
+using loraserve_simd::load16;
+using loraserve_simd::splat16;
+using loraserve_simd::store16;
 
 constexpr int kWideRows = 12;  // 12 x 2 accumulators + 2 weight vectors + 1 broadcast: 27 of 32 registers
 

@@ -20,22 +20,19 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "simd16.h"
 
 namespace {
 
-using f32x16 = float __attribute__((vector_size(64)));
+using loraserve_simd::f32x16;
+using loraserve_simd::i32x16;
+using loraserve_simd::load16;
+using loraserve_simd::splat16;
+using loraserve_simd::store16;
 constexpr int64_t kChunk = 16;      // context positions per step: one 16-lane score vector
 constexpr int64_t kQueryBlock = 64;  // query rows per work item (the gathered keys and values serve them all)
 constexpr int64_t kVecBlock = 4;     // query vectors whose scores and outputs are computed together
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-using i32x16 = int32_t __attribute__((vector_size(64)));
 constexpr i32x16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 #if defined(__clang__)
@@ -57,15 +54,8 @@ inline float hmax16(f32x16 m) {
   return m[0];
 }
 
-// exp(x) for x <= 0 in 16 lanes (attention_common.h's polynomial; rounding by adding 1.5 * 2^23).
 inline f32x16 exp16_nonpositive(f32x16 x) {
-  x = x < splat16(-87.0f) ? splat16(-87.0f) : x;
-  const f32x16 round = splat16(12582912.0f);
-  const f32x16 n = (x * 1.44269504088896341f + round) - round;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return loraserve_attention::exp_of_remainder(x, n) * scale;
+  return loraserve_attention::exp_lanes_nonpositive<f32x16, i32x16>(x, splat16(-87.0f), splat16(12582912.0f));
 }
 
 struct WorkItem {
