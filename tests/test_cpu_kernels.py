@@ -223,3 +223,16 @@ def test_prefill_attention_checks_page_ids_and_offsets() -> None:
         cpu.paged_prefill_attention(query, kv, starts, torch.tensor([0, 20]), tables, 0.25)
     with pytest.raises(RuntimeError, match="from 0 to the number of query rows"):
         cpu.paged_prefill_attention(query, kv, torch.tensor([0, 20, 26]), cached, tables, 0.25)
+
+
+def test_cpu_features_are_read_from_cpuinfo() -> None:
+    text = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512vl amx_tile\n\n"
+    text += "processor\t: 1\nmodel name\t: Some CPU\nflags\t\t: fpu\n"
+    model, flags, count = cpu_features._parse_cpuinfo(text)
+    assert (model, count) == ("Some CPU", 2) and {"avx2", "avx512f", "amx_tile"} <= flags
+    info = cpu_features.CpuInfo(model, "x86_64", tuple(f for f in cpu_features.ISA_FEATURES if f in flags), count)
+    assert info.vector_isa == "avx512" and info.has("fma") and not info.has("avx512bw")
+    assert dataclasses.replace(info, features=("avx2", "fma")).vector_isa == "avx2"
+    here = cpu_features.cpu_info()
+    assert here.model_name in cpu_features.summary() and here.vector_isa in cpu_features.summary()
+    assert len(cpu_features.signature()) == 12
