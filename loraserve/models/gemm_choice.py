@@ -213,31 +213,37 @@ def _choose(
 def time_kernels(
     instances: Sequence[Sequence[nn.Linear]], rows: Sequence[int], kernels: Sequence[GemmKernel]
 ) -> dict[GemmKernel, list[float]]:
-    """Seconds for one pass over ``instances`` (layers of one shape) per kernel and row count."""
-    times: dict[GemmKernel, list[float]] = {}
+    """Seconds for one pass over ``instances`` (layers of one shape) per kernel and row count:
+    the best of several passes, the kernels' passes alternating (a drift of this machine's speed
+    during the timing then slows every candidate alike instead of the one that ran then)."""
     in_features = instances[0][0].in_features
     dtype = instances[0][0].weight.dtype
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(r, in_features, generator=gen).to(dtype) for r in rows]  # each [r, in_features]
+    times: dict[GemmKernel, list[float]] = {kernel: [] for kernel in kernels}
     with torch.no_grad():
-        for kernel in kernels:
-            groups = [PackedLinearGroup(members, (kernel,)) for members in instances]
-            times[kernel] = [_best_pass(groups, kernel, x) for x in inputs]
-            del groups
+        groups = {kernel: [PackedLinearGroup(members, (kernel,)) for members in instances] for kernel in kernels}
+        for x in inputs:
+            for kernel in kernels:  # warm-up: first-call costs (oneDNN primitive creation, page faults)
+                _one_pass(groups[kernel], kernel, x)
+            best = dict.fromkeys(kernels, float("inf"))
+            total, passes = 0.0, 0
+            while passes < 3 or (total < MIN_PASS_SECONDS * len(kernels) and passes < 50):
+                for kernel in kernels:
+                    elapsed = _one_pass(groups[kernel], kernel, x)
+                    best[kernel] = min(best[kernel], elapsed)
+                    total += elapsed
+                passes += 1
+            for kernel in kernels:
+                times[kernel].append(best[kernel])
     return times
 
 
-def _best_pass(groups: list[PackedLinearGroup], kernel: GemmKernel, x: torch.Tensor) -> float:
-    for group in groups:  # warm-up: first-call costs (oneDNN primitive creation, page faults)
+def _one_pass(groups: list[PackedLinearGroup], kernel: GemmKernel, x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for group in groups:
         group.run(kernel, x)
-    best, total, passes = float("inf"), 0.0, 0
-    while passes < 3 or (total < MIN_PASS_SECONDS and passes < 50):
-        start = time.perf_counter()
-        for group in groups:
-            group.run(kernel, x)
-        elapsed = time.perf_counter() - start
-        best, total, passes = min(best, elapsed), total + elapsed, passes + 1
-    return best
+    return time.perf_counter() - start
 
 
 def pick_kernels(times: dict[GemmKernel, list[float]]) -> tuple[GemmKernel, ...]:
