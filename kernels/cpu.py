@@ -11,6 +11,7 @@ runs a register-tiled version with one online-softmax pass over the pages
     kv:           [num_pages, 2, block_size, num_kv_heads, head_dim]  same dtype, rows contiguous
     block_tables: [num_seqs, max_blocks] int64;  context_lens: [num_seqs] int64
     returns       [num_seqs, num_heads, head_dim]
+    Every page id a sequence reads is checked against the pool first (an error names it).
 
 ``paged_prefill_attention`` is the causal attention of every prefill chunk of a step in one call,
 with the semantics of ``paged_attention.paged_prefill_attention_varlen``: chunk ``s`` is query

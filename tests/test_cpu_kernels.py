@@ -236,3 +236,13 @@ def test_cpu_features_are_read_from_cpuinfo() -> None:
     here = cpu_features.cpu_info()
     assert here.model_name in cpu_features.summary() and here.vector_isa in cpu_features.summary()
     assert len(cpu_features.signature()) == 12
+
+
+def test_decode_attention_checks_page_ids() -> None:
+    query, kv, tables, lens, scale = decode_case(9, 3, 64, 16)
+    bad = tables.clone()
+    bad[2, 1] = -1
+    with pytest.raises(RuntimeError, match=r"sequence 2 block 1: page -1 is outside the pool"):
+        cpu.paged_decode_attention(query, kv, bad, lens, scale)
+    with pytest.raises(RuntimeError, match=r"needs \d+ blocks, its table has"):
+        cpu.paged_decode_attention(query, kv, tables[:, :1].contiguous(), lens, scale)
