@@ -2,7 +2,7 @@
 
 Two things depend on it and so are keyed by ``signature()``: the compiled kernels (built with
 ``-march=native``, so a build from another CPU may hold instructions this one lacks) and the
-GEMM kernel chosen per layer shape by timing (``models/cpu_gemm.py``). Benchmarks print
+GEMM kernel chosen per layer shape by timing (``models/gemm_choice.py``). Benchmarks print
 ``summary()`` beside every figure.
 """
 

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <limits>
 
+#include <c10/util/Exception.h>
+
 #include "simd8.h"
 
 namespace loraserve_attention {
@@ -50,6 +52,20 @@ inline F exp_lanes_nonpositive(F x, F low, F round) {
 inline loraserve_simd::f32x8 exp8_nonpositive(loraserve_simd::f32x8 x) {
   using loraserve_simd::splat8;
   return exp_lanes_nonpositive<loraserve_simd::f32x8, loraserve_simd::i32x8>(x, splat8(-87.0f), splat8(12582912.0f));
+}
+
+// Sequence `s`, whose context holds `context` tokens, must need no more blocks than its table row
+// (`row`, `max_blocks` entries) has, and each page it reads must lie in the pool: a few integer
+// compares per sequence, before any kernel reads a page.
+inline void check_block_table(int64_t s, int64_t context, const int64_t* row, int64_t max_blocks, int64_t block_size,
+                              int64_t num_pages) {
+  const int64_t blocks = (context + block_size - 1) / block_size;
+  TORCH_CHECK(context >= 0 && blocks <= max_blocks, "sequence ", s, " needs ", blocks, " blocks, its table has ",
+              max_blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    TORCH_CHECK(row[b] >= 0 && row[b] < num_pages, "sequence ", s, " block ", b, ": page ", row[b],
+                " is outside the pool of ", num_pages);
+  }
 }
 
 // Pages are a few KB: the hardware prefetchers lose the stream at every page boundary, so each

@@ -115,20 +115,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv,
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "context_lens: int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) && context_lens.numel() == query.size(0),
               "block_tables and context_lens need one row per query");
-  // Every page a sequence reads must lie in the pool (a few integer compares per sequence).
-  const int64_t num_pages = kv.size(0), block_size = kv.size(2), max_blocks = block_tables.size(1);
+  const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t s = 0; s < query.size(0); ++s) {
-    const int64_t blocks = (lens[s] + block_size - 1) / block_size;
-    TORCH_CHECK(lens[s] >= 0 && blocks <= max_blocks, "sequence ", s, " needs ", blocks, " blocks, its table has ",
-                max_blocks);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t page = tables[s * max_blocks + b];
-      TORCH_CHECK(page >= 0 && page < num_pages, "sequence ", s, " block ", b, ": page ", page,
-                  " is outside the pool of ", num_pages);
-    }
-  }
+  for (int64_t s = 0; s < query.size(0); ++s)
+    loraserve_attention::check_block_table(s, lens[s], tables + s * max_blocks, max_blocks, kv.size(2), kv.size(0));
   at::Tensor out = at::empty_like(query);
   const int64_t head_dim = query.size(2);
   if (query.scalar_type() == at::kFloat && loraserve_attention::can_tile(head_dim, kv.size(2))) {

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -203,18 +202,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
   const std::vector<int64_t> cached(cached_acc.data_ptr<int64_t>(), cached_acc.data_ptr<int64_t>() + cached_acc.numel());
   TORCH_CHECK(!starts.empty() && starts.front() == 0 && starts.back() == query.size(0),
               "query_starts must run from 0 to the number of query rows");
-  const int64_t num_pages = kv.size(0), block_size = kv.size(2), max_blocks = block_tables.size(1);
+  const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  for (size_t s = 0; s + 1 < starts.size(); ++s) {
+  for (int64_t s = 0; s + 1 < static_cast<int64_t>(starts.size()); ++s) {
     TORCH_CHECK(starts[s + 1] >= starts[s] && cached[s] >= 0, "query_starts must not decrease; cached_lens >= 0");
-    const int64_t context = cached[s] + starts[s + 1] - starts[s];
-    const int64_t blocks = (context + block_size - 1) / block_size;
-    TORCH_CHECK(blocks <= max_blocks, "sequence ", s, " needs ", blocks, " blocks, its table has ", max_blocks);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t page = tables[s * max_blocks + b];
-      TORCH_CHECK(page >= 0 && page < num_pages, "sequence ", s, " block ", b, ": page ", page,
-                  " is outside the pool of ", num_pages);
-    }
+    loraserve_attention::check_block_table(s, cached[s] + starts[s + 1] - starts[s], tables + s * max_blocks,
+                                           max_blocks, kv.size(2), kv.size(0));
   }
   at::Tensor out = at::empty_like(query);
   switch (query.scalar_type()) {

@@ -21,7 +21,9 @@ makes one call over the panels of all of them. A model names its groups in ``fus
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -41,12 +43,14 @@ class GemmKernel(str, enum.Enum):
     TORCH = "torch"
 
 
+# Geometric midpoints between neighbouring buckets: a row count up to an edge (inclusive) belongs below it.
+_BUCKET_EDGES = tuple(math.sqrt(low * high) for low, high in itertools.pairwise(ROW_BUCKETS))
+
+
 def bucket_index(rows: int, num_buckets: int = len(ROW_BUCKETS)) -> int:
-    """Index of the bucket nearest ``rows`` on a log scale, among the first ``num_buckets``."""
-    if rows <= 1:
-        return 0
-    index = min(range(num_buckets), key=lambda i: abs(math.log(rows / ROW_BUCKETS[i])))
-    return index
+    """Index of the bucket nearest ``rows`` on a log scale (ties to the lower), among the first
+    ``num_buckets``; a bisection over precomputed edges, since every linear call asks."""
+    return min(bisect.bisect_left(_BUCKET_EDGES, rows), num_buckets - 1)
 
 
 def kernels_for(dtype: torch.dtype) -> tuple[GemmKernel, ...]:
