@@ -1,0 +1,180 @@
+"""Host overhead of a decode step: a model so small that the forward costs little.
+
+    python -m benchmarks.host_overhead [--kernels cpu|torch|triton] [--seqs 256] [--adapters 32]
+
+A random Llama of 2 layers, hidden size 64 and a 512-word vocabulary (token ids read with the
+default model's tokenizer, so detokenization runs as in serving); ``--seqs`` sequences decode
+together, spread round robin over ``--adapters`` random PEFT adapters of ranks cycling 8/16/32/64
+(0 adapters: the base model), greedy, outputs reported as ``LLM.generate`` asks them
+(``--output-kind``). After every sequence's prompt is computed, ``--steps`` decode steps are timed; it prints wall milliseconds per step, microseconds per sequence per step, and the split
+by phase: schedule, prepare (the runner's inputs), forward, sample, output (the rest of the step:
+page copies, accounting, stop checks, detokenization, outputs). Phases are timed by wrapping the
+engine's own methods, so the same script measures an older checkout of the engine (``--phases``
+names what it wraps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._random_models import TOKENIZER_FILES, make_adapters
+from benchmarks.throughput import machine_info
+
+VOCAB = 512
+TINY: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+PHASES = ("schedule", "prepare", "forward", "sample")
+
+
+def make_tiny_model(out_dir: Path) -> Path:
+    """The benchmark's model: random weights, ``VOCAB`` words, the default model's tokenizer files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loraserve.models.loader import resolve_model_dir
+
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    tokenizer_dir = resolve_model_dir(None)
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=True, **TINY)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out_dir, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            (out_dir / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return out_dir
+
+
+class PhaseTimer:
+    """Accumulates the seconds spent in wrapped callables, per phase name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.enabled = False
+
+    def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+
+        return timed
+
+
+def instrument(engine: Any, timer: PhaseTimer) -> list[str]:
+    """Wrap the engine's schedule, prepare, forward and sample callables; return what was wrapped."""
+    targets = [
+        ("schedule", engine.scheduler, "schedule"),
+        ("prepare", engine.runner, "prepare"),
+        ("forward", engine.model, "forward"),
+        ("sample", engine.runner, "sampler"),
+    ]
+    wrapped = []
+    for phase, owner, name in targets:
+        if hasattr(owner, name):
+            setattr(owner, name, timer.wrap(phase, getattr(owner, name)))
+            wrapped.append(f"{phase}={type(owner).__name__}.{name}")
+    return wrapped
+
+
+def run(args: argparse.Namespace, model_dir: Path, adapter_dir: Path) -> dict[str, Any]:
+    from loraserve import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), kernels=args.kernels, max_num_seqs=args.seqs, max_num_batched_tokens=4096,
+              num_pages=args.seqs * 8 + 64 * max(args.adapters, 1), num_threads=args.threads)  # fmt: skip
+    engine = llm.engine
+    ranks = [(8, 16, 32, 64)[i % 4] for i in range(args.adapters)]
+    names: list[str | None] = [None]
+    if args.adapters:
+        names = [name for name, path in make_adapters(model_dir, adapter_dir, ranks)]
+        for name, path in make_adapters(model_dir, adapter_dir, ranks):
+            llm.add_adapter(name, path)
+    timer = PhaseTimer()
+    wrapped = instrument(engine, timer)
+    max_tokens = args.warmup + args.steps + 2
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, output_kind=args.output_kind)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(args.seqs):
+        prompt = torch.randint(32, VOCAB, (args.prompt_len,), generator=gen).tolist()
+        engine.add_request(str(i), prompt, params, names[i % len(names)])
+    steps = 0
+    while not all(s.num_output_tokens >= 1 for r in engine.requests.values() for s in r.seqs):
+        engine.step()  # prompts (and adapter loads)
+        steps += 1
+        if steps > 10 * args.seqs:
+            raise RuntimeError("the prompts did not finish")
+    for _ in range(args.warmup):
+        engine.step()
+    step_seconds: list[float] = []
+    timer.enabled = True
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step()
+        step_seconds.append(time.perf_counter() - start)
+    timer.enabled = False
+    while engine.has_unfinished_requests():
+        engine.step()
+    total = sum(step_seconds)
+    split = {phase: 1e3 * s / args.steps for phase, s in timer.seconds.items()}
+    split["output"] = 1e3 * total / args.steps - sum(split.values())
+    median_ms = 1e3 * statistics.median(step_seconds)
+    return {
+        "kernels": engine.kernels.name,
+        "seqs": args.seqs,
+        "adapters": args.adapters,
+        "steps": args.steps,
+        "output_kind": args.output_kind,
+        "ms_per_step_median": round(median_ms, 3),
+        "ms_per_step_mean": round(1e3 * total / args.steps, 3),
+        "us_per_seq_step": round(1e3 * median_ms / args.seqs, 2),
+        "phase_ms_mean": {k: round(v, 3) for k, v in split.items()},
+        "wrapped": wrapped,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", default="cpu", choices=["cpu", "torch", "triton"], help="kernel backend (cpu)")
+    parser.add_argument("--seqs", type=int, default=256, help="sequences decoding together (256)")
+    parser.add_argument("--adapters", type=int, default=32, help="adapters, round robin; 0: base model (32)")
+    parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per sequence (8)")
+    parser.add_argument("--warmup", type=int, default=4, help="decode steps before timing (4)")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps (32)")
+    parser.add_argument("--output-kind", default="final_only", choices=["final_only", "cumulative"],
+                        help="final_only (LLM.generate's, default) or cumulative (a streamed request's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    args = parser.parse_args(argv)
+    if args.seqs < 1 or args.adapters < 0 or args.steps < 1 or args.prompt_len < 1:
+        parser.error("--seqs, --steps and --prompt-len must be positive, --adapters >= 0")
+    from loraserve.models.loader import cache_root
+
+    root = cache_root() / "bench-host-overhead"
+    model_dir = make_tiny_model(root / "model")
+    with tempfile.TemporaryDirectory():
+        result = run(args, model_dir, root / "adapters")
+    result["machine"] = machine_info()
+    phases = "  ".join(f"{k} {v:.2f}" for k, v in result["phase_ms_mean"].items())
+    print(f"host overhead, {result['kernels']} backend, {args.seqs} seqs, {args.adapters} adapters, "
+          f"{VOCAB}-word vocabulary, {args.steps} decode steps")  # fmt: skip
+    print(f"  {result['ms_per_step_median']:.2f} ms per step (median), {result['us_per_seq_step']:.2f} us per "
+          f"sequence per step; mean ms by phase: {phases}")  # fmt: skip
+    print(f"  machine: {result['machine'].get('cpu')} ({result['machine'].get('isa')})")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
