@@ -6,11 +6,12 @@ A random Llama of 2 layers, hidden size 64 and a 512-word vocabulary (token ids 
 default model's tokenizer, so detokenization runs as in serving); ``--seqs`` sequences decode
 together, spread round robin over ``--adapters`` random PEFT adapters of ranks cycling 8/16/32/64
 (0 adapters: the base model), greedy, outputs reported as ``LLM.generate`` asks them
-(``--output-kind``). After every sequence's prompt is computed, ``--steps`` decode steps are timed; it prints wall milliseconds per step, microseconds per sequence per step, and the split
-by phase: schedule, prepare (the runner's inputs), forward, sample, output (the rest of the step:
+(``--output-kind``). After every sequence's prompt is computed, ``--steps`` decode steps are
+timed; it prints wall milliseconds per step, microseconds per sequence per step, and the split by
+phase: schedule, prepare (the runner's inputs), forward, sample, output (the rest of the step:
 page copies, accounting, stop checks, detokenization, outputs). Phases are timed by wrapping the
-engine's own methods, so the same script measures an older checkout of the engine (``--phases``
-names what it wraps).
+engine's own methods, so the same script measures an older checkout of the engine (the JSON's
+``wrapped`` names what it wrapped).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from benchmarks._random_models import TOKENIZER_FILES, make_adapters
 from benchmarks.throughput import machine_info
 
 VOCAB = 512
-TINY: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TINY: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 PHASES = ("schedule", "prepare", "forward", "sample")
 
 
@@ -152,8 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per sequence (8)")
     parser.add_argument("--warmup", type=int, default=4, help="decode steps before timing (4)")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps (32)")
-    parser.add_argument("--output-kind", default="final_only", choices=["final_only", "cumulative"],
-                        help="final_only (LLM.generate's, default) or cumulative (a streamed request's)")
+    parser.add_argument(
+        "--output-kind",
+        default="final_only",
+        choices=["final_only", "cumulative"],
+        help="final_only (LLM.generate's, default) or cumulative (a streamed request's)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = parser.parse_args(argv)
