@@ -12,13 +12,8 @@ from .lora_weights import PROJECTION_NAMES, BaseModelShapes, LoRAAdapter, LoRAMo
 from .peft_format import CONFIG_FILE, WEIGHTS_FILE, load_adapter, parse_adapter_files, read_adapter_dir
 from .redis_store import RedisStore
 from .registry import AdapterInfo, AdapterRegistry
-from .store import (
-    AdapterStore,
-    LocalDirStore,
-    make_store,
-    register_store_scheme,
-    validate_adapter_name,
-)
+from .store import AdapterStore, LocalDirStore, validate_adapter_name
+from .store_factory import make_store, register_store_scheme
 
 __all__ = [
     "CONFIG_FILE",

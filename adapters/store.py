@@ -1,5 +1,7 @@
-"""Where validated adapter files live, by name: the store interface, a local directory store and
-the ``make_store`` factory. :mod:`.redis_store` holds the shared store for several replicas.
+"""Where validated adapter files live, by name: the store interface and the local directory store.
+
+:mod:`.redis_store` holds the shared store for several replicas; :mod:`.store_factory` builds
+either from a spec.
 
 Stores hold opaque files; validating their content is :class:`.registry.AdapterRegistry`'s job.
 """
@@ -13,7 +15,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import AdapterError, AdapterExistsError, AdapterNotFoundError, InvalidAdapterNameError
@@ -206,34 +208,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _make_dir_store(spec: str) -> AdapterStore:
-    return LocalDirStore(spec.removeprefix("dir:"))
-
-
-def _make_redis_store(spec: str) -> AdapterStore:
-    from .redis_store import RedisStore  # deferred: redis_store imports this module
-
-    return RedisStore(spec)
-
-
-# Store kinds by the scheme before the first ":". A spec with an unregistered scheme is a plain path.
-STORE_FACTORIES: dict[str, Callable[[str], AdapterStore]] = {
-    "dir": _make_dir_store,
-    "redis": _make_redis_store,
-    "rediss": _make_redis_store,
-    "unix": _make_redis_store,
-}
-
-
-def register_store_scheme(scheme: str, factory: Callable[[str], AdapterStore]) -> None:
-    """Add a store kind: ``make_store(f"{scheme}:...")`` will call ``factory`` with the whole spec."""
-    STORE_FACTORIES[scheme] = factory
-
-
-def make_store(spec: str) -> AdapterStore:
-    """Build a store from a spec: ``"dir:/path"`` or ``"/path"`` (local), ``"redis://host:port/db"`` (Redis)."""
-    scheme = spec.partition(":")[0]
-    factory = STORE_FACTORIES.get(scheme, _make_dir_store)
-    return factory(spec)

@@ -162,7 +162,7 @@ def profiler_scopes(engine: Any) -> Iterator[None]:
     """
     from loraserve.kernels import cpu
 
-    import loraserve.lora_batch
+    import loraserve.lora.apply_torch
     import loraserve.models.llama
 
     patched: list[tuple[Any, str, Any, bool]] = []
@@ -178,7 +178,7 @@ def profiler_scopes(engine: Any) -> Iterator[None]:
         setattr(owner, attr, scoped)
 
     kernels = {"loraserve.kernels.paged_attention": "attention", "loraserve.kernels.lora": "lora"}
-    for module in (loraserve.models.llama, loraserve.lora_batch):
+    for module in (loraserve.models.llama, loraserve.lora.apply_torch):
         for name, value in list(vars(module).items()):
             if callable(value) and getattr(value, "__module__", None) in kernels:
                 wrap(module, name, kernels[value.__module__])

@@ -11,7 +11,7 @@ padded to a maximum rank: each segment multiplies at its own ranks (the kernels 
 row and column tiles past them).
 
 The weights are never copied out of the pool. An adapter's flat layer buffer (see
-``adapter_layout.py``) is its pages concatenated, so element ``e`` of it sits at
+``lora/layout.py``) is its pages concatenated, so element ``e`` of it sits at
 ``weights[page_table[e // page_elems], e % page_elems]``, which both kernels follow for
 every element they load; rows may cross page boundaries.
 

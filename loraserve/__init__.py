@@ -1,7 +1,7 @@
 """loraserve: multi-LoRA LLM serving with one page pool for KV cache and adapters."""
 
 from loraserve.config import EngineConfig
-from loraserve.llm import LLM
+from loraserve.entrypoints.llm import LLM
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
 

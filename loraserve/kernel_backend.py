@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.adapter_manager import AdapterManager
 from loraserve.kernels import cpu
 from loraserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_varlen, write_kv
-from loraserve.lora_batch import LoRAApplier
-from loraserve.lora_compiled import CompiledLoRAApplier
+from loraserve.lora.apply_cpu import CompiledLoRAApplier
+from loraserve.lora.apply_torch import LoRAApplier
+from loraserve.lora.residency import AdapterManager
 from loraserve.models.llama import DecodeAttention, FusedRMSNorm, FusedRope, LoRAHook, PrefillAttention, WriteKV
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def _triton_backend(dtype: torch.dtype) -> KernelBackend:
         raise RuntimeError("kernels='triton' needs the triton package (pip install 'loraserve[triton]')")
     # Imported here: triton is optional, and its kernels are compiled (or interpreted) on import.
     from loraserve.kernels import triton_attention
-    from loraserve.lora_triton import TritonLoRAApplier
+    from loraserve.lora.apply_triton import TritonLoRAApplier
 
     return KernelBackend(
         "triton", triton_attention.paged_decode_attention, paged_prefill_attention_varlen, write_kv, TritonLoRAApplier

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from loraserve.adapter_manager import AdapterManager
 from loraserve.adapters import (
     AdapterError,
     AdapterInfo,
@@ -19,10 +18,11 @@ from loraserve.adapters import (
     BaseModelShapes,
     make_store,
 )
-from loraserve.block_manager import KVCacheManager
 from loraserve.config import ConfigError, EngineConfig
 from loraserve.detokenizer import Detokenizer
 from loraserve.kernel_backend import select_backend
+from loraserve.kv_cache_manager import KVCacheManager
+from loraserve.lora.residency import AdapterManager
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.gemm_choice import GemmPlan, GemmPolicy, pack_linears
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir

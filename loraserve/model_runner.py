@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from loraserve.forward_batch import ForwardBatch, PrefillBatch
-from loraserve.lora_batch import LoRABatch
+from loraserve.lora.apply_torch import LoRABatch
 from loraserve.models.llama import LlamaForCausalLM, LoRAHook
 from loraserve.sampler import Sampler
 from loraserve.scheduler import ScheduledBatch

@@ -20,8 +20,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from loraserve.adapter_manager import AdapterManager
-from loraserve.block_manager import KVCacheManager
+from loraserve.kv_cache_manager import KVCacheManager
+from loraserve.lora.residency import AdapterManager
 from loraserve.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Kernel test cases shared by the CPU and Triton kernel tests.
 
 Paged KV with shuffled page ids, and adapters of mixed ranks laid out in pool pages as
-``adapter_layout.py`` does (stacked A rows, then B^T per module, modules absent in some
+``lora/layout.py`` does (stacked A rows, then B^T per module, modules absent in some
 adapters), on consecutive pages or scattered ones, under Punica's adapter popularity patterns.
 """
 
@@ -78,7 +78,7 @@ def random_adapters(
 def pack(
     adapters: list, scattered: bool, seed: int, outs: tuple[int, ...] = OUTS
 ) -> tuple[torch.Tensor, list[list[int]], torch.Tensor]:
-    """Lay adapters out in storage ``[L, P, E]`` as adapter_layout.py does (layer l holds weights * (l + 1)).
+    """Lay adapters out in storage ``[L, P, E]`` as lora/layout.py does (layer l holds weights * (l + 1)).
 
     Each adapter gets consecutive pages, or (``scattered``) pages in shuffled order across the
     pool. Returns the storage, each adapter's page ids and ``meta [L, 1, NUM_ADAPTERS, 14]``.

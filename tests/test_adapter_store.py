@@ -358,3 +358,20 @@ def test_register_from_path_is_confined_to_allowed_roots(
         with pytest.raises(AdapterError, match="must be under"):
             registry.register_from_path("nope", path)
     assert registry.names() == ["ok"]
+
+
+def test_the_stores_do_not_import_each_other() -> None:
+    """store.py and redis_store.py form no import loop: make_store lives in store_factory.py."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "adapters"
+    imported = {
+        name: {
+            node.module or ""
+            for node in ast.walk(ast.parse((root / f"{name}.py").read_text()))
+            if isinstance(node, ast.ImportFrom)
+        }
+        for name in ("store", "redis_store")
+    }
+    assert "redis_store" not in imported["store"] and ".redis_store" not in str(imported["store"])
+    assert "store" in imported["redis_store"]  # the base class, one way only

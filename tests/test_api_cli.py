@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from loraserve.cli_serve import add_serve_parser, build_engine_config, build_settings
 from loraserve.config import ConfigError, EngineConfig
+from loraserve.entrypoints.serve import add_serve_parser, build_engine_config, build_settings
 
 
 def parse(*argv: str) -> argparse.Namespace:

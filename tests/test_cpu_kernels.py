@@ -2,7 +2,7 @@
 
 Paged decode attention: GQA and MHA, scattered pages, contexts of 1 token, exact
 multiples of the block size and padded block tables, float32 and bfloat16. Segmented
-LoRA: adapters of mixed ranks laid out in pool pages as ``adapter_layout.py`` does
+LoRA: adapters of mixed ranks laid out in pool pages as ``lora/layout.py`` does
 (stacked A rows, then B^T per module, modules absent in some adapters), on consecutive
 pages (read in place) or scattered ones (followed through page tables), under Punica's
 adapter popularity patterns.

@@ -15,7 +15,7 @@ import pytest
 import torch
 from loraserve.kernels.lora import LoRASegment, OutputSlice, apply_lora_segments, lora_reference
 
-from loraserve.lora_batch import LoRABatch
+from loraserve.lora.apply_torch import LoRABatch
 
 IN, OUT, BS, NUM_ADAPTERS = 96, 80, 33, 64
 RANKS = list(range(1, NUM_ADAPTERS + 1))  # adapter i has rank i + 1: every rank 1..64 in one pool

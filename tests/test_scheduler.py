@@ -7,7 +7,7 @@ import random
 import pytest
 from fake_runner import step, summary
 
-from loraserve.block_manager import KVCacheManager, cdiv
+from loraserve.kv_cache_manager import KVCacheManager, cdiv
 from loraserve.page_pool import PagePool
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loraserve.block_manager import KVCacheManager, cdiv
+from loraserve.kv_cache_manager import KVCacheManager, cdiv
 from loraserve.page_pool import PagePool
 from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import Sequence

@@ -4,7 +4,7 @@
   digest, and everything after that (residency, prefix-cache keys) uses the digest.
 * A resident adapter's weights live in pages of the same pool as the KV cache,
   allocated from the same free list (``PageKind.ADAPTER``). Pages grow linearly with
-  rank (see adapter_layout.py).
+  rank (see layout.py).
 * An adapter used by running sequences is pinned (one pin per running sequence).
   When the last pin goes, its pages join the pool's single LRU of idle contents and
   are reclaimed when KV (or another adapter) needs them; using it again before that
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraserve.adapter_layout import AdapterLayout
 from loraserve.adapters import AdapterInfo, AdapterRegistry, LoRAAdapter
 from loraserve.kernels.lora import OutputSlice
+from loraserve.lora.layout import AdapterLayout
 from loraserve.page_pool import PageKind, PagePool
 
 logger = logging.getLogger(__name__)

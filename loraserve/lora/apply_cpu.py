@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from loraserve.adapter_layout import LORA_GROUPS, AdapterLayout
-from loraserve.adapter_manager import AdapterManager, ResidentAdapter
 from loraserve.kernels import cpu
-from loraserve.lora_batch import LoRABatch, PerBatchLoRAHook
+from loraserve.lora.apply_torch import LoRABatch, PerBatchLoRAHook
+from loraserve.lora.layout import LORA_GROUPS, AdapterLayout
+from loraserve.lora.residency import AdapterManager, ResidentAdapter
 
 GROUP_INDEX = {group: index for index, group in enumerate(LORA_GROUPS)}
 META_WIDTH = 14  # a_offset, num_rows, then (column, rank, b_offset, out_features) x 3 modules

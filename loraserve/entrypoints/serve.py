@@ -1,6 +1,6 @@
 """The ``loraserve serve`` subcommand: argument setup and the run function.
 
-``loraserve/cli.py`` calls :func:`add_serve_parser` with its subparsers and :func:`run_serve`
+``loraserve/entrypoints/cli.py`` calls :func:`add_serve_parser` with its subparsers and :func:`run_serve`
 with the parsed arguments.
 """
 

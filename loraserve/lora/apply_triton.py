@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.adapter_manager import AdapterManager
 from loraserve.kernels import triton_lora
-from loraserve.lora_batch import LoRABatch, PerBatchLoRAHook
-from loraserve.lora_compiled import GROUP_INDEX, SegmentPacker
+from loraserve.lora.apply_cpu import GROUP_INDEX, SegmentPacker
+from loraserve.lora.apply_torch import LoRABatch, PerBatchLoRAHook
+from loraserve.lora.residency import AdapterManager
 
 
 @dataclass(frozen=True)

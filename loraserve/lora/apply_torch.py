@@ -8,9 +8,9 @@ from typing import Generic, TypeVar
 
 import torch
 
-from loraserve.adapter_manager import AdapterManager, GroupWeights
 from loraserve.forward_batch import ForwardBatch
 from loraserve.kernels.lora import LoRASegment, apply_lora_segments
+from loraserve.lora.residency import AdapterManager, GroupWeights
 
 Prepared = TypeVar("Prepared")
 

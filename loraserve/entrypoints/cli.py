@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from loraserve.cli_serve import add_engine_arguments, add_serve_parser, engine_options, run_serve
+from loraserve.entrypoints.serve import add_engine_arguments, add_serve_parser, engine_options, run_serve
 
 
 def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -14,9 +14,9 @@ from fake_runner import step as fake_step
 from fake_runner import summary
 from loraserve.adapters import AdapterRegistry, BaseModelShapes, LocalDirStore
 
-from loraserve.adapter_layout import LORA_GROUPS, AdapterLayout
-from loraserve.adapter_manager import AdapterManager
-from loraserve.block_manager import KVCacheManager
+from loraserve.kv_cache_manager import KVCacheManager
+from loraserve.lora.layout import LORA_GROUPS, AdapterLayout
+from loraserve.lora.residency import AdapterManager
 from loraserve.page_pool import OutOfPagesError, PageKind, PagePool
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
