@@ -37,10 +37,9 @@ TARGET_RATIO = 0.8
 # Parts of the wall clock; an indented part is inside the one above it.
 TIMERS = (
     "scheduler.schedule",
-    "  adapter page writes (loads)",
-    "runner.execute (forward+sample)",
+    "runner.execute (loads+forward+sample)",
+    "  page copies and adapter page writes (loads)",
     "  LoRA hook",
-    "    layer_weights (page views, torch kernels)",
     "resolve_nowait (add_request, step)",
     "  registry.parse (parse+validate+hash)",
     "store read on the loader thread (overlaps the parts above)",
@@ -126,19 +125,21 @@ def instrument(engine: Any, result: Result) -> None:
     """Time the parts of a step by wrapping bound methods of this engine instance (no engine edits)."""
     timers, manager, runner = result.timers, engine.adapters, engine.runner
     registry = engine.adapter_registry
-    manager.resolve_nowait = timed(timers, TIMERS[5], manager.resolve_nowait)
-    registry.parse = timed(timers, TIMERS[6], registry.parse)
-    registry.store.get = timed(timers, TIMERS[7], registry.store.get)
-    manager.layer_weights = timed(timers, TIMERS[4], manager.layer_weights)
-    write_pages = manager._write_pages
+    manager.resolve_nowait = timed(timers, TIMERS[4], manager.resolve_nowait)
+    registry.parse = timed(timers, TIMERS[5], registry.parse)
+    registry.store.get = timed(timers, TIMERS[6], registry.store.get)
+    take_loads = manager.take_loads
 
-    def write_and_count(resident: Any) -> None:
-        write_pages(resident)
-        result.stats["fragmented_loads"] = result.stats.get("fragmented_loads", 0) + (not resident.is_contiguous)
+    def take_and_count() -> Any:
+        loads = take_loads()
+        fragmented = sum(not load.pages.is_contiguous for load in loads)
+        result.stats["fragmented_loads"] = result.stats.get("fragmented_loads", 0) + fragmented
+        return loads
 
-    manager._write_pages = timed(timers, TIMERS[1], write_and_count)
+    manager.take_loads = take_and_count
+    runner.copy_pages = timed(timers, TIMERS[2], runner.copy_pages)
     engine.scheduler.schedule = timed(timers, TIMERS[0], engine.scheduler.schedule)
-    runner.execute = timed(timers, TIMERS[2], runner.execute)
+    runner.execute = timed(timers, TIMERS[1], runner.execute)
     hook = runner.lora_hook
 
     def lora_hook(x: Any, layer: int, group: str, outputs: Any, batch: Any) -> None:

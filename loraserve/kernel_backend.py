@@ -23,57 +23,41 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.kernels import cpu
-from loraserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_varlen, write_kv
+from loraserve.kernels.paged_attention import paged_prefill_attention_varlen, write_kv
 from loraserve.lora.apply_cpu import CompiledLoRAApplier
 from loraserve.lora.apply_torch import LoRAApplier
-from loraserve.lora.residency import AdapterManager
-from loraserve.models.llama import DecodeAttention, FusedRMSNorm, FusedRope, LoRAHook, PrefillAttention, WriteKV
+from loraserve.models.llama import LoRAHook, ModelKernels
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class KernelBackend:
-    """Kernels of one backend; ``rms_norm``/``rope`` None means the model's torch ops;
+    """Kernels of one backend, built once: ``model`` is given to the model at construction,
+    ``make_lora_hook`` to the runner, which builds its hook over the pool's storage;
     ``pack_linears``: run the linear layers as ``PackedLinear`` on the chosen CPU GEMM kernels,
     the projections that share an input (q/k/v, gate/up) as one ``PackedLinearGroup`` each."""
 
     name: str
-    decode_attention: DecodeAttention
-    prefill_attention: PrefillAttention
-    write_kv: WriteKV
-    make_lora_hook: Callable[[AdapterManager], LoRAHook]
-    rms_norm: FusedRMSNorm | None = None
-    rope: FusedRope | None = None
+    model: ModelKernels
+    make_lora_hook: Callable[[torch.Tensor], LoRAHook]  # (storage [num_layers, num_pages, page_elems])
     pack_linears: bool = False
 
 
 def _torch_backend(dtype: torch.dtype) -> KernelBackend:
-    return KernelBackend("torch", paged_decode_attention, paged_prefill_attention_varlen, write_kv, LoRAApplier)
+    return KernelBackend("torch", ModelKernels(), LoRAApplier)
 
 
 def _cpu_backend(dtype: torch.dtype) -> KernelBackend:
     if cpu.load_extension() is None:
         raise RuntimeError("kernels='cpu' needs the compiled CPU kernels, which could not be built (see the log)")
     if dtype != torch.float32:  # the fused and LoRA kernels are float32; attention takes any dtype
-        return KernelBackend(
-            "cpu",
-            cpu.paged_decode_attention,
-            cpu.paged_prefill_attention,
-            cpu.write_kv_,
-            LoRAApplier,
-            pack_linears=True,
-        )
-    return KernelBackend(
-        "cpu",
-        cpu.paged_decode_attention,
-        cpu.paged_prefill_attention,
-        cpu.write_kv_,
-        CompiledLoRAApplier,
-        cpu.rms_norm,
-        cpu.rope_,
-        True,
+        kernels = ModelKernels(cpu.paged_decode_attention, cpu.paged_prefill_attention, cpu.write_kv_)
+        return KernelBackend("cpu", kernels, LoRAApplier, pack_linears=True)
+    kernels = ModelKernels(
+        cpu.paged_decode_attention, cpu.paged_prefill_attention, cpu.write_kv_, cpu.rms_norm, cpu.rope_
     )
+    return KernelBackend("cpu", kernels, CompiledLoRAApplier, pack_linears=True)
 
 
 def _triton_backend(dtype: torch.dtype) -> KernelBackend:
@@ -83,9 +67,8 @@ def _triton_backend(dtype: torch.dtype) -> KernelBackend:
     from loraserve.kernels import triton_attention
     from loraserve.lora.apply_triton import TritonLoRAApplier
 
-    return KernelBackend(
-        "triton", triton_attention.paged_decode_attention, paged_prefill_attention_varlen, write_kv, TritonLoRAApplier
-    )
+    kernels = ModelKernels(triton_attention.paged_decode_attention, paged_prefill_attention_varlen, write_kv)
+    return KernelBackend("triton", kernels, TritonLoRAApplier)
 
 
 BACKENDS: dict[str, Callable[[torch.dtype], KernelBackend]] = {

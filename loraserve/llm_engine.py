@@ -59,7 +59,8 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = load_model(self.model_dir, self.hf_config, config.torch_dtype, self.device)
+        self.kernels = select_backend(config.kernels, self.device, config.torch_dtype)
+        self.model = load_model(self.model_dir, self.hf_config, config.torch_dtype, self.device, self.kernels.model)
         self.layout = PageLayout.for_model(self.hf_config, config.block_size)
         page_bytes = self.layout.page_bytes(config.torch_dtype)
         num_pages = config.num_pages or max(2, config.memory_budget_mb * 2**20 // page_bytes)
@@ -68,18 +69,6 @@ class LLMEngine:
         num_watermark_pages = int(config.watermark * num_pages)
         self.kv_manager = KVCacheManager(
             self.pool, config.block_size, num_watermark_pages, host_pool, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode
-        )
-        self.runner = ModelRunner(
-            self.model,
-            self.layout,
-            num_pages,
-            config.num_swap_pages,
-            config.torch_dtype,
-            self.device,
-            config.seed,
         )
         self._registry_dir: tempfile.TemporaryDirectory[str] | None = None
         if config.registry is None:
@@ -93,15 +82,23 @@ class LLMEngine:
         self.adapters = AdapterManager(
             self.adapter_registry,
             self.pool,
-            self.runner.storage,
+            self.layout.num_layers,
+            self.layout.page_elems,
             config.host_adapter_cache_mb * 2**20,
             num_watermark_pages,
         )
-        self.scheduler.adapters = self.adapters
-        self.kernels = select_backend(config.kernels, self.device, config.torch_dtype)
-        kernels = self.kernels
-        self.model.use_kernels(
-            kernels.decode_attention, kernels.prefill_attention, kernels.write_kv, kernels.rms_norm, kernels.rope
+        self.scheduler = Scheduler(
+            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, self.adapters
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.layout,
+            num_pages,
+            config.num_swap_pages,
+            config.torch_dtype,
+            self.device,
+            self.kernels.make_lora_hook,
+            config.seed,
         )
         self.gemm_plan = GemmPlan()  # the CPU GEMM kernel of each linear layer shape and row bucket
         if self.kernels.pack_linears:
@@ -114,7 +111,6 @@ class LLMEngine:
             self.gemm_plan = pack_linears(self.model, policy)
         elif config.cpu_gemm != "auto":
             raise ConfigError(f"cpu_gemm={config.cpu_gemm!r} needs the compiled CPU kernels (kernels 'cpu')")
-        self.runner.lora_hook = self.kernels.make_lora_hook(self.adapters)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
         self.max_seq_tokens = (num_pages - num_watermark_pages) * config.block_size

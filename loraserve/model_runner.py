@@ -8,13 +8,15 @@ head_dim]`` (K then V), and for an adapter, a slice of its flattened weights.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from loraserve.forward_batch import ForwardBatch, PrefillBatch
-from loraserve.lora.apply_torch import LoRABatch
+from loraserve.lora.batch import LoRABatch
+from loraserve.lora.weights import write_adapter_load
 from loraserve.models.llama import LlamaForCausalLM, LoRAHook
 from loraserve.sampler import Sampler
 from loraserve.scheduler import ScheduledBatch
@@ -56,6 +58,7 @@ class ModelRunner:
         num_swap_pages: int,
         dtype: torch.dtype,
         device: torch.device,
+        make_lora_hook: Callable[[torch.Tensor], LoRAHook],
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -72,10 +75,10 @@ class ModelRunner:
         kv_shape = (num_pages, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.kv_caches = [self.storage[layer].view(kv_shape) for layer in range(layout.num_layers)]
         self.sampler = Sampler(seed)
-        self.lora_hook: LoRAHook | None = None
+        self.lora_hook = make_lora_hook(self.storage)
 
     def copy_pages(self, batch: ScheduledBatch) -> None:
-        """Swap-out, swap-in and copy-on-write copies, in that order, before the forward."""
+        """Swap-out, swap-in, copy-on-write copies and adapter loads, in that order, before the forward."""
         if batch.swap_out:
             src, dst = _pairs(batch.swap_out)
             self.swap_storage[:, dst] = self.storage[:, src].to("cpu")
@@ -85,6 +88,8 @@ class ModelRunner:
         if batch.copy_pages:
             src, dst = _pairs(batch.copy_pages)
             self.storage[:, dst] = self.storage[:, src]
+        for load in batch.adapter_loads:
+            write_adapter_load(self.storage, load)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
         """Flatten the batch: decode tokens first, and within each part grouped by adapter.
@@ -142,7 +147,7 @@ class ModelRunner:
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev),
             prefill=prefill,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            lora=LoRABatch.from_ranges(lora_ranges),
+            lora=LoRABatch.from_ranges(lora_ranges, batch.adapters),
         )
         return forward_batch, order
 

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from loraserve.kv_cache_manager import KVCacheManager
+from loraserve.lora.batch import AdapterLoad, AdapterPages
 from loraserve.lora.residency import AdapterManager
 from loraserve.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -29,13 +30,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ScheduledBatch:
-    """What the runner executes in one step; the only message from scheduler to runner."""
+    """What the runner executes in one step; the only message from scheduler to runner.
+
+    Before the forward the runner applies, in order, the swaps and copies of KV pages and the
+    adapter loads (weights into freshly allocated pages); ``adapters`` says where the adapter of
+    every scheduled sequence sits, as each sequence's ``block_ids`` say where its KV is.
+    """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy_pages: list[tuple[int, int]] = field(default_factory=list)
+    adapter_loads: list[AdapterLoad] = field(default_factory=list)
+    adapters: dict[str, AdapterPages] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +106,11 @@ class Scheduler:
             budget = self._schedule_swapped(batch, budget)
             if not self.swapped:
                 self._schedule_waiting(batch, budget)
+        if self.adapters is not None:
+            batch.adapter_loads = self.adapters.take_loads()
+            for seq in batch.seqs:
+                if seq.adapter_id is not None and seq.adapter_id not in batch.adapters:
+                    batch.adapters[seq.adapter_id] = self.adapters.pages(seq.adapter_id)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:

@@ -17,6 +17,7 @@ from loraserve.adapters import AdapterRegistry, BaseModelShapes, LocalDirStore
 from loraserve.kv_cache_manager import KVCacheManager
 from loraserve.lora.layout import LORA_GROUPS, AdapterLayout
 from loraserve.lora.residency import AdapterManager
+from loraserve.lora.weights import group_weights, write_adapter_load
 from loraserve.page_pool import OutOfPagesError, PageKind, PagePool
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
@@ -55,7 +56,9 @@ class Env:
         self.registry = CountingRegistry(LocalDirStore(root / "store"), shapes)
         self.pool = PagePool(num_pages)
         self.storage = torch.zeros(base.config.num_hidden_layers, num_pages, PAGE_ELEMS)
-        self.manager = AdapterManager(self.registry, self.pool, self.storage, host_cache_bytes)
+        self.manager = AdapterManager(
+            self.registry, self.pool, base.config.num_hidden_layers, PAGE_ELEMS, host_cache_bytes
+        )
         self.peft: dict[str, Any] = {}
 
     def add(self, name: str, rank: int, targets: tuple[str, ...] = PROJECTIONS, **kwargs: Any) -> str:
@@ -68,10 +71,13 @@ class Env:
         return self.manager.resolve(name)
 
     def check_weights(self, name: str, adapter_id: str) -> None:
-        """Every group's stacked A, B^T and scale read from the pages equal PEFT's tensors."""
+        """Every group's stacked A, B^T and scale read from the pages equal PEFT's tensors (after
+        writing the loads the manager handed out, as the runner does)."""
+        for load in self.manager.take_loads():
+            write_adapter_load(self.storage, load)
         layers = self.peft[name].base_model.model.model.layers
         for layer in range(len(layers)):
-            views = self.manager.layer_weights(adapter_id, layer)
+            views = group_weights(self.storage, self.manager.pages(adapter_id), layer)
             for group, modules in LORA_GROUPS.items():
                 peft_modules = [_module(layers[layer], m) for m in modules]
                 adapted = [m for m in peft_modules if m is not None]
@@ -311,3 +317,31 @@ def test_fcfs_admission_waits_while_pinned_adapter_and_kv_do_not_fit(tmp_path: P
     assert a not in env.manager.resident and env.manager.num_evictions == 1
     run_to_completion(env, sched)
     assert env.manager.num_loads == 3
+
+
+def test_the_batch_carries_adapter_loads_and_pages_and_the_manager_writes_nothing(tmp_path: Path, base: Any) -> None:
+    env = Env(tmp_path, base, num_pages=24)
+    a, b = env.add("a", 2), env.add("b", 1, QV)  # 8 pages and 1 page
+    sched = make_scheduler(env)
+    x, y, z = make_seq(env, "x", a, 4, 2), make_seq(env, "y", a, 4, 2), make_seq(env, "z", b, 4, 2)
+    for seq in (x, y, z):
+        sched.add(seq)
+    batch = sched.schedule()
+    # One load per adapter newly placed, in admission order, with its exact pages; y reuses a's.
+    assert [(load.pages.adapter_id, load.pages.page_ids) for load in batch.adapter_loads] == [
+        (a, tuple(range(8))),
+        (b, (10,)),
+    ]
+    assert x.block_ids == [8] and y.block_ids == [9] and z.block_ids == [11]
+    assert {k: v.page_ids for k, v in batch.adapters.items()} == {a: tuple(range(8)), b: (10,)}
+    assert all(batch.adapters[load.pages.adapter_id] is load.pages for load in batch.adapter_loads)
+    assert env.storage.abs().sum() == 0  # the runner writes the loads, not the scheduler
+    for load in batch.adapter_loads:
+        write_adapter_load(env.storage, load)
+    assert env.storage[:, [*range(8), 10]].abs().sum() > 0 and env.storage[:, [8, 9, 11]].abs().sum() == 0
+    sched.update(batch)
+    second = sched.schedule()  # nothing new to load; the pages still travel with the batch
+    assert second.adapter_loads == [] and {k: v.page_ids for k, v in second.adapters.items()} == {
+        a: tuple(range(8)),
+        b: (10,),
+    }

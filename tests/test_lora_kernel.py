@@ -15,7 +15,8 @@ import pytest
 import torch
 from loraserve.kernels.lora import LoRASegment, OutputSlice, apply_lora_segments, lora_reference
 
-from loraserve.lora.apply_torch import LoRABatch
+from loraserve.lora.batch import AdapterPages, LoRABatch
+from loraserve.lora.layout import AdapterLayout
 
 IN, OUT, BS, NUM_ADAPTERS = 96, 80, 33, 64
 RANKS = list(range(1, NUM_ADAPTERS + 1))  # adapter i has rank i + 1: every rank 1..64 in one pool
@@ -167,11 +168,13 @@ def test_fused_qkv_group_equals_separate_modules() -> None:
 def test_lora_batch_from_ranges_merges_touching_ranges(
     ranges: list[tuple[int, int, str | None]], expected: tuple[tuple[int, int, str], ...]
 ) -> None:
-    batch = LoRABatch.from_ranges(ranges)
+    pages = {name: AdapterPages(name, (i,), AdapterLayout((), ())) for i, name in enumerate("abcd")}
+    batch = LoRABatch.from_ranges(ranges, pages)
     assert batch is not None and batch.segments == expected
-    assert batch.adapter_ids == {adapter_id for _, _, adapter_id in expected}
+    assert batch.adapter_ids == {adapter_id for _, _, adapter_id in expected} == set(batch.adapters)
+    assert all(batch.adapters[a] is pages[a] for a in batch.adapters)
 
 
 def test_lora_batch_from_ranges_without_adapters_is_none() -> None:
-    assert LoRABatch.from_ranges([]) is None
-    assert LoRABatch.from_ranges([(0, 4, None), (4, 5, None), (5, 5, "a")]) is None
+    assert LoRABatch.from_ranges([], {}) is None
+    assert LoRABatch.from_ranges([(0, 4, None), (4, 5, None), (5, 5, "a")], {}) is None

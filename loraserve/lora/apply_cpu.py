@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from loraserve.kernels import cpu
-from loraserve.lora.apply_torch import LoRABatch, PerBatchLoRAHook
+from loraserve.lora.apply_torch import PerBatchLoRAHook
+from loraserve.lora.batch import AdapterPages, LoRABatch
 from loraserve.lora.layout import LORA_GROUPS, AdapterLayout
-from loraserve.lora.residency import AdapterManager, ResidentAdapter
 
 GROUP_INDEX = {group: index for index, group in enumerate(LORA_GROUPS)}
 META_WIDTH = 14  # a_offset, num_rows, then (column, rank, b_offset, out_features) x 3 modules
@@ -49,20 +49,21 @@ Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 class SegmentPacker:
     """Packs a step's segments for the kernels that read adapters in place from the pool.
 
-    Each resident adapter's ``layout_meta`` is built once and cached (dropped when it leaves the pool).
+    Each adapter's ``layout_meta`` is built at its first step and kept (an adapter id is a digest
+    of its weights, so its layout never changes); the memo forgets adapters absent from a step
+    when it grows past a bound.
     """
 
-    def __init__(self, manager: AdapterManager) -> None:
-        self.manager = manager
-        self.page_elems = manager.storage.shape[2]
+    def __init__(self, page_elems: int) -> None:
+        self.page_elems = page_elems
         self._layout_meta: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _meta(self, resident: ResidentAdapter) -> tuple[torch.Tensor, torch.Tensor]:
-        cached = self._layout_meta.get(resident.adapter_id)
+    def _meta(self, pages: AdapterPages, lora: LoRABatch) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._layout_meta.get(pages.adapter_id)
         if cached is None:
-            if len(self._layout_meta) > 2 * len(self.manager.resident) + 64:
-                self._layout_meta = {k: v for k, v in self._layout_meta.items() if k in self.manager.resident}
-            cached = self._layout_meta[resident.adapter_id] = layout_meta(resident.layout)
+            if len(self._layout_meta) > 2 * len(lora.adapters) + 64:
+                self._layout_meta = {k: v for k, v in self._layout_meta.items() if k in lora.adapters}
+            cached = self._layout_meta[pages.adapter_id] = layout_meta(pages.layout)
         return cached
 
     def pack(self, lora: LoRABatch) -> Packed:
@@ -72,13 +73,13 @@ class SegmentPacker:
         metas: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
         for start, end, adapter_id in lora.segments:
-            resident = self.manager.resident[adapter_id]
-            meta, scale = self._meta(resident)
+            pages = lora.adapters[adapter_id]
+            meta, scale = self._meta(pages, lora)
             metas.append(meta)
             scales.append(scale)
-            tables.append(resident.page_ids)
-            if resident.is_contiguous:
-                bounds.append((start, end, 0, resident.page_ids[0] * self.page_elems))
+            tables.append(list(pages.page_ids))
+            if pages.is_contiguous:
+                bounds.append((start, end, 0, pages.page_ids[0] * self.page_elems))
             else:  # scattered pages: long segments copy their matrices out through the page table
                 bounds.append((start, end, 1, 0))
         max_pages = max(len(table) for table in tables)
@@ -94,10 +95,9 @@ class SegmentPacker:
 class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
     """``LoRAHook`` reading adapter weights in place from the pool's storage (float32)."""
 
-    def __init__(self, manager: AdapterManager) -> None:
-        super().__init__(manager)
-        self.storage = manager.storage  # [num_layers, num_pages, page_elems]
-        self.packer = SegmentPacker(manager)
+    def __init__(self, storage: torch.Tensor) -> None:
+        super().__init__(storage)
+        self.packer = SegmentPacker(storage.shape[2])
 
     def prepare(self, lora: LoRABatch) -> Packed:
         return self.packer.pack(lora)

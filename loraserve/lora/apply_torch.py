@@ -1,42 +1,23 @@
-"""Per-step LoRA metadata and the model hook that applies adapters from pool pages."""
+"""The model's LoRA hooks: the base class, and the torch one that applies adapters from pool pages.
+
+A hook is built once by the runner over the pool's storage; everything it needs about a step
+(segments, each adapter's pages and layout) comes in the step's ``ForwardBatch.lora``. What it
+keeps between steps is only derived from that (views of an adapter's pages, keyed by the pages).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
 
 from loraserve.forward_batch import ForwardBatch
 from loraserve.kernels.lora import LoRASegment, apply_lora_segments
-from loraserve.lora.residency import AdapterManager, GroupWeights
+from loraserve.lora.batch import AdapterPages, LoRABatch
+from loraserve.lora.weights import GroupWeights, group_weights
 
 Prepared = TypeVar("Prepared")
-
-
-@dataclass(frozen=True)
-class LoRABatch:
-    """Contiguous token ranges of the flattened batch, each using one adapter."""
-
-    segments: tuple[tuple[int, int, str], ...]  # (start, end, adapter_id)
-
-    @classmethod
-    def from_ranges(cls, ranges: list[tuple[int, int, str | None]]) -> LoRABatch | None:
-        """Merge touching ranges of one adapter; drop base-model ranges. None if no adapter."""
-        merged: list[tuple[int, int, str]] = []
-        for start, end, adapter_id in ranges:
-            if adapter_id is None or start == end:
-                continue
-            if merged and merged[-1][2] == adapter_id and merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], end, adapter_id)
-            else:
-                merged.append((start, end, adapter_id))
-        return cls(tuple(merged)) if merged else None
-
-    @property
-    def adapter_ids(self) -> set[str]:
-        return {adapter_id for _, _, adapter_id in self.segments}
 
 
 class PerBatchLoRAHook(ABC, Generic[Prepared]):
@@ -46,8 +27,8 @@ class PerBatchLoRAHook(ABC, Generic[Prepared]):
     the forward; ``apply`` adds the deltas of one layer's input group using it.
     """
 
-    def __init__(self, manager: AdapterManager) -> None:
-        self.manager = manager
+    def __init__(self, storage: torch.Tensor) -> None:
+        self.storage = storage  # [num_layers, num_pages, page_elems], the pool's
         self._batch: LoRABatch | None = None
         self._prepared: Prepared | None = None
 
@@ -82,20 +63,39 @@ class PerBatchLoRAHook(ABC, Generic[Prepared]):
         self.apply(x, layer, group, outputs, self._prepared)
 
 
-# Per segment: (start, end, adapter_id, the adapter's per-layer views or None if not contiguous).
-TorchSegments = list[tuple[int, int, str, list[dict[str, GroupWeights]] | None]]
+# Per segment: (start, end, the adapter's pages, its per-layer views or None if not contiguous).
+TorchSegments = list[tuple[int, int, AdapterPages, list[dict[str, GroupWeights]] | None]]
+ViewKey = tuple[str, tuple[int, ...]]
 
 
 class LoRAApplier(PerBatchLoRAHook[TorchSegments]):
     """The torch LoRA hook: adds each segment's delta, reading weights from its pages.
 
-    Per forward it resolves each segment's resident adapter once; per layer and group
-    it only picks that adapter's views and runs the segment GEMMs.
+    Per forward it finds each segment's views once (views of an adapter on consecutive pages are
+    built at its first step and kept, keyed by adapter and pages); per layer and group it only
+    picks that adapter's views and runs the segment GEMMs.
     """
 
+    def __init__(self, storage: torch.Tensor) -> None:
+        super().__init__(storage)
+        self._views: dict[ViewKey, list[dict[str, GroupWeights]]] = {}
+
+    def _views_of(self, pages: AdapterPages) -> list[dict[str, GroupWeights]] | None:
+        if not pages.is_contiguous:
+            return None  # gathered per layer at each step (the pages are scattered)
+        key = (pages.adapter_id, pages.page_ids)
+        views = self._views.get(key)
+        if views is None:
+            views = [group_weights(self.storage, pages, layer) for layer in range(self.storage.shape[0])]
+            self._views[key] = views
+        return views
+
     def prepare(self, lora: LoRABatch) -> TorchSegments:
+        if len(self._views) > 2 * len(lora.adapters) + 64:  # forget adapters gone from the pool
+            live = {(a.adapter_id, a.page_ids) for a in lora.adapters.values()}
+            self._views = {k: v for k, v in self._views.items() if k in live}
         return [
-            (start, end, adapter_id, self.manager.resident[adapter_id].views)
+            (start, end, lora.adapters[adapter_id], self._views_of(lora.adapters[adapter_id]))
             for start, end, adapter_id in lora.segments
         ]
 
@@ -108,8 +108,8 @@ class LoRAApplier(PerBatchLoRAHook[TorchSegments]):
         prepared: TorchSegments,
     ) -> None:
         segments: list[LoRASegment] = []
-        for start, end, adapter_id, views in prepared:
-            layer_views = views[layer] if views is not None else self.manager.layer_weights(adapter_id, layer)
+        for start, end, pages, views in prepared:
+            layer_views = views[layer] if views is not None else group_weights(self.storage, pages, layer)
             weights = layer_views.get(group)
             if weights is not None:
                 segments.append(LoRASegment(start, end, weights[0], weights[1]))

@@ -15,8 +15,8 @@ import torch
 
 from loraserve.kernels import triton_lora
 from loraserve.lora.apply_cpu import GROUP_INDEX, SegmentPacker
-from loraserve.lora.apply_torch import LoRABatch, PerBatchLoRAHook
-from loraserve.lora.residency import AdapterManager
+from loraserve.lora.apply_torch import PerBatchLoRAHook
+from loraserve.lora.batch import LoRABatch
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,9 @@ class TritonSegments:
 class TritonLoRAApplier(PerBatchLoRAHook[TritonSegments]):
     """``LoRAHook`` that runs every segment of a layer's input group in two kernel launches."""
 
-    def __init__(self, manager: AdapterManager) -> None:
-        super().__init__(manager)
-        self.storage = manager.storage  # [num_layers, num_pages, page_elems]
-        self.packer = SegmentPacker(manager)
+    def __init__(self, storage: torch.Tensor) -> None:
+        super().__init__(storage)
+        self.packer = SegmentPacker(storage.shape[2])
 
     def prepare(self, lora: LoRABatch) -> TritonSegments:
         bounds, page_tables, meta, scales = self.packer.pack(lora)

@@ -4,7 +4,9 @@
   digest, and everything after that (residency, prefix-cache keys) uses the digest.
 * A resident adapter's weights live in pages of the same pool as the KV cache,
   allocated from the same free list (``PageKind.ADAPTER``). Pages grow linearly with
-  rank (see layout.py).
+  rank (see layout.py). This class only decides which pages: a new load's weights are
+  handed to the scheduler (``take_loads``), which puts them into its batch for the runner
+  to write; the runner owns the storage.
 * An adapter used by running sequences is pinned (one pin per running sequence).
   When the last pin goes, its pages join the pool's single LRU of idle contents and
   are reclaimed when KV (or another adapter) needs them; using it again before that
@@ -24,33 +26,32 @@ import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from loraserve.adapters import AdapterInfo, AdapterRegistry, LoRAAdapter
-from loraserve.kernels.lora import OutputSlice
+from loraserve.lora.batch import AdapterLoad, AdapterPages
 from loraserve.lora.layout import AdapterLayout
 from loraserve.page_pool import PageKind, PagePool
 
 logger = logging.getLogger(__name__)
 
-# Per layer, per group: (stacked A view, one OutputSlice or None per module of the group).
-GroupWeights = tuple[torch.Tensor, tuple[OutputSlice | None, ...]]
-
 
 @dataclass
 class ResidentAdapter:
-    adapter_id: str
-    layout: AdapterLayout
-    page_ids: list[int]
+    pages: AdapterPages
     num_pins: int = 0
-    # Views into the pool for adapters on consecutive pages (built once at load).
-    views: list[dict[str, GroupWeights]] | None = field(default=None, repr=False)
+
+    @property
+    def adapter_id(self) -> str:
+        return self.pages.adapter_id
+
+    @property
+    def page_ids(self) -> list[int]:
+        return list(self.pages.page_ids)
 
     @property
     def is_contiguous(self) -> bool:
-        return self.page_ids == list(range(self.page_ids[0], self.page_ids[0] + len(self.page_ids)))
+        return self.pages.is_contiguous
 
 
 class AdapterManager:
@@ -58,14 +59,14 @@ class AdapterManager:
         self,
         registry: AdapterRegistry,
         pool: PagePool,
-        storage: torch.Tensor,  # [num_layers, num_pages, page_elems]
+        num_layers: int,
+        page_elems: int,  # elements of one page in one layer
         host_cache_bytes: int,
         num_watermark_pages: int = 0,
     ) -> None:
         self.registry = registry
         self.pool = pool
-        self.storage = storage
-        self.num_layers, _, self.page_elems = storage.shape
+        self.num_layers, self.page_elems = num_layers, page_elems
         self.host_cache_bytes = host_cache_bytes
         self.num_watermark_pages = num_watermark_pages
         self._name_to_id: dict[str, tuple[str, str]] = {}  # name -> (store version, digest)
@@ -74,6 +75,7 @@ class AdapterManager:
         self._layouts: dict[str, AdapterLayout] = {}
         self._num_live_seqs: dict[str, int] = {}
         self.resident: dict[str, ResidentAdapter] = {}
+        self._loads_to_write: list[AdapterLoad] = []  # taken by the scheduler into its batch
         # name -> (store version, the read of its files in flight on the loader thread)
         self._loads: dict[str, tuple[str, Future[Mapping[str, bytes]]]] = {}
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraserve-adapter-load")
@@ -204,7 +206,8 @@ class AdapterManager:
         return self.num_pages(adapter_id)
 
     def acquire(self, adapter_id: str) -> bool:
-        """Pin the adapter for one running sequence, loading it into pages if needed.
+        """Pin the adapter for one running sequence, allocating its pages if it is not resident
+        (its weights then wait in ``take_loads`` for the runner to write them).
 
         Returns False, changing nothing, when the pool cannot make room while keeping
         the watermark free.
@@ -221,8 +224,8 @@ class AdapterManager:
         page_ids = self.pool.allocate_contiguous(num_pages, PageKind.ADAPTER)
         if page_ids is None:
             page_ids = self.pool.allocate(num_pages, PageKind.ADAPTER)
-        resident = ResidentAdapter(adapter_id, self._layouts[adapter_id], page_ids, num_pins=1)
-        self._write_pages(resident)
+        resident = ResidentAdapter(AdapterPages(adapter_id, tuple(page_ids), self._layouts[adapter_id]), num_pins=1)
+        self._loads_to_write.append(AdapterLoad(resident.pages, self._adapter_weights(adapter_id)))
         self.resident[adapter_id] = resident
         self.num_loads += 1
         logger.debug("loaded adapter %s into %d pages", adapter_id[:12], num_pages)
@@ -252,45 +255,11 @@ class AdapterManager:
         self._host.move_to_end(adapter_id)
         return adapter
 
-    def _write_pages(self, resident: ResidentAdapter) -> None:
-        adapter = self._adapter_weights(resident.adapter_id)
-        page_ids = torch.tensor(resident.page_ids)
-        for layer in range(self.num_layers):
-            staging = torch.zeros(len(resident.page_ids) * self.page_elems, dtype=torch.float32)
-            resident.layout.write(adapter, layer, staging)
-            pages = staging.view(len(resident.page_ids), self.page_elems)
-            self.storage[layer, page_ids] = pages.to(self.storage.dtype).to(self.storage.device)
-        if resident.is_contiguous:
-            resident.views = [self._group_views(resident, layer) for layer in range(self.num_layers)]
+    def take_loads(self) -> list[AdapterLoad]:
+        """The loads acquired since the last call, in order (for the scheduler's batch)."""
+        loads, self._loads_to_write = self._loads_to_write, []
+        return loads
 
-    def _layer_buffer(self, resident: ResidentAdapter, layer: int) -> torch.Tensor:
-        first, count = resident.page_ids[0], len(resident.page_ids)
-        if resident.is_contiguous:
-            return self.storage[layer, first : first + count].view(-1)
-        return self.storage[layer, torch.tensor(resident.page_ids)].view(-1)  # a gathered copy
-
-    def _group_views(self, resident: ResidentAdapter, layer: int) -> dict[str, GroupWeights]:
-        buffer = self._layer_buffer(resident, layer)
-        views: dict[str, GroupWeights] = {}
-        for group, slot in resident.layout.layers[layer].items():
-            a = buffer[slot.a_offset : slot.a_offset + slot.num_rows * slot.in_features]
-            outputs = tuple(
-                None
-                if m is None
-                else OutputSlice(
-                    m.column,
-                    m.rank,
-                    buffer[m.b_offset : m.b_offset + m.rank * m.out_features].view(m.rank, m.out_features),
-                    m.scale,
-                )
-                for m in slot.modules
-            )
-            views[group] = (a.view(slot.num_rows, slot.in_features), outputs)
-        return views
-
-    def layer_weights(self, adapter_id: str, layer: int) -> dict[str, GroupWeights]:
-        """Per group, the adapter's shrink and expand weights in ``layer``, read from its pages."""
-        resident = self.resident[adapter_id]
-        if resident.views is not None:
-            return resident.views[layer]
-        return self._group_views(resident, layer)
+    def pages(self, adapter_id: str) -> AdapterPages:
+        """Where the resident adapter ``adapter_id`` sits (it must be pinned)."""
+        return self.resident[adapter_id].pages

@@ -7,6 +7,7 @@ as they are, and the arithmetic follows it step by step so fp32 outputs match.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -36,12 +37,24 @@ WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Non
 FusedRope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+@dataclass(frozen=True)
+class ModelKernels:
+    """The kernels a model runs, given at construction (a backend's, see loraserve/kernel_backend.py);
+    ``rms_norm``/``rope`` None: the model's torch ops. The defaults are the torch references."""
+
+    decode_attention: DecodeAttention = paged_decode_attention
+    prefill_attention: PrefillAttention = paged_prefill_attention_varlen
+    write_kv: WriteKV = write_kv
+    rms_norm: FusedRMSNorm | None = None
+    rope: FusedRope | None = None
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, fused: FusedRMSNorm | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fused: FusedRMSNorm | None = None
+        self.fused = fused
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Norm of ``hidden``; with ``residual``, first ``residual += hidden`` (in place) and norm of that."""
@@ -102,7 +115,7 @@ def _head_dim(config: Any) -> int:
 class LlamaAttention(nn.Module):
     fused_groups: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_packed": ("q_proj", "k_proj", "v_proj")}
 
-    def __init__(self, config: Any, layer_index: int) -> None:
+    def __init__(self, config: Any, layer_index: int, kernels: ModelKernels) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.num_heads = config.num_attention_heads
@@ -116,10 +129,10 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.qkv_packed: PackedLinearGroup | None = None  # set by pack_linears
-        self.decode_attention: DecodeAttention = paged_decode_attention
-        self.prefill_attention: PrefillAttention = paged_prefill_attention_varlen
-        self.write_kv: WriteKV = write_kv
-        self.fused_rope: FusedRope | None = None
+        self.decode_attention = kernels.decode_attention
+        self.prefill_attention = kernels.prefill_attention
+        self.write_kv = kernels.write_kv
+        self.fused_rope = kernels.rope
 
     def forward(
         self,
@@ -195,12 +208,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_index: int) -> None:
+    def __init__(self, config: Any, layer_index: int, kernels: ModelKernels) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index)
+        self.self_attn = LlamaAttention(config, layer_index, kernels)
         self.mlp = LlamaMLP(config, layer_index)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
 
     def forward(
         self,
@@ -217,43 +230,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, kernels: ModelKernels) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
         self.rotary_emb = RotaryEmbedding(config)
 
 
 class LlamaForCausalLM(nn.Module):
     """Forward over a flattened batch; ``kv_caches[i]`` is layer i's page view."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, kernels: ModelKernels | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.kernels = kernels or ModelKernels()
+        self.model = LlamaModel(config, self.kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def use_kernels(
-        self,
-        decode_attention: DecodeAttention,
-        prefill_attention: PrefillAttention,
-        write_kv: WriteKV,
-        rms_norm: FusedRMSNorm | None,
-        rope: FusedRope | None,
-    ) -> None:
-        """Run with these kernels (a backend of loraserve.kernel_backend); None: the torch ops."""
-        for layer in self.model.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
-            layer.self_attn.decode_attention = decode_attention
-            layer.self_attn.prefill_attention = prefill_attention
-            layer.self_attn.write_kv = write_kv
-            layer.self_attn.fused_rope = rope
-            layer.input_layernorm.fused = rms_norm
-            layer.post_attention_layernorm.fused = rms_norm
-        self.model.norm.fused = rms_norm
 
     def forward(
         self, batch: ForwardBatch, kv_caches: list[torch.Tensor], lora: LoRAHook | None = None

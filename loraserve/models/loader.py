@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraserve.kernels.cpu import cache_root
-from loraserve.models.llama import LlamaForCausalLM
+from loraserve.models.llama import LlamaForCausalLM, ModelKernels
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +104,16 @@ def load_hf_config(model_dir: Path) -> Any:
     return config
 
 
-def load_model(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build the native model and load every ``*.safetensors`` file of the directory."""
+def load_model(
+    model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device, kernels: ModelKernels | None = None
+) -> LlamaForCausalLM:
+    """Build the native model over ``kernels`` (default: the torch ones) and load every
+    ``*.safetensors`` file of the directory."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weights (pickled .bin files are refused)")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, kernels)
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
