@@ -83,7 +83,7 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         num_pages=engine.pool.num_pages,
         pages_by_kind=dict(engine.pool.num_pages_by_kind()),
         num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting) + len(getattr(engine, "loading", ())),  # loading: adapter on its way
+        num_waiting=scheduler.num_waiting,  # waiting for an adapter included
         num_swapped=len(getattr(scheduler, "swapped", ())),
         num_preemptions=int(scheduler.num_preemptions),
         evictions_by_kind=evictions,

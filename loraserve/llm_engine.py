@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from loraserve.adapters import (
-    AdapterError,
     AdapterInfo,
     AdapterNotFoundError,
     AdapterRegistry,
@@ -26,12 +25,13 @@ from loraserve.lora.residency import AdapterManager
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.gemm_choice import GemmPlan, GemmPolicy, pack_linears
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
-from loraserve.output_processor import OutputProcessor, Request
 from loraserve.outputs import RequestOutput
 from loraserve.page_pool import PagePool
+from loraserve.request import Request, make_output
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
-from loraserve.sequence import FinishReason, Sequence, SequenceStatus
+from loraserve.sequence import FinishReason, Sequence
+from loraserve.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 LOAD_WAIT_S = 0.05  # how long an idle step waits for an adapter load before returning
@@ -87,8 +87,16 @@ class LLMEngine:
             config.host_adapter_cache_mb * 2**20,
             num_watermark_pages,
         )
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
+        eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         self.scheduler = Scheduler(
-            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, self.adapters
+            self.kv_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.preemption_mode,
+            self.adapters,
+            StopChecker(self.detokenizer, eos_token_ids, self.max_model_len),
         )
         self.runner = ModelRunner(
             self.model,
@@ -111,15 +119,7 @@ class LLMEngine:
             self.gemm_plan = pack_linears(self.model, policy)
         elif config.cpu_gemm != "auto":
             raise ConfigError(f"cpu_gemm={config.cpu_gemm!r} needs the compiled CPU kernels (kernels 'cpu')")
-        self.detokenizer = Detokenizer(self.tokenizer)
-        self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
-        self.max_seq_tokens = (num_pages - num_watermark_pages) * config.block_size
-        self.output_processor = OutputProcessor(
-            self.detokenizer, self.scheduler, _eos_token_ids(self.model_dir, self.tokenizer), self.max_model_len
-        )
         self.requests: dict[str, Request] = {}
-        # Requests whose adapter is being read and parsed (arrival order): not scheduled yet.
-        self.loading: dict[str, Request] = {}
         logger.info(
             "engine ready: %s, %d pages of %d tokens (%.1f MiB)",
             self.model_dir,
@@ -148,8 +148,9 @@ class LLMEngine:
                 f"model's context length of {self.max_model_len} tokens"
             )
         adapter_id = self._resolve_adapter(adapter_name)
-        if adapter_id is not None:
-            self._check_fits(len(token_ids), params, adapter_id)
+        error = self.scheduler.fit_error(len(token_ids), params.max_tokens, adapter_id) if adapter_id else None
+        if error is not None:
+            raise RequestError(error)
         seqs = [
             Sequence(
                 request_id,
@@ -162,58 +163,12 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        request = Request(request_id, prompt if isinstance(prompt, str) else None, seqs, adapter_name, seqs[1:])
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, seqs, adapter_name)
         self.requests[request_id] = request
         for seq in seqs:
             self.detokenizer.start(seq)
-        if adapter_name is not None and adapter_id is None:
-            self.loading[request_id] = request  # scheduled once the adapter is loaded (see step)
-        else:
-            self._schedule(request)
+        self.scheduler.add(seqs[0], forks=seqs[1:])  # waits for the adapter's files if they are on their way
         return request
-
-    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams, adapter_id: str) -> None:
-        adapter_pages = self.adapters.num_pages(adapter_id)
-        if num_prompt_tokens + params.max_tokens + adapter_pages * self.config.block_size > self.max_seq_tokens:
-            raise RequestError(
-                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) plus the adapter's "
-                f"{adapter_pages} pages needs more pages than the pool holds ({self.max_seq_tokens} tokens); "
-                "raise num_pages"
-            )
-
-    def _schedule(self, request: Request) -> None:
-        adapter_id = request.seqs[0].adapter_id
-        if adapter_id is not None:
-            for _ in request.seqs:
-                self.adapters.add_live_seq(adapter_id)
-        self.scheduler.add(request.seqs[0])
-
-    def _schedule_loaded(self) -> list[RequestOutput]:
-        """Schedule the loading requests whose adapter is now in host memory; end those whose
-        adapter could not be loaded (or does not fit the pool) with ``abort``, and report them."""
-        failed: list[RequestOutput] = []
-        for request_id, request in list(self.loading.items()):
-            first = request.seqs[0]
-            assert first.adapter_name is not None
-            try:
-                adapter_id = self.adapters.resolve_nowait(first.adapter_name)
-                if adapter_id is None:
-                    continue
-                self._check_fits(first.num_prompt_tokens, first.params, adapter_id)
-            except (AdapterError, RequestError) as error:  # AdapterNotFoundError: removed meanwhile
-                logger.error("request %s: adapter %r: %s", request_id, first.adapter_name, error)
-                del self.loading[request_id], self.requests[request_id]
-                for seq in request.seqs:
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
-                output = self.output_processor.make_output(request)
-                output.error = f"adapter {first.adapter_name!r} could not be loaded: {error}"
-                failed.append(output)
-                continue
-            del self.loading[request_id]
-            for seq in request.seqs:
-                seq.adapter_id = adapter_id
-            self._schedule(request)
-        return failed
 
     def _resolve_adapter(self, adapter_name: str | None) -> str | None:
         if adapter_name is None:
@@ -254,27 +209,16 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
-        if request is None:
-            return
-        if self.loading.pop(request_id, None) is not None:  # never scheduled, holds nothing
-            for seq in request.seqs:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
-            return
-        for seq in request.pending_forks:
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = FinishReason.ABORT
-            if seq.adapter_id is not None:
-                self.adapters.drop_live_seq(seq.adapter_id)
-        request.pending_forks = []
-        for seq in request.seqs:
-            self.scheduler.finish(seq, FinishReason.ABORT)
+        if request is not None:
+            for seq in request.seqs:  # the first sample also ends the others not forked yet
+                self.scheduler.finish(seq, FinishReason.ABORT)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the cached prefix blocks (vLLM's name); False, changing nothing, while requests hold KV."""
         return self.kv_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self.loading)
+        return self.scheduler.num_unfinished > 0
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -283,36 +227,31 @@ class LLMEngine:
         With nothing to run while adapters load, it waits for the oldest load (at most
         ``LOAD_WAIT_S``) and returns.
         """
-        failed = self._schedule_loaded() if self.loading else []
         batch = self.scheduler.schedule()
+        outputs = [self._aborted_output(seq, error) for seq, error in batch.aborted]
         if batch.is_empty:
-            if self.loading:
-                first = next(iter(self.loading.values())).seqs[0]
-                assert first.adapter_name is not None
-                self.adapters.wait_for_load(first.adapter_name, timeout=LOAD_WAIT_S)
+            if self.scheduler.loading:
+                self.scheduler.wait_for_adapter(LOAD_WAIT_S)
             elif self.scheduler.num_unfinished:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
-            return failed
+            return outputs
         sampled = self.runner.execute(batch)
-        self.scheduler.update(batch)
         touched: dict[str, Request] = {}
-        for seq, token in zip(batch.seqs, sampled, strict=True):
-            if token is None or seq.is_finished:
-                continue
-            seq.append_token(token)
-            request = self.requests[seq.request_id]
-            if request.pending_forks and seq is request.seqs[0]:
-                for child in reversed(request.pending_forks):
-                    self.scheduler.add_fork(seq, child)
-                request.pending_forks = []
-            self.output_processor.check_stop(seq, token)
-            if seq.params.output_kind == "cumulative" or request.is_finished:
+        for seq in self.scheduler.update_from_output(batch, sampled):
+            request = self.requests.get(seq.request_id)
+            if request is not None and (seq.params.output_kind == "cumulative" or request.is_finished):
                 touched[seq.request_id] = request
-        outputs = [self.output_processor.make_output(request) for request in touched.values()]
-        for output in outputs:
-            if output.finished:
-                del self.requests[output.request_id]
-        return failed + outputs
+        for request in touched.values():
+            outputs.append(make_output(request))
+            if request.is_finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _aborted_output(self, seq: Sequence, error: str) -> RequestOutput:
+        request = self.requests.pop(seq.request_id)
+        output = make_output(request)
+        output.error = error
+        return output
 
 
 def _eos_token_ids(model_dir: Any, tokenizer: Any) -> frozenset[int]:

@@ -19,7 +19,7 @@ from loraserve.lora.batch import LoRABatch
 from loraserve.lora.weights import write_adapter_load
 from loraserve.models.llama import LlamaForCausalLM, LoRAHook
 from loraserve.sampler import Sampler
-from loraserve.scheduler import ScheduledBatch
+from loraserve.scheduled_batch import ScheduledBatch
 from loraserve.sequence import Sequence
 
 logger = logging.getLogger(__name__)

@@ -2,6 +2,9 @@
 
 Policy, in order, each step (a token budget of ``max_num_batched_tokens``):
 
+0. Requests waiting for their adapter's files (``WAITING_FOR_ADAPTER``, read on the adapter
+   manager's loader thread) join the waiting queue once the files are parsed, or end with
+   ``abort`` (in ``ScheduledBatch.aborted``) if they cannot be loaded or cannot fit the pool.
 1. Running sequences in admission order each get their uncomputed tokens (1 when
    decoding, a chunk of the prompt when prefilling). When the pool cannot hold them,
    the most recently admitted running sequence is preempted (recompute: its blocks
@@ -12,51 +15,30 @@ Policy, in order, each step (a token budget of ``max_num_batched_tokens``):
    a free sequence slot and enough pages above the watermark; admission stops at
    the first that does not fit (no overtaking). Nothing is admitted in a step that
    preempted, nor while swapped sequences wait to come back (so they never starve).
+
+After the runner's step, ``update_from_output`` is the one place where a sequence's state
+changes: it accounts the computed tokens, appends the sampled ones, forks the other samples of
+an ``n > 1`` request off the first once its prompt is computed, applies the stop conditions and
+finishes (frees the pages and unpins the adapter of) the sequences that end.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
+from loraserve.adapters import AdapterError
 from loraserve.kv_cache_manager import KVCacheManager
-from loraserve.lora.batch import AdapterLoad, AdapterPages
 from loraserve.lora.residency import AdapterManager
+from loraserve.scheduled_batch import ScheduledBatch
 from loraserve.sequence import FinishReason, Sequence, SequenceStatus
+from loraserve.stop_checker import Stop, never_stops_early
+
+StopCheck = Callable[[Sequence, int], Stop | None]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledBatch:
-    """What the runner executes in one step; the only message from scheduler to runner.
-
-    Before the forward the runner applies, in order, the swaps and copies of KV pages and the
-    adapter loads (weights into freshly allocated pages); ``adapters`` says where the adapter of
-    every scheduled sequence sits, as each sequence's ``block_ids`` say where its KV is.
-    """
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    copy_pages: list[tuple[int, int]] = field(default_factory=list)
-    adapter_loads: list[AdapterLoad] = field(default_factory=list)
-    adapters: dict[str, AdapterPages] = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs and not self.swap_out and not self.swap_in
-
-    def samples(self, index: int) -> bool:
-        """Whether sequence ``index`` reaches its last token this step (so it samples)."""
-        seq = self.seqs[index]
-        return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
 
 
 class Scheduler:
@@ -67,26 +49,95 @@ class Scheduler:
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
         adapters: AdapterManager | None = None,
+        stop_checker: StopCheck = never_stops_early,
     ) -> None:
         self.kv_manager = kv_manager
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.stop_checker = stop_checker
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        # First samples of requests whose adapter's files are on their way (WAITING_FOR_ADAPTER).
+        self.loading: deque[Sequence] = deque()
+        # The other samples of an n > 1 request, by the first's seq_id: forked once its prompt is computed.
+        self._forks: dict[int, list[Sequence]] = {}
         self.num_preemptions = 0
+        pool = kv_manager.pool
+        self.max_seq_tokens = (pool.num_pages - kv_manager.num_watermark_pages) * kv_manager.block_size
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.loading)
 
-    def add(self, seq: Sequence) -> None:
+    @property
+    def num_waiting(self) -> int:
+        """Requests not started yet, those waiting for their adapter's files included."""
+        return len(self.waiting) + len(self.loading)
+
+    def add(self, seq: Sequence, forks: Seq[Sequence] = ()) -> None:
+        """Queue a request's first sample; ``forks`` (its other samples) are forked from it once its
+        prompt is computed. A sequence naming an adapter not resolved yet waits for its files."""
+        if forks:
+            self._forks[seq.seq_id] = list(forks)
+        if seq.adapter_name is not None and seq.adapter_id is None:
+            seq.status = SequenceStatus.WAITING_FOR_ADAPTER
+            self.loading.append(seq)
+            return
+        self._count_live(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+    def fit_error(self, num_prompt_tokens: int, max_tokens: int, adapter_id: str | None) -> str | None:
+        """Why a request of this size cannot run even alone (None if it can)."""
+        adapter_pages = self.adapters.num_pages(adapter_id) if self.adapters and adapter_id else 0
+        if num_prompt_tokens + max_tokens + adapter_pages * self.kv_manager.block_size <= self.max_seq_tokens:
+            return None
+        return (
+            f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) plus the adapter's "
+            f"{adapter_pages} pages needs more pages than the pool holds ({self.max_seq_tokens} tokens); "
+            "raise num_pages"
+        )
+
+    def wait_for_adapter(self, timeout: float) -> None:
+        """Block until the oldest adapter read in flight is done, or ``timeout`` seconds."""
+        if self.loading and self.adapters is not None and self.loading[0].adapter_name is not None:
+            self.adapters.wait_for_load(self.loading[0].adapter_name, timeout=timeout)
+
+    def _count_live(self, seq: Sequence) -> None:
+        if self.adapters is not None and seq.adapter_id is not None:
+            for _ in range(1 + len(self._forks.get(seq.seq_id, ()))):
+                self.adapters.add_live_seq(seq.adapter_id)
+
+    def _admit_loaded(self, batch: ScheduledBatch) -> None:
+        """Move requests whose adapter is now in host memory to the waiting queue; abort the others."""
+        assert self.adapters is not None
+        for seq in list(self.loading):
+            assert seq.adapter_name is not None
+            error: str | None
+            try:
+                adapter_id = self.adapters.resolve_nowait(seq.adapter_name)
+                if adapter_id is None:
+                    continue  # still being read
+                error = self.fit_error(seq.num_prompt_tokens, seq.params.max_tokens, adapter_id)
+            except AdapterError as failure:  # AdapterNotFoundError: removed meanwhile
+                error = str(failure)
+            self.loading.remove(seq)
+            if error is not None:
+                logger.error("request %s: adapter %r: %s", seq.request_id, seq.adapter_name, error)
+                for sample in (seq, *self._forks.pop(seq.seq_id, ())):  # counted nowhere yet
+                    self._end(sample, FinishReason.ABORT, None)
+                batch.aborted.append((seq, f"adapter {seq.adapter_name!r} could not be loaded: {error}"))
+                continue
+            for sample in (seq, *self._forks.get(seq.seq_id, ())):
+                sample.adapter_id = adapter_id
+            self._count_live(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
+
+    def _add_fork(self, parent: Sequence, child: Sequence) -> None:
         """Queue a sample forked from ``parent`` first in line, sharing its blocks.
 
         The child recomputes the parent's last prompt token (writing into a private
@@ -99,6 +150,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(seqs=[], num_new_tokens=[])
+        if self.loading:
+            self._admit_loaded(batch)
         budget = self.max_num_batched_tokens
         preempted = self._schedule_running(batch, budget)
         budget -= batch.num_tokens
@@ -205,16 +258,33 @@ class Scheduler:
         self.waiting.appendleft(seq)
         logger.debug("preempted seq %d for recomputation", seq.seq_id)
 
-    def update(self, batch: ScheduledBatch) -> None:
-        """Account the tokens the runner computed this step."""
+    def update_from_output(self, batch: ScheduledBatch, sampled: Seq[int | None]) -> list[Sequence]:
+        """Apply a step's result: ``sampled[i]`` is the token of ``batch.seqs[i]`` (None mid-prefill).
+
+        Returns the sequences that got a token (finished ones included).
+        """
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
             self.kv_manager.cache_full_blocks(seq)
+        changed: list[Sequence] = []
+        for seq, token in zip(batch.seqs, sampled, strict=True):
+            if token is None or seq.is_finished:
+                continue
+            seq.append_token(token)
+            for child in reversed(self._forks.pop(seq.seq_id, ())):
+                self._add_fork(seq, child)
+            stop = self.stop_checker(seq, token)
+            if stop is not None:
+                self.finish(seq, *stop)
+            changed.append(seq)
+        return changed
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
-        """End a sequence wherever it is and free its pages."""
+        """End a sequence wherever it is, freeing its pages (and, for a first sample whose other
+        samples were not forked yet, end those too)."""
         if seq.is_finished:
             return
+        counted = seq.status is not SequenceStatus.WAITING_FOR_ADAPTER
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.kv_manager.free(seq)
@@ -225,8 +295,15 @@ class Scheduler:
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self.kv_manager.free_swapped(seq)
-        if self.adapters is not None and seq.adapter_id is not None:
-            self.adapters.drop_live_seq(seq.adapter_id)
+        elif seq.status is SequenceStatus.WAITING_FOR_ADAPTER:
+            self.loading.remove(seq)
+        for sample in (seq, *self._forks.pop(seq.seq_id, ())):
+            if counted and self.adapters is not None and sample.adapter_id is not None:
+                self.adapters.drop_live_seq(sample.adapter_id)
+            self._end(sample, reason, stop_reason if sample is seq else None)
+
+    @staticmethod
+    def _end(seq: Sequence, reason: FinishReason, stop_reason: str | int | None) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

@@ -12,6 +12,7 @@ from loraserve.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_ADAPTER = "waiting_for_adapter"  # its adapter's files are being read
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from loraserve.scheduler import ScheduledBatch, Scheduler
-from loraserve.sequence import FinishReason
+from loraserve.scheduled_batch import ScheduledBatch
+from loraserve.scheduler import Scheduler
 
 
 def step(sched: Scheduler) -> ScheduledBatch:
-    """One engine step with a fake runner: sample where the batch reaches a sequence's end."""
+    """One engine step with a fake runner: sample where the batch reaches a sequence's end (the
+    scheduler's default stop checker ends a sequence at ``max_tokens``)."""
     batch = sched.schedule()
-    sampling = [batch.samples(i) for i in range(len(batch.seqs))]  # before update, as the runner does
-    sched.update(batch)
-    for seq, samples in zip(batch.seqs, sampling, strict=True):
-        if samples:
-            seq.append_token(1000 + seq.num_output_tokens)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                sched.finish(seq, FinishReason.LENGTH)
+    sampled = [1000 + seq.num_output_tokens if batch.samples(i) else None for i, seq in enumerate(batch.seqs)]
+    sched.update_from_output(batch, sampled)
     return batch
 
 

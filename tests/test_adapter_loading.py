@@ -53,17 +53,17 @@ def test_base_requests_run_while_an_adapter_loads(llm: LLM, adapter_dir: Path) -
     try:
         engine.add_request("lora", PROMPT, PARAMS, "slow")
         engine.add_request("base", PROMPT, PARAMS)
-        assert list(engine.loading) == ["lora"]
+        assert [seq.request_id for seq in engine.scheduler.loading] == ["lora"]
         finished: dict[str, RequestOutput] = {}
         while "base" not in finished:
             finished.update({o.request_id: o for o in engine.step() if o.finished})
         lora_seq = engine.requests["lora"].seqs[0]
-        assert lora_seq.status is SequenceStatus.WAITING and lora_seq not in engine.scheduler.waiting
-        assert lora_seq.adapter_id is None and list(engine.loading) == ["lora"]
+        assert lora_seq.status is SequenceStatus.WAITING_FOR_ADAPTER and lora_seq not in engine.scheduler.waiting
+        assert lora_seq.adapter_id is None and [seq.request_id for seq in engine.scheduler.loading] == ["lora"]
     finally:
         release.set()
     finished.update(run(llm))
-    assert not engine.loading and not engine.requests
+    assert not engine.scheduler.loading and not engine.requests
     assert finished["lora"].outputs[0].finish_reason == "length"
     # The same request with the adapter already in host memory (resolved synchronously):
     again = llm.generate([PROMPT], PARAMS, adapters="slow", use_tqdm=False)[0]
@@ -77,7 +77,7 @@ def test_abort_while_loading_leaves_nothing_behind(llm: LLM, adapter_dir: Path) 
     try:
         request = engine.add_request("gone", PROMPT, PARAMS, "aborted")
         engine.abort_request("gone")
-        assert not engine.has_unfinished_requests() and not engine.loading
+        assert not engine.has_unfinished_requests() and not engine.scheduler.loading
         assert request.seqs[0].finish_reason is not None and request.seqs[0].finish_reason.value == "abort"
     finally:
         release.set()
@@ -96,4 +96,4 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(llm: LLM, adapter_
     assert outputs[0].error is not None and "'corrupt' could not be loaded" in outputs[0].error
     assert outputs[1].error is None
     assert outputs[1].outputs[0].finish_reason == "length" and len(outputs[1].token_ids) == 6
-    assert not engine.loading and not engine.requests
+    assert not engine.scheduler.loading and not engine.requests

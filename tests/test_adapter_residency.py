@@ -21,7 +21,7 @@ from loraserve.lora.weights import group_weights, write_adapter_load
 from loraserve.page_pool import OutOfPagesError, PageKind, PagePool
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
-from loraserve.sequence import Sequence
+from loraserve.sequence import FinishReason, Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
 PAGE_ELEMS = 2 * BLOCK_SIZE * 2 * 16  # one KV block of the tiny model: K and V, 2 kv heads of dim 16
@@ -260,9 +260,7 @@ def make_scheduler(env: Env) -> Scheduler:
 
 
 def make_seq(env: Env, request_id: str, adapter_id: str | None, num_prompt_tokens: int, max_tokens: int) -> Sequence:
-    """A request as the engine makes it: its adapter resolved and counted as live."""
-    if adapter_id is not None:
-        env.manager.add_live_seq(adapter_id)
+    """A request as the engine makes it: its adapter resolved (the scheduler counts it as live)."""
     params = SamplingParams(max_tokens=max_tokens)
     return Sequence(request_id, list(range(num_prompt_tokens)), params, adapter_id=adapter_id)
 
@@ -339,9 +337,49 @@ def test_the_batch_carries_adapter_loads_and_pages_and_the_manager_writes_nothin
     for load in batch.adapter_loads:
         write_adapter_load(env.storage, load)
     assert env.storage[:, [*range(8), 10]].abs().sum() > 0 and env.storage[:, [8, 9, 11]].abs().sum() == 0
-    sched.update(batch)
+    sched.update_from_output(batch, [None, None, None])
     second = sched.schedule()  # nothing new to load; the pages still travel with the batch
     assert second.adapter_loads == [] and {k: v.page_ids for k, v in second.adapters.items()} == {
         a: tuple(range(8)),
         b: (10,),
     }
+
+
+def test_update_from_output_forks_samples_and_is_the_one_owner_of_their_end(tmp_path: Path, base: Any) -> None:
+    """n = 3 on an adapter: the scheduler counts three live sequences at admission, forks the two
+    others once the first's prompt is computed, and ends them all; aborting before the first
+    token also ends the samples not forked yet. Nothing stays counted or pinned."""
+    env = Env(tmp_path, base, num_pages=32)
+    a = env.add("a", 1, QV)
+    sched = make_scheduler(env)
+    first, *forks = (Sequence("r", [1, 2, 3, 4, 5], SamplingParams(n=3, max_tokens=2), i, "a", a) for i in range(3))
+    sched.add(first, forks=forks)
+    assert env.manager._num_live_seqs == {a: 3} and list(sched.waiting) == [first]
+    assert step(sched) == [("r", 5)]  # the prompt; its token forks the others, first in line
+    assert list(sched.waiting) == forks and all(f.block_ids[:1] == first.block_ids[:1] for f in forks)
+    run_to_completion(env, sched)
+    assert [s.finish_reason for s in (first, *forks)] == [FinishReason.LENGTH] * 3
+    assert [s.num_output_tokens for s in (first, *forks)] == [2, 2, 2]
+    second, *others = (Sequence("q", [1, 2, 3], SamplingParams(n=3, max_tokens=2), i, "a", a) for i in range(3))
+    sched.add(second, forks=others)
+    sched.finish(second, FinishReason.ABORT)  # before its first token: the others end with it
+    assert [s.finish_reason for s in (second, *others)] == [FinishReason.ABORT] * 3
+    assert sched.num_unfinished == 0 and env.manager._num_live_seqs == {}
+
+
+def test_a_request_waits_for_its_adapter_inside_the_scheduler(tmp_path: Path, base: Any) -> None:
+    env = Env(tmp_path, base, num_pages=32)
+    a = env.add("a", 1, QV)
+    sched = make_scheduler(env)
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=1), adapter_name="a")  # not resolved yet
+    sched.add(seq)
+    assert seq.status is SequenceStatus.WAITING_FOR_ADAPTER and sched.num_waiting == 1 and not sched.waiting
+    assert step(sched) == [("r", 3)]  # the adapter is in host memory: resolved, admitted, run
+    assert seq.adapter_id == a and not sched.loading
+    gone = Sequence("g", [1, 2, 3], SamplingParams(max_tokens=1), adapter_name="missing")
+    sched.add(gone)
+    batch = sched.schedule()
+    assert [(s.request_id, "not registered" in error or "not found" in error) for s, error in batch.aborted] == [
+        ("g", True)
+    ]
+    assert gone.finish_reason is FinishReason.ABORT and sched.num_unfinished == 0

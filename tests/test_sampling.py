@@ -89,14 +89,14 @@ def test_eos_ends_generation_unless_ignored(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     full = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]
     engine = llm.engine
-    engine.output_processor.eos_token_ids = frozenset({full.token_ids[2]})
+    engine.scheduler.stop_checker.eos_token_ids = frozenset({full.token_ids[2]})
     try:
         stopped = llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
         assert stopped.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[2]) + 1]
         assert stopped.finish_reason == "stop"
         assert len(llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].token_ids) == 8
     finally:
-        engine.output_processor.eos_token_ids = frozenset({eos})
+        engine.scheduler.stop_checker.eos_token_ids = frozenset({eos})
 
 
 def test_n_samples_and_logprobs(llm: LLM) -> None:

@@ -1,0 +1,47 @@
+"""What the engine reports: a request's samples, and the ``RequestOutput`` built from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraserve.outputs import CompletionOutput, RequestOutput
+from loraserve.sequence import Sequence
+
+
+@dataclass
+class Request:
+    """One request's samples. With ``n > 1`` only the first is scheduled at first; the
+    scheduler forks the others from it, sharing its prompt blocks, once its prompt is computed."""
+
+    request_id: str
+    prompt: str | None
+    seqs: list[Sequence]
+    adapter_name: str | None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+def make_output(request: Request) -> RequestOutput:
+    first = request.seqs[0]
+    outputs = [
+        CompletionOutput(
+            index=seq.sample_index,
+            text=seq.output_text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+        )
+        for seq in request.seqs
+    ]
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=outputs,
+        finished=request.is_finished,
+        adapter_name=request.adapter_name,
+        num_cached_tokens=first.num_cached_tokens,
+    )

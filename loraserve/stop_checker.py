@@ -1,0 +1,46 @@
+"""Whether a sequence ends with the token it just got: EOS, stop token ids, stop strings, lengths.
+
+The scheduler calls it from ``update_from_output`` (the one place a sequence's state changes
+after a step), so the sequence is finished and its pages freed in the same place.
+"""
+
+from __future__ import annotations
+
+from loraserve.detokenizer import Detokenizer, find_stop_string
+from loraserve.sequence import FinishReason, Sequence
+
+Stop = tuple[FinishReason, str | int | None]  # (finish reason, the stop string or token that ended it)
+
+
+class StopChecker:
+    """Detokenizes each new token (or, for a ``final_only`` request without stop strings, the
+    whole output once it ends) and says whether and why the sequence stops."""
+
+    def __init__(self, detokenizer: Detokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.detokenizer = detokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def __call__(self, seq: Sequence, token: int) -> Stop | None:
+        params = seq.params
+        decode_at_end = params.output_kind == "final_only" and not params.stop
+        num_new_chars = 0 if decode_at_end else len(self.detokenizer.update(seq))
+        stop: Stop | None = None
+        if not params.ignore_eos and token in self.eos_token_ids:
+            stop = (FinishReason.STOP, None)
+        elif token in params.stop_token_ids:
+            stop = (FinishReason.STOP, token)
+        elif params.stop and (found := find_stop_string(seq.output_text, num_new_chars, params.stop)):
+            index, stop_string = found
+            seq.output_text = seq.output_text[:index]
+            stop = (FinishReason.STOP, stop_string)
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            stop = (FinishReason.LENGTH, None)
+        if decode_at_end and stop is not None:
+            self.detokenizer.update(seq)
+        return stop
+
+
+def never_stops_early(seq: Sequence, token: int) -> Stop | None:
+    """A stop checker for tests without a tokenizer: only ``max_tokens`` ends a sequence."""
+    return (FinishReason.LENGTH, None) if seq.num_output_tokens >= seq.params.max_tokens else None
