@@ -4,16 +4,16 @@ Each app gets its own :class:`prometheus_client.CollectorRegistry`, so several s
 process (tests) never share or clash. Request statistics are recorded on the engine thread
 through the :class:`~loraserve.api.async_engine.EngineObserver` hooks; engine state (pages,
 queues, preemptions, evictions) is read on the engine thread at scrape time by
-:func:`snapshot_engine` and exposed by :class:`EngineSnapshotCollector`.
+:meth:`LLMEngine.stats` and exposed by :class:`EngineSnapshotCollector`.
 
 Exposed names (``model`` is the base model id or the adapter name):
 
-* ``loraserve_pool_pages{kind}``: pages by use: ``total``, ``free``, ``kv``, ``adapter``,
-  ``prefix_cache`` (and any other kind the pool reports). ``total`` is the pool size; the
-  other kinds add up to it.
+* ``loraserve_pool_pages{kind}``: pages by use: ``total`` and every ``PageKind``: ``free``, ``kv``,
+  ``adapter`` (pinned adapters), ``prefix_cache`` and ``adapter_idle`` (evictable idle contents).
+  ``total`` is the pool size; the other kinds add up to it.
 * ``loraserve_requests_running``, ``loraserve_requests_waiting``, ``loraserve_requests_swapped``
 * ``loraserve_preemptions_total``, ``loraserve_pool_evictions_total{kind}`` (``kind="prefix_cache"``:
-  idle cached KV blocks reclaimed; ``adapter``: idle adapters),
+  idle cached KV blocks reclaimed; ``adapter_idle``: idle adapters),
   ``loraserve_adapter_loads_total``, ``loraserve_adapter_evictions_total``,
   ``loraserve_adapters_registered``, ``loraserve_engine_step_errors_total``
 * ``loraserve_cpu_gemm_kernel{shape,rows,kernel}``: 1 for the GEMM kernel each linear layer shape runs
@@ -40,8 +40,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loraserve.llm_engine import LLMEngine
 from loraserve.outputs import RequestOutput
+from loraserve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -50,60 +50,11 @@ _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
 
 
-@dataclass
-class EngineSnapshot:
-    """Engine state at one moment, read on the engine thread."""
-
-    num_pages: int
-    pages_by_kind: dict[str, int]
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_preemptions: int
-    evictions_by_kind: dict[str, int]
-    num_adapter_loads: int
-    num_adapter_evictions: int
-    num_adapters: int
-    prefix_cache_enabled: bool = False
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_matched_tokens: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    prefix_cache_blocks: int = 0
-    cpu_gemm: dict[str, dict[str, str]] = field(default_factory=dict)  # layer shape -> bucket rows -> kernel
-
-
-def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
-    """Read the engine's counters; must run on the engine thread (``AsyncEngine.call``)."""
-    scheduler = engine.scheduler
-    evictions = dict(engine.pool.num_evictions)
-    manager = getattr(engine, "adapters", None)  # the engine's AdapterManager, when it has one
-    registry = getattr(engine, "adapter_registry", None)
-    index = getattr(getattr(engine, "kv_manager", None), "prefix_cache", None)  # None when disabled
-    return EngineSnapshot(
-        num_pages=engine.pool.num_pages,
-        pages_by_kind=dict(engine.pool.num_pages_by_kind()),
-        num_running=len(scheduler.running),
-        num_waiting=scheduler.num_waiting,  # waiting for an adapter included
-        num_swapped=len(getattr(scheduler, "swapped", ())),
-        num_preemptions=int(scheduler.num_preemptions),
-        evictions_by_kind=evictions,
-        num_adapter_loads=int(getattr(manager, "num_loads", 0)),
-        num_adapter_evictions=int(getattr(manager, "num_evictions", evictions.get("adapter", 0))),
-        num_adapters=len(registry.names()) if registry is not None else 0,
-        prefix_cache_enabled=index is not None,
-        prefix_cache_queried_tokens=int(index.num_queried_tokens) if index is not None else 0,
-        prefix_cache_matched_tokens=int(index.num_hit_tokens) if index is not None else 0,
-        prefix_cache_hit_rate=float(index.hit_rate) if index is not None else 0.0,
-        prefix_cache_blocks=len(index) if index is not None else 0,
-        cpu_gemm=engine.gemm_plan.as_dict()["layers"] if hasattr(engine, "gemm_plan") else {},
-    )
-
-
 class EngineSnapshotCollector(Collector):
-    """Exposes the last :class:`EngineSnapshot` (set just before each scrape)."""
+    """Exposes the last :class:`EngineStats` (set just before each scrape)."""
 
     def __init__(self) -> None:
-        self.snapshot: EngineSnapshot | None = None
+        self.snapshot: EngineStats | None = None
         self.num_step_errors = 0
 
     def collect(self) -> Iterator[Metric]:
@@ -112,19 +63,16 @@ class EngineSnapshotCollector(Collector):
             return
         pages = GaugeMetricFamily("loraserve_pool_pages", "Pages of the unified pool by use", labels=["kind"])
         pages.add_metric(["total"], snap.num_pages)
-        for kind in ("free", "kv", "adapter", "prefix_cache"):
-            pages.add_metric([kind], snap.pages_by_kind.get(kind, 0))
-        for kind, count in sorted(snap.pages_by_kind.items()):
-            if kind not in ("total", "free", "kv", "adapter", "prefix_cache"):
-                pages.add_metric([kind], count)
+        for kind, count in snap.pages_by_kind.items():
+            pages.add_metric([kind.value], count)
         yield pages
         yield GaugeMetricFamily("loraserve_requests_running", "Sequences running", value=snap.num_running)
         yield GaugeMetricFamily("loraserve_requests_waiting", "Sequences waiting", value=snap.num_waiting)
         yield GaugeMetricFamily("loraserve_requests_swapped", "Sequences swapped out", value=snap.num_swapped)
         yield CounterMetricFamily("loraserve_preemptions", "Sequence preemptions", value=snap.num_preemptions)
         evictions = CounterMetricFamily("loraserve_pool_evictions", "Idle pool entries evicted", labels=["kind"])
-        for kind, count in sorted({"adapter": 0, "prefix_cache": 0, **snap.evictions_by_kind}.items()):
-            evictions.add_metric([kind], count)
+        for kind, count in snap.evictions_by_kind.items():
+            evictions.add_metric([kind.value], count)
         yield evictions
         yield from _prefix_cache_metrics(snap)
         yield CounterMetricFamily(
@@ -144,13 +92,14 @@ class EngineSnapshotCollector(Collector):
             "1 for the GEMM kernel that runs each linear layer shape at each row bucket (chosen by timing)",
             labels=["shape", "rows", "kernel"],
         )
-        for shape, by_rows in sorted(snap.cpu_gemm.items()):
+        layers: dict[str, dict[str, str]] = snap.cpu_gemm.get("layers", {})  # type: ignore[assignment]
+        for shape, by_rows in sorted(layers.items()):
             for rows, kernel in by_rows.items():
                 gemm.add_metric([shape, rows, kernel], 1)
         yield gemm
 
 
-def _prefix_cache_metrics(snap: EngineSnapshot) -> Iterator[Metric]:
+def _prefix_cache_metrics(snap: EngineStats) -> Iterator[Metric]:
     """The engine-wide prefix cache statistics (zeros when prefix caching is disabled)."""
     yield GaugeMetricFamily(
         "loraserve_prefix_cache_enabled", "1 if automatic prefix caching is on", value=int(snap.prefix_cache_enabled)

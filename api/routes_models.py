@@ -8,9 +8,10 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from loraserve.llm_engine import LLMEngine
+
 from .async_engine import EngineDeadError
 from .auth import require_api_key
-from .metrics import snapshot_engine
 from .openai_protocol import ErrorResponse, ModelCard, ModelList
 from .serving import ServerState, get_state
 
@@ -56,10 +57,13 @@ async def health(request: Request) -> JSONResponse:
         state.async_engine.start()
     except EngineDeadError as error:
         return JSONResponse({"status": "error", "message": str(error)}, status_code=503)
-    body: dict[str, Any] = {"status": "ok", "model": state.settings.model_id, "kernels": state.engine.kernels.name}
-    plan = state.engine.gemm_plan
-    if plan.choices:  # the CPU GEMM kernel of each linear layer shape and row bucket, and how it was chosen
-        body["cpu_gemm"] = plan.as_dict()
+    try:
+        stats = await state.async_engine.call(LLMEngine.stats)
+    except EngineDeadError as error:
+        return JSONResponse({"status": "error", "message": str(error)}, status_code=503)
+    body: dict[str, Any] = {"status": "ok", "model": state.settings.model_id, "kernels": stats.kernels}
+    if stats.cpu_gemm:  # the CPU GEMM kernel of each linear layer shape and row bucket, and how it was chosen
+        body["cpu_gemm"] = stats.cpu_gemm
     return JSONResponse(body)
 
 
@@ -74,7 +78,7 @@ async def metrics(request: Request) -> Response:
     state = get_state(request)
     collector = state.metrics.engine_collector
     try:
-        collector.snapshot = await state.async_engine.call(snapshot_engine)
+        collector.snapshot = await state.async_engine.call(LLMEngine.stats)
     except EngineDeadError:
         collector.snapshot = None
     collector.num_step_errors = state.async_engine.num_step_errors

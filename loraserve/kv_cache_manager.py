@@ -25,8 +25,6 @@ from loraserve.page_pool import PageKind, PagePool
 from loraserve.prefix_cache import PrefixCacheIndex, extend_block_hashes
 from loraserve.sequence import Sequence
 
-PREFIX_CACHE_KIND = "prefix_cache"
-
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -105,7 +103,7 @@ class KVCacheManager:
                 self.pool.free([page_id])
             else:
                 self.pool.add_evictable(
-                    ("kv", block_hash), [page_id], PREFIX_CACHE_KIND, functools.partial(self._forget, page_id)
+                    ("kv", block_hash), [page_id], PageKind.PREFIX_CACHE, functools.partial(self._forget, page_id)
                 )
 
     def _forget(self, page_id: int) -> None:
@@ -144,9 +142,9 @@ class KVCacheManager:
         """
         if self.prefix_cache is None:
             return True
-        if self.pool.num_pages_by_kind()[PageKind.KV.value]:
+        if self.pool.num_pages_by_kind()[PageKind.KV]:
             return False
-        for key in self.pool.evictable_keys(PREFIX_CACHE_KIND):
+        for key in self.pool.evictable_keys(PageKind.PREFIX_CACHE):
             self.pool.evict(key)
         return True
 

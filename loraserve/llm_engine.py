@@ -31,6 +31,7 @@ from loraserve.request import Request, make_output
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
 from loraserve.sequence import FinishReason, Sequence
+from loraserve.stats import EngineStats
 from loraserve.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,28 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Drop the cached prefix blocks (vLLM's name); False, changing nothing, while requests hold KV."""
         return self.kv_manager.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of pages, queues and counters (call on the engine's thread)."""
+        index = self.kv_manager.prefix_cache  # None when prefix caching is off
+        return EngineStats(
+            kernels=self.kernels.name,
+            num_pages=self.pool.num_pages,
+            pages_by_kind=self.pool.num_pages_by_kind(),
+            evictions_by_kind=dict(self.pool.num_evictions),
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.num_waiting,
+            num_swapped=len(self.scheduler.swapped),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_adapter_loads=self.adapters.num_loads,
+            num_adapters=len(self.adapter_registry.names()),
+            prefix_cache_enabled=index is not None,
+            prefix_cache_queried_tokens=index.num_queried_tokens if index is not None else 0,
+            prefix_cache_matched_tokens=index.num_hit_tokens if index is not None else 0,
+            prefix_cache_hit_rate=float(index.hit_rate) if index is not None else 0.0,
+            prefix_cache_blocks=len(index) if index is not None else 0,
+            cpu_gemm=self.gemm_plan.as_dict() if self.gemm_plan.choices else {},
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

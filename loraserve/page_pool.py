@@ -23,8 +23,16 @@ logger = logging.getLogger(__name__)
 
 
 class PageKind(str, enum.Enum):
-    KV = "kv"
-    ADAPTER = "adapter"
+    """What a page holds: the one vocabulary of pool accounting, ``/metrics`` and benchmarks."""
+
+    FREE = "free"
+    KV = "kv"  # a KV block of a running (or swapped-in) sequence
+    ADAPTER = "adapter"  # weights of an adapter pinned by running sequences
+    PREFIX_CACHE = "prefix_cache"  # a cached KV block nobody references (evictable)
+    ADAPTER_IDLE = "adapter_idle"  # weights of a resident adapter nobody pins (evictable)
+
+
+EVICTABLE_KINDS = (PageKind.PREFIX_CACHE, PageKind.ADAPTER_IDLE)
 
 
 class OutOfPagesError(RuntimeError):
@@ -36,7 +44,7 @@ class EvictableEntry:
     """Pages kept for reuse while unreferenced; ``on_evict`` forgets them when reclaimed."""
 
     page_ids: list[int]
-    kind: str
+    kind: PageKind  # one of EVICTABLE_KINDS
     on_evict: Callable[[], None]
 
 
@@ -57,7 +65,7 @@ class PagePool:
         self._evictable: OrderedDict[Hashable, EvictableEntry] = OrderedDict()
         self._evictable_page_ids: set[int] = set()
         self._num_evictable_pages = 0
-        self.num_evictions: dict[str, int] = {}
+        self.num_evictions: dict[PageKind, int] = dict.fromkeys(EVICTABLE_KINDS, 0)
 
     # ---- counts -------------------------------------------------------------------
     @property
@@ -73,15 +81,15 @@ class PagePool:
         """Pages an allocation can get: free ones plus evictable ones."""
         return len(self._free_page_ids) + self._num_evictable_pages
 
-    def num_pages_by_kind(self) -> dict[str, int]:
-        """Referenced pages per kind, plus evictable pages per entry kind and free pages."""
-        counts: dict[str, int] = {kind.value: 0 for kind in PageKind}
+    def num_pages_by_kind(self) -> dict[PageKind, int]:
+        """Pages of every kind (they add up to ``num_pages``)."""
+        counts = dict.fromkeys(PageKind, 0)
         for page_id, kind in enumerate(self._kinds):
             if kind is not None and self._ref_counts[page_id] > 0:
-                counts[kind.value] += 1
+                counts[kind] += 1
         for entry in self._evictable.values():
-            counts[entry.kind] = counts.get(entry.kind, 0) + len(entry.page_ids)
-        counts["free"] = self.num_free_pages
+            counts[entry.kind] += len(entry.page_ids)
+        counts[PageKind.FREE] = self.num_free_pages
         return counts
 
     def ref_count(self, page_id: int) -> int:
@@ -165,8 +173,10 @@ class PagePool:
         self.free(self.decref(page_ids))
 
     # ---- the LRU of idle contents -------------------------------------------------
-    def add_evictable(self, key: Hashable, page_ids: list[int], kind: str, on_evict: Callable[[], None]) -> None:
+    def add_evictable(self, key: Hashable, page_ids: list[int], kind: PageKind, on_evict: Callable[[], None]) -> None:
         """Keep unreferenced pages as reusable content; the newest entry is evicted last."""
+        if kind not in EVICTABLE_KINDS:
+            raise ValueError(f"{kind!r} is not an evictable page kind; those are {[k.value for k in EVICTABLE_KINDS]}")
         if key in self._evictable:
             raise RuntimeError(f"evictable entry {key!r} already exists")
         for page_id in page_ids:
@@ -192,7 +202,7 @@ class PagePool:
     def contains_evictable(self, key: Hashable) -> bool:
         return key in self._evictable
 
-    def evictable_keys(self, kind: str | None = None) -> list[Hashable]:
+    def evictable_keys(self, kind: PageKind | None = None) -> list[Hashable]:
         """Keys (of entries of ``kind``, or all) from least to most recently made idle (eviction order)."""
         return [key for key, entry in self._evictable.items() if kind is None or entry.kind == kind]
 

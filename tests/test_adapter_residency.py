@@ -157,7 +157,7 @@ def test_idle_adapters_reclaimed_for_kv_in_lru_order_then_reloaded(tmp_path: Pat
     manager.release(b)
     cached = pool.allocate(2)  # a cached prefix block pair [16, 17]: idle content in the same LRU
     evicted_prefix: list[int] = []
-    pool.add_evictable("prefix", pool.decref(cached), "kv_cached", lambda: evicted_prefix.append(1))
+    pool.add_evictable("prefix", pool.decref(cached), PageKind.PREFIX_CACHE, lambda: evicted_prefix.append(1))
     manager.release(a)
     manager.release(c)
     assert pool.evictable_keys() == [("adapter", b), "prefix", ("adapter", a), ("adapter", c)]
@@ -177,7 +177,7 @@ def test_idle_adapters_reclaimed_for_kv_in_lru_order_then_reloaded(tmp_path: Pat
     assert grow(1) == [8] and b not in manager.resident and {a, c} <= set(manager.resident)
     assert grow(4) == [9, 10, 11, 16] and evicted_prefix == [1] and a in manager.resident
     assert grow(2) == [17, 0] and a not in manager.resident and c in manager.resident
-    assert manager.num_evictions == 2 and pool.num_evictions == {"adapter_idle": 2, "kv_cached": 1}
+    assert manager.num_evictions == 2 and pool.num_evictions == {"adapter_idle": 2, "prefix_cache": 1}
     assert manager.num_loads == 3 and manager.acquire(b)  # reloaded from the host tier into free pages 1..4
     assert manager.num_loads == 4 and manager.resident[b].page_ids == [1, 2, 3, 4]
     env.check_weights("b", b)

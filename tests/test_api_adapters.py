@@ -238,3 +238,39 @@ def test_adapter_corrupted_in_the_store_is_a_named_error_and_the_server_keeps_se
     assert streamed.status_code == 200 and "could not be loaded" in streamed.text and "damaged" in streamed.text
     ok = server.http.post("/v1/completions", json={**body, "model": MODEL})
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def pool_metrics(server: Server) -> dict[tuple[str, str], float]:
+    """(metric, kind label) -> value for the pool's metrics of /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = server.http.get("/metrics")
+    assert response.status_code == 200
+    return {
+        (sample.name, sample.labels.get("kind", "")): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name.startswith(("loraserve_pool_", "loraserve_adapter_evictions"))
+    }
+
+
+def test_every_page_kind_is_in_metrics_and_an_adapter_eviction_is_counted(server: Server, tmp_path: Path) -> None:
+    from loraserve.page_pool import EVICTABLE_KINDS, PageKind
+
+    assert upload(server, "evicted", adapter_files(server, tmp_path / "evicted", seed=11)).status_code == 201
+    before = pool_metrics(server)
+    server.client.completions.create(model="evicted", prompt="Hello there", max_tokens=2, temperature=0)
+    idle = pool_metrics(server)
+    assert idle[("loraserve_pool_pages", "adapter_idle")] > 0  # the adapter stays resident, evictable
+    # A base-model prompt that needs nearly every page of the pool reclaims the idle adapter.
+    block_size, pages = server.engine.config.block_size, server.engine.pool.num_pages
+    prompt = [100 + i % 5000 for i in range((pages - 2) * block_size)]  # all but the watermark page
+    server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    after = pool_metrics(server)
+    assert {kind.value for kind in PageKind} | {"total"} == {k for name, k in after if name == "loraserve_pool_pages"}
+    assert {k for name, k in after if name == "loraserve_pool_evictions_total"} == {k.value for k in EVICTABLE_KINDS}
+    evictions = ("loraserve_pool_evictions_total", "adapter_idle")  # this one and any earlier test's idle ones
+    assert after[evictions] >= before[evictions] + 1 and after[("loraserve_pool_pages", "adapter_idle")] == 0
+    adapter_evictions = ("loraserve_adapter_evictions_total", "")
+    assert after[adapter_evictions] - before[adapter_evictions] == after[evictions] - before[evictions]
+    assert sum(v for (name, k), v in after.items() if name == "loraserve_pool_pages" and k != "total") == pages

@@ -13,7 +13,9 @@ def recorder(events: list[str], key: str) -> Callable[[], None]:
     return lambda: events.append(key)
 
 
-def make_idle(pool: PagePool, key: str, page_ids: list[int], events: list[str], kind: str = "prefix") -> None:
+def make_idle(
+    pool: PagePool, key: str, page_ids: list[int], events: list[str], kind: PageKind = PageKind.PREFIX_CACHE
+) -> None:
     """Drop the only reference of ``page_ids`` and keep them as an evictable entry."""
     assert pool.decref(page_ids) == page_ids
     pool.add_evictable(key, page_ids, kind, recorder(events, key))
@@ -118,7 +120,7 @@ def test_evictable_entries_are_evicted_oldest_first_only_when_short() -> None:
     assert events == ["a", "b"]
     assert pool.evictable_keys() == ["c"]
     assert pool.contains_evictable("c") and not pool.contains_evictable("a")
-    assert pool.num_evictions == {"prefix": 2}
+    assert pool.num_evictions == {"prefix_cache": 2, "adapter_idle": 0}
     with pytest.raises(OutOfPagesError, match="need 2 pages, only 1 free or evictable"):
         pool.allocate(2)
     assert events == ["a", "b"]
@@ -132,15 +134,15 @@ def test_evict_by_key_frees_that_entry_only() -> None:
     pool = PagePool(4)
     events: list[str] = []
     make_idle(pool, "x", pool.allocate(2), events)  # pages 0, 1
-    make_idle(pool, "y", pool.allocate(1), events, kind="adapter")  # page 2
-    assert pool.evictable_keys("adapter") == ["y"]
-    assert pool.evictable_keys("prefix") == ["x"]
+    make_idle(pool, "y", pool.allocate(1), events, kind=PageKind.ADAPTER_IDLE)  # page 2
+    assert pool.evictable_keys(PageKind.ADAPTER_IDLE) == ["y"]
+    assert pool.evictable_keys(PageKind.PREFIX_CACHE) == ["x"]
     pool.evict("y")
     assert events == ["y"]
     assert pool.evictable_keys() == ["x"]
     assert (pool.num_free_pages, pool.num_evictable_pages) == (2, 2)
     assert pool.allocate(2) == [3, 2]  # the free list first: "x" stays
-    assert pool.num_evictions == {"adapter": 1}
+    assert pool.num_evictions == {"prefix_cache": 0, "adapter_idle": 1}
     with pytest.raises(KeyError):
         pool.evict("y")
 
@@ -163,14 +165,16 @@ def test_take_evictable_revives_entry() -> None:
 
 
 def test_add_evictable_errors() -> None:
+    with pytest.raises(ValueError, match="not an evictable page kind"):
+        PagePool(2).add_evictable("k", [], PageKind.KV, lambda: None)
     pool = PagePool(4)
     events: list[str] = []
     pages = pool.allocate(2)
     with pytest.raises(RuntimeError, match="page 0 is still referenced"):
-        pool.add_evictable("k", pages, "prefix", recorder(events, "k"))
+        pool.add_evictable("k", pages, PageKind.PREFIX_CACHE, recorder(events, "k"))
     make_idle(pool, "k", pages, events)
     with pytest.raises(RuntimeError, match="already exists"):
-        pool.add_evictable("k", [], "prefix", recorder(events, "k"))
+        pool.add_evictable("k", [], PageKind.PREFIX_CACHE, recorder(events, "k"))
 
 
 def test_num_pages_by_kind() -> None:
@@ -178,12 +182,13 @@ def test_num_pages_by_kind() -> None:
     events: list[str] = []
     assert pool.allocate(3, PageKind.KV) == [0, 1, 2]
     assert pool.allocate(2, PageKind.ADAPTER) == [3, 4]
-    make_idle(pool, "idle-adapter", pool.allocate(1, PageKind.ADAPTER), events, kind="adapter")
-    make_idle(pool, "prefix", pool.allocate(2, PageKind.KV), events, kind="prefix")
-    assert pool.num_pages_by_kind() == {"kv": 3, "adapter": 3, "prefix": 2, "free": 2}
+    make_idle(pool, "idle-adapter", pool.allocate(1, PageKind.ADAPTER), events, kind=PageKind.ADAPTER_IDLE)
+    make_idle(pool, "prefix", pool.allocate(2, PageKind.KV), events, kind=PageKind.PREFIX_CACHE)
+    counts = {"free": 2, "kv": 3, "adapter": 2, "prefix_cache": 2, "adapter_idle": 1}
+    assert pool.num_pages_by_kind() == counts and set(counts) == {kind.value for kind in PageKind}
     assert pool.num_available_pages == 5
     assert pool.take_evictable("prefix") == [6, 7]
-    assert pool.num_pages_by_kind() == {"kv": 5, "adapter": 3, "free": 2}
+    assert pool.num_pages_by_kind() == {"free": 2, "kv": 5, "adapter": 2, "prefix_cache": 0, "adapter_idle": 1}
 
 
 def test_allocate_contiguous_on_fresh_pool() -> None:

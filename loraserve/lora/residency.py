@@ -239,7 +239,7 @@ class AdapterManager:
             unreferenced = self.pool.decref(resident.page_ids)
             assert len(unreferenced) == len(resident.page_ids)
             self.pool.add_evictable(
-                ("adapter", adapter_id), resident.page_ids, "adapter_idle", lambda: self._evicted(adapter_id)
+                ("adapter", adapter_id), resident.page_ids, PageKind.ADAPTER_IDLE, lambda: self._evicted(adapter_id)
             )
 
     def _evicted(self, adapter_id: str) -> None:

@@ -1,0 +1,38 @@
+"""One typed snapshot of the engine's state, what ``/metrics`` and ``/health`` read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraserve.page_pool import PageKind
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Engine state at one moment (``LLMEngine.stats()``; read on the engine thread).
+
+    ``pages_by_kind`` has every ``PageKind`` (they add up to ``num_pages``); ``evictions_by_kind``
+    every evictable kind (``prefix_cache``: idle cached KV blocks reclaimed; ``adapter_idle``:
+    idle adapters' pages reclaimed).
+    """
+
+    kernels: str
+    num_pages: int
+    pages_by_kind: dict[PageKind, int]
+    evictions_by_kind: dict[PageKind, int]
+    num_running: int
+    num_waiting: int  # requests waiting for their adapter's files included
+    num_swapped: int
+    num_preemptions: int
+    num_adapter_loads: int
+    num_adapters: int
+    prefix_cache_enabled: bool = False
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_matched_tokens: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_blocks: int = 0
+    cpu_gemm: dict[str, object] = field(default_factory=dict)  # GemmPlan.as_dict(); empty when not packed
+
+    @property
+    def num_adapter_evictions(self) -> int:
+        return self.evictions_by_kind[PageKind.ADAPTER_IDLE]
