@@ -74,6 +74,7 @@ class KVCacheManager:
             source = seq.block_ids[index]
             (destination,) = self.pool.allocate(1, PageKind.KV)
             seq.block_ids[index] = destination
+            seq.block_table_epoch += 1
             seq.num_registered_blocks = min(seq.num_registered_blocks, index)
             self._release([source])
             copies.append((source, destination))
@@ -213,4 +214,5 @@ class KVCacheManager:
 def _set_block_ids(seq: Sequence, block_ids: list[int]) -> None:
     """Give the sequence a new block table (none of whose blocks it has registered yet)."""
     seq.block_ids = block_ids
+    seq.block_table_epoch += 1
     seq.num_registered_blocks = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -107,7 +108,8 @@ class LLMEngine:
             config.torch_dtype,
             self.device,
             self.kernels.make_lora_hook,
-            config.seed,
+            config.max_num_seqs,
+            self.max_model_len,
         )
         self.gemm_plan = GemmPlan()  # the CPU GEMM kernel of each linear layer shape and row bucket
         if self.kernels.pack_linears:
@@ -121,6 +123,7 @@ class LLMEngine:
         elif config.cpu_gemm != "auto":
             raise ConfigError(f"cpu_gemm={config.cpu_gemm!r} needs the compiled CPU kernels (kernels 'cpu')")
         self.requests: dict[str, Request] = {}
+        self._seed_rng = random.Random(config.seed)  # sampling seeds of requests that give none
         logger.info(
             "engine ready: %s, %d pages of %d tokens (%.1f MiB)",
             self.model_dir,
@@ -161,6 +164,7 @@ class LLMEngine:
                 adapter_name=adapter_name,
                 adapter_id=adapter_id,
                 cache_salt=cache_salt,
+                random_seed=self._seed_rng.getrandbits(63),
             )
             for i in range(params.n)
         ]

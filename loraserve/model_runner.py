@@ -7,20 +7,22 @@ head_dim]`` (K then V), and for an adapter, a slice of its flattened weights.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from loraserve.forward_batch import ForwardBatch, PrefillBatch
+from loraserve.input_batch import InputBatch
 from loraserve.lora.batch import LoRABatch
 from loraserve.lora.weights import write_adapter_load
 from loraserve.models.llama import LlamaForCausalLM, LoRAHook
-from loraserve.sampler import Sampler
+from loraserve.sampler import Sampler, SamplingBatch, record_logprobs
 from loraserve.scheduled_batch import ScheduledBatch
-from loraserve.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +61,13 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         make_lora_hook: Callable[[torch.Tensor], LoRAHook],
-        seed: int = 0,
+        max_num_seqs: int,
+        max_model_len: int,
     ) -> None:
         self.model = model
         self.layout = layout
         self.device = device
+        self.vocab_size = int(model.config.vocab_size)
         self.storage = torch.zeros(layout.num_layers, num_pages, layout.page_elems, dtype=dtype, device=device)
         self.swap_storage = torch.zeros(
             layout.num_layers,
@@ -74,8 +78,11 @@ class ModelRunner:
         )
         kv_shape = (num_pages, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.kv_caches = [self.storage[layer].view(kv_shape) for layer in range(layout.num_layers)]
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler()
         self.lora_hook = make_lora_hook(self.storage)
+        max_blocks = min(num_pages, -(-max_model_len // layout.block_size) + 1)
+        self.input_batch = InputBatch(max_num_seqs, max_blocks, device)
+        self.num_downloads = 0  # device-to-host copies of sampled ids (one per step that samples)
 
     def copy_pages(self, batch: ScheduledBatch) -> None:
         """Swap-out, swap-in, copy-on-write copies and adapter loads, in that order, before the forward."""
@@ -91,88 +98,103 @@ class ModelRunner:
         for load in batch.adapter_loads:
             write_adapter_load(self.storage, load)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, SamplingBatch, list[int]]:
         """Flatten the batch: decode tokens first, and within each part grouped by adapter.
 
-        Also returns the order of ``batch.seqs`` used.
+        Positions, slots and block tables are computed with array ops from the persistent rows;
+        every integer of the step reaches the device in one upload. Also returns how to sample
+        each logits row and the order of ``batch.seqs`` used.
         """
         order = sorted(
             range(len(batch.seqs)),
             key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].adapter_id or ""),
         )
-        lora_ranges: list[tuple[int, int, str | None]] = []
+        seqs = [batch.seqs[i] for i in order]
+        count = len(seqs)
         block_size = self.layout.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        num_decode = 0
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefill_tables: list[list[int]] = []
-        prefill_starts: list[int] = [0]
-        prefill_cached: list[int] = []
-        for i in order:
-            seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
-            start = seq.num_computed_tokens
-            end = start + num_new
-            lora_ranges.append((len(input_ids), len(input_ids) + num_new, seq.adapter_id))
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
-            if num_new == 1:
-                num_decode += 1
-                decode_tables.append(seq.block_ids)
-                decode_lens.append(end)
-            else:
-                prefill_tables.append(seq.block_ids)
-                prefill_starts.append(prefill_starts[-1] + num_new)
-                prefill_cached.append(start)
-            if batch.samples(i):
-                logits_rows.append(len(input_ids) - 1)
-        dev = self.device
-        prefill = None
-        if prefill_tables:
-            prefill = PrefillBatch(
-                query_starts=torch.tensor(prefill_starts, dtype=torch.long, device=dev),
-                cached_lens=torch.tensor(prefill_cached, dtype=torch.long, device=dev),
-                block_tables=_padded(prefill_tables, dev),
-            )
-        forward_batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=num_decode,
-            decode_block_tables=_padded(decode_tables, dev),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev),
-            prefill=prefill,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            lora=LoRABatch.from_ranges(lora_ranges, batch.adapters),
+        num_new = np.fromiter((batch.num_new_tokens[i] for i in order), np.int64, count)  # [n]
+        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, count)  # [n]
+        rows = np.fromiter((self.input_batch.row(seq) for seq in seqs), np.int64, count)  # [n]
+        ends = starts + num_new
+        num_decode = int(np.count_nonzero(num_new == 1))  # sorted first
+        token_ends = np.cumsum(num_new)  # [n], one past each sequence's last row
+        token_starts = token_ends - num_new
+        owner = np.repeat(np.arange(count), num_new)  # [num_tokens], the sequence of each row
+        positions = np.arange(int(token_ends[-1])) - token_starts[owner] + starts[owner]  # [num_tokens]
+        tables = self.input_batch.block_tables
+        slots = tables[rows[owner], positions // block_size] * block_size + positions % block_size
+        input_ids = np.fromiter(
+            itertools.chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends, strict=True)),
+            np.int64,
+            int(token_ends[-1]),
         )
-        return forward_batch, order
+        samples = ends == np.fromiter((seq.num_tokens for seq in seqs), np.int64, count)  # [n] bool
+        sampled_seqs = [seq for seq, sample in zip(seqs, samples, strict=True) if sample]
+        decode_width = -(-int(ends[:num_decode].max(initial=0)) // block_size)
+        prefill_width = -(-int(ends[num_decode:].max(initial=0)) // block_size)
+        params = [seq.params for seq in sampled_seqs]
+        parts = [
+            input_ids,
+            positions,
+            slots,
+            ends[:num_decode],  # decode context lengths
+            token_ends[samples] - 1,  # logits rows
+            tables[rows[:num_decode], :decode_width],
+            np.concatenate(([0], np.cumsum(num_new[num_decode:]))),  # prefill query starts
+            starts[num_decode:],  # prefill cached lengths
+            tables[rows[num_decode:], :prefill_width],
+            np.fromiter((p.top_k if p.top_k > 0 else self.vocab_size for p in params), np.int64, len(params)),
+            np.fromiter((seq.seed for seq in sampled_seqs), np.int64, len(params)),
+            np.fromiter((seq.num_output_tokens for seq in sampled_seqs), np.int64, len(params)),
+            np.fromiter((p.temperature for p in params), np.float64, len(params)),
+            np.fromiter((p.top_p for p in params), np.float64, len(params)),
+        ]
+        (ids, pos, slot, decode_lens, logits_rows, decode_tables, query_starts, cached, prefill_tables,
+         top_ks, seeds, counters, temperatures, top_ps) = self.input_batch.upload(parts)  # fmt: skip
+        ranges = [(int(a), int(b), seq.adapter_id) for a, b, seq in zip(token_starts, token_ends, seqs, strict=True)]
+        forward_batch = ForwardBatch(
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=slot,
+            num_decode_tokens=num_decode,
+            decode_block_tables=decode_tables.view(num_decode, decode_width),
+            decode_context_lens=decode_lens,
+            prefill=None
+            if num_decode == count
+            else PrefillBatch(query_starts, cached, prefill_tables.view(count - num_decode, prefill_width)),
+            logits_indices=logits_rows,
+            lora=LoRABatch.from_ranges(ranges, batch.adapters),
+        )
+        sampling = SamplingBatch(
+            temperatures=temperatures.float(),
+            top_ks=top_ks,
+            top_ps=top_ps.float(),
+            seeds=seeds,
+            counters=counters,
+            all_greedy=all(p.is_greedy for p in params),
+            any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        )
+        return forward_batch, sampling, order
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run the step; return the sampled token of each sequence (None mid-prefill)."""
+        self.input_batch.release(batch.released_seq_ids)
         self.copy_pages(batch)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not batch.seqs:
             return sampled
-        forward_batch, order = self.prepare(batch)
+        forward_batch, sampling, order = self.prepare(batch)
         hook = self.lora_hook if forward_batch.lora is not None else None
         logits = self.model(forward_batch, self.kv_caches, hook)  # [num_sampled, vocab]
         sampling_index = [i for i in order if batch.samples(i)]
         if sampling_index:
-            seqs: list[Sequence] = [batch.seqs[i] for i in sampling_index]
-            for i, token in zip(sampling_index, self.sampler(logits, seqs), strict=True):
+            tokens = self.sampler(logits, sampling).tolist()  # the step's one device-to-host copy
+            self.num_downloads += 1
+            record_logprobs(logits, [batch.seqs[i] for i in sampling_index], tokens)
+            for i, token in zip(sampling_index, tokens, strict=True):
                 sampled[i] = token
         return sampled
-
-
-def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:  # [len(tables), max_blocks] int64
-    max_blocks = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.long, device=device).view(len(tables), max_blocks)
 
 
 def _pairs(mapping: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

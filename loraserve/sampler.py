@@ -1,23 +1,42 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Token sampling on the model's device: greedy, temperature, top-k, top-p, per-request seeds.
+
+Every sampled row draws one uniform number from a counter-based generator keyed by (the
+sequence's seed, the index of the token in its output) and inverts the row's distribution
+with it. So a sequence's tokens depend only on its seed and its logits, never on what shares
+its batch, and a preempted and recomputed sequence draws the same numbers again. Sequences
+without a seed get a random one from the engine at arrival. No per-row Python loop, no
+generator objects, no host round trip: the runner reads the sampled ids back in one copy.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from loraserve.sequence import Sequence
 
-_SEED_MIX = 0x9E3779B97F4A7C15
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # the splitmix64 constants as signed int64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
 
 
-def _sample_generator(seed: int, output_index: int) -> torch.Generator:
-    """A generator that depends only on the request's seed and the token's index.
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
 
-    So a seeded request draws the same noise whatever shares its batch, and again
-    after preemption and recomputation.
-    """
-    generator = torch.Generator()
-    generator.manual_seed((seed * _SEED_MIX + output_index) % (2**63))
-    return generator
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:  # int64, wrapping arithmetic
+    z = x + _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def uniform_from_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:  # [rows] float64 in [0, 1)
+    """One uniform number per (seed, counter) pair (both int64 ``[rows]``), on their device."""
+    bits = _splitmix64(_splitmix64(seeds) + counters)
+    return _shift_right(bits, 11).double() * 2.0**-53
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -34,52 +53,65 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torc
     return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
 
 
+@dataclass(frozen=True)
+class SamplingBatch:
+    """How to sample each row of a step's logits (tensors on the logits' device, ``[rows]``)."""
+
+    temperatures: torch.Tensor  # float32, 0 for greedy rows
+    top_ks: torch.Tensor  # int64, the vocabulary size when off
+    top_ps: torch.Tensor  # float32
+    seeds: torch.Tensor  # int64
+    counters: torch.Tensor  # int64, the index of the token being sampled in the sequence's output
+    all_greedy: bool  # host-side flags, so that no branch reads a device value
+    any_filter: bool
+
+    @classmethod
+    def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
+        """The rows of ``seqs`` (the runner packs the same values into its one upload instead)."""
+        params = [seq.params for seq in seqs]
+        return cls(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seeds=torch.tensor([seq.seed for seq in seqs], dtype=torch.long, device=device),
+            counters=torch.tensor([seq.num_output_tokens for seq in seqs], dtype=torch.long, device=device),
+            all_greedy=all(p.is_greedy for p in params),
+            any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        )
+
+
 class Sampler:
     """Turns the last-position logits of each sampling sequence into one token each."""
 
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator()
-        self.generator.manual_seed(seed)
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: [num_seqs, vocab] float32, row i for ``seqs[i]``."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # [rows] int64
+        """logits: ``[rows, vocab]``; returns the sampled ids on the logits' device."""
         logits = logits.float()
-        token_ids = logits.argmax(dim=-1)  # [num_seqs]
-        random_rows = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows)
-            params = [seqs[i].params for i in random_rows]
-            vocab = logits.shape[-1]
-            temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-            top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-            top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-            # Sampled on the CPU whatever the device: the per-request generators are CPU ones, so a
-            # seed gives the same tokens on any device (up to the logits' rounding).
-            scaled = logits[rows.to(logits.device)].cpu() / temps[:, None]  # [num_random, vocab]
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-                scaled = _filter_top_k_top_p(scaled, top_ks, top_ps)
-            probs = scaled.softmax(dim=-1)
-            noise = torch.empty_like(probs)  # exponential race: argmax(p / E) samples from p
-            for row, i in enumerate(random_rows):
-                seed = seqs[i].seed
-                generator = self.generator if seed is None else _sample_generator(seed, seqs[i].num_output_tokens)
-                noise[row].exponential_(generator=generator)
-            token_ids[rows.to(token_ids.device)] = (probs / noise).argmax(dim=-1).to(token_ids.device)
-        sampled = token_ids.tolist()
-        self._record_logprobs(logits, seqs, sampled)
-        return sampled
+        greedy = logits.argmax(dim=-1)  # [rows]
+        if batch.all_greedy:
+            return greedy
+        is_greedy = batch.temperatures == 0
+        scaled = logits / torch.where(is_greedy, 1.0, batch.temperatures)[:, None]  # [rows, vocab]
+        if batch.any_filter:
+            scaled = _filter_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
+        cdf = scaled.softmax(dim=-1).cumsum(dim=-1)  # [rows, vocab]
+        target = uniform_from_keys(batch.seeds, batch.counters).float() * cdf[:, -1]  # [rows]
+        # The first token whose cumulative mass exceeds the target: never one of zero probability.
+        sampled = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+        return torch.where(is_greedy, greedy, sampled)
 
-    @staticmethod
-    def _record_logprobs(logits: torch.Tensor, seqs: list[Sequence], sampled: list[int]) -> None:
-        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        if not wanted:
-            return
-        logprobs = logits[wanted].log_softmax(dim=-1)  # [num_wanted, vocab]
-        for row, i in enumerate(wanted):
-            num_top = seqs[i].params.logprobs or 0
-            entry = {sampled[i]: float(logprobs[row, sampled[i]])}
-            if num_top:
-                top_values, top_ids = logprobs[row].topk(num_top)
-                for value, token in zip(top_values.tolist(), top_ids.tolist(), strict=True):
-                    entry.setdefault(token, value)
-            seqs[i].output_logprobs.append(entry)
+
+def record_logprobs(logits: torch.Tensor, seqs: list[Sequence], sampled: list[int]) -> None:
+    """Append each sequence's requested logprobs (the sampled token and the top ones)."""
+    wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if not wanted:
+        return
+    logprobs = logits[wanted].float().log_softmax(dim=-1)  # [num_wanted, vocab]
+    num_top = max(seqs[i].params.logprobs or 0 for i in wanted)
+    rows = torch.arange(len(wanted), device=logits.device)
+    chosen = logprobs[rows, torch.tensor([sampled[i] for i in wanted], device=logits.device)].tolist()
+    top_values, top_ids = logprobs.topk(num_top) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    for i, value, values, ids in zip(wanted, chosen, top_values.tolist(), top_ids.tolist(), strict=True):
+        entry = {sampled[i]: value}
+        for token, top_value in zip(ids[: seqs[i].params.logprobs or 0], values, strict=False):
+            entry.setdefault(token, top_value)
+        seqs[i].output_logprobs.append(entry)

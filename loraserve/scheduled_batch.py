@@ -24,6 +24,8 @@ class ScheduledBatch:
     copy_pages: list[tuple[int, int]] = field(default_factory=list)
     adapter_loads: list[AdapterLoad] = field(default_factory=list)
     adapters: dict[str, AdapterPages] = field(default_factory=dict)
+    # Sequences finished or preempted since the last step: the runner drops their rows.
+    released_seq_ids: list[int] = field(default_factory=list)
     # Not for the runner: requests ended while scheduling (their adapter could not be loaded), with why.
     aborted: list[tuple[Sequence, str]] = field(default_factory=list)
 

@@ -64,6 +64,7 @@ class Scheduler:
         self.loading: deque[Sequence] = deque()
         # The other samples of an n > 1 request, by the first's seq_id: forked once its prompt is computed.
         self._forks: dict[int, list[Sequence]] = {}
+        self._released: list[int] = []  # seq ids finished or preempted since the last schedule
         self.num_preemptions = 0
         pool = kv_manager.pool
         self.max_seq_tokens = (pool.num_pages - kv_manager.num_watermark_pages) * kv_manager.block_size
@@ -159,6 +160,7 @@ class Scheduler:
             budget = self._schedule_swapped(batch, budget)
             if not self.swapped:
                 self._schedule_waiting(batch, budget)
+        batch.released_seq_ids, self._released = self._released, []
         if self.adapters is not None:
             batch.adapter_loads = self.adapters.take_loads()
             for seq in batch.seqs:
@@ -244,6 +246,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self._release_adapter(seq)
+        self._released.append(seq.seq_id)
         self.num_preemptions += 1
         seq.num_preemptions += 1
         if self.preemption_mode == "swap" and self.kv_manager.can_swap_out(seq):
@@ -285,6 +288,7 @@ class Scheduler:
         if seq.is_finished:
             return
         counted = seq.status is not SequenceStatus.WAITING_FOR_ADAPTER
+        self._released.append(seq.seq_id)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.kv_manager.free(seq)

@@ -43,10 +43,13 @@ class Sequence:
     adapter_name: str | None = None
     adapter_id: str | None = None  # content digest of the adapter, resolved at arrival
     cache_salt: str | None = None  # isolates prefix-cache sharing between tenants
+    random_seed: int = 0  # the sampling seed when the request gives none (drawn by the engine)
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     num_prompt_tokens: int = -1
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Bumped by the KV cache manager whenever ``block_ids`` changes other than by appending.
+    block_table_epoch: int = 0
     # Memo of the content hashes of this sequence's full blocks (see prefix_cache.py).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # Leading entries of ``block_ids`` already offered to the prefix cache (reset with the table).
@@ -99,8 +102,10 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def seed(self) -> int | None:
-        return self.params.sample_seed(self.sample_index)
+    def seed(self) -> int:
+        """The seed of this sample's random stream (the request's, else the engine's draw)."""
+        seed = self.params.sample_seed(self.sample_index)
+        return self.random_seed if seed is None else seed
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -12,7 +12,7 @@ from loraserve import LLM, SamplingParams
 from loraserve.config import ConfigError
 from loraserve.llm_engine import RequestError
 from loraserve.outputs import RequestOutput
-from loraserve.sampler import Sampler, _filter_top_k_top_p
+from loraserve.sampler import Sampler, SamplingBatch, _filter_top_k_top_p, uniform_from_keys
 from loraserve.sampling_params import SamplingParamsError
 from loraserve.sequence import Sequence
 
@@ -54,13 +54,24 @@ def test_filter_keeps_exactly_top_k_and_nucleus() -> None:
 
 
 def test_sampler_follows_the_distribution() -> None:
-    probs = torch.tensor([0.6, 0.3, 0.1])
-    sampler = Sampler(seed=0)
-    seq = Sequence("r", [1], SamplingParams(temperature=1.0))
-    counts = torch.zeros(3)
-    for _ in range(3000):
-        counts[sampler(probs.log()[None, :], [seq])[0]] += 1
-    assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
+    """3000 rows at once, each its own seed: the counts follow the distribution."""
+    probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
+    seqs = [Sequence("r", [1], SamplingParams(temperature=1.0, seed=seed)) for seed in range(3000)]
+    tokens = Sampler()(probs.log().expand(3000, 4), SamplingBatch.from_seqs(seqs, 4, torch.device("cpu")))
+    counts = torch.bincount(tokens, minlength=4).float()
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.03) and counts[3] == 0
+
+
+def test_sampled_token_depends_only_on_seed_and_output_index() -> None:
+    """A row's token is the same whatever the other rows are (and differs across seeds)."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    seqs = [Sequence("r", [1], SamplingParams(temperature=1.0, seed=seed)) for seed in range(64)]
+    cpu = torch.device("cpu")
+    together = Sampler()(logits.expand(64, 50), SamplingBatch.from_seqs(seqs, 50, cpu)).tolist()
+    alone = [Sampler()(logits, SamplingBatch.from_seqs([seq], 50, cpu)).item() for seq in seqs]
+    assert together == alone and len(set(together)) > 10
+    uniform = uniform_from_keys(torch.arange(10_000), torch.zeros(10_000, dtype=torch.long))
+    assert float(uniform.min()) >= 0 and float(uniform.max()) < 1 and abs(float(uniform.mean()) - 0.5) < 0.01
 
 
 def test_max_tokens_stop_token_ids_and_stop_strings(llm: LLM) -> None:

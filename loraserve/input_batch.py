@@ -1,0 +1,82 @@
+"""The runner's state kept across steps (vLLM v1's ``InputBatch``): one row per live sequence.
+
+A row holds the sequence's KV block table in a preallocated array, updated incrementally: a step
+writes only the blocks appended since the last one, and rewrites a row only when the KV cache
+manager gave the sequence a new table (``Sequence.block_table_epoch``: preemption, swap,
+copy-on-write). Rows are released when the scheduler reports the sequence finished or preempted
+(``ScheduledBatch.released_seq_ids``). ``upload`` sends a step's integers to the device as one
+buffer in one copy (from pinned memory, non-blocking, on CUDA; no copy at all on the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from loraserve.sequence import Sequence
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.device = device
+        self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
+        self._num_synced = [0] * max_num_seqs  # leading entries of each row equal to its table
+        self._epochs = [-1] * max_num_seqs
+        self._rows: dict[int, int] = {}  # seq_id -> row
+        self._free_rows = list(reversed(range(max_num_seqs)))
+        self._staging: torch.Tensor | None = None  # pinned host buffer of the uploads (CUDA)
+        self.num_uploads = 0  # host-to-device copies made (one per step with tokens)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Forget the rows of sequences that finished or were preempted (unknown ids are ignored)."""
+        for seq_id in seq_ids:
+            row = self._rows.pop(seq_id, None)
+            if row is not None:
+                self._free_rows.append(row)
+
+    def row(self, seq: Sequence) -> int:
+        """The sequence's row, its block table brought up to date."""
+        row = self._rows.get(seq.seq_id)
+        if row is None:
+            if not self._free_rows:
+                raise RuntimeError(f"no free input-batch row for seq {seq.seq_id}: more live sequences than rows")
+            row = self._rows[seq.seq_id] = self._free_rows.pop()
+            self._epochs[row] = -1
+        table = seq.block_ids
+        if len(table) > self.block_tables.shape[1]:
+            raise RuntimeError(f"seq {seq.seq_id} has {len(table)} blocks; rows hold {self.block_tables.shape[1]}")
+        synced = self._num_synced[row]
+        if self._epochs[row] != seq.block_table_epoch or len(table) < synced:
+            self.block_tables[row, : len(table)] = table
+            self._epochs[row] = seq.block_table_epoch
+        elif len(table) > synced:
+            self.block_tables[row, synced : len(table)] = table[synced:]
+        self._num_synced[row] = len(table)
+        return row
+
+    def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """Send int64 (or float64, sent as its bits) arrays to the device in one copy; return
+        each part as a 1-D view of the device buffer, in its own dtype."""
+        sizes = [part.size for part in parts]
+        host = np.concatenate([part.reshape(-1).view(np.int64) for part in parts]) if parts else np.zeros(0, np.int64)
+        buffer = torch.from_numpy(host)  # [total] int64, shares the numpy memory
+        if self.device.type != "cpu":
+            if self._staging is None or self._staging.numel() < host.size:
+                self._staging = torch.empty(max(host.size, 4096), dtype=torch.long, pin_memory=True)
+            staging = self._staging[: host.size]
+            staging.copy_(buffer)
+            buffer = staging.to(self.device, non_blocking=True)
+        self.num_uploads += 1
+        views: list[torch.Tensor] = []
+        offset = 0
+        for part, size in zip(parts, sizes, strict=True):
+            view = buffer[offset : offset + size]
+            views.append(view.view(torch.float64) if part.dtype == np.float64 else view)
+            offset += size
+        return views
