@@ -65,11 +65,15 @@ class KVCacheManager:
 
         Returns the ``(source, destination)`` page copies that must happen first.
         """
-        needed = self.num_pages_needed(seq, num_new_tokens)
+        num_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        needs_copy = self._needs_copy(seq)
+        needed = max(0, num_blocks - len(seq.block_ids)) + int(needs_copy)
+        if needed == 0:
+            return []  # the common decode step: room in the last block, which it alone holds
         if not self.pool.can_allocate(needed):
             return None
         copies: list[tuple[int, int]] = []
-        if self._needs_copy(seq):
+        if needs_copy:
             index = seq.num_computed_tokens // self.block_size
             source = seq.block_ids[index]
             (destination,) = self.pool.allocate(1, PageKind.KV)

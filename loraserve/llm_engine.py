@@ -265,9 +265,10 @@ class LLMEngine:
         sampled = self.runner.execute(batch)
         touched: dict[str, Request] = {}
         for seq in self.scheduler.update_from_output(batch, sampled):
-            request = self.requests.get(seq.request_id)
-            if request is not None and (seq.params.output_kind == "cumulative" or request.is_finished):
-                touched[seq.request_id] = request
+            if seq.params.output_kind == "cumulative" or seq.is_finished:
+                request = self.requests.get(seq.request_id)
+                if request is not None and (seq.params.output_kind == "cumulative" or request.is_finished):
+                    touched[seq.request_id] = request
         for request in touched.values():
             outputs.append(make_output(request))
             if request.is_finished:

@@ -274,8 +274,9 @@ class Scheduler:
             if token is None or seq.is_finished:
                 continue
             seq.append_token(token)
-            for child in reversed(self._forks.pop(seq.seq_id, ())):
-                self._add_fork(seq, child)
+            if self._forks and (forks := self._forks.pop(seq.seq_id, None)):
+                for child in reversed(forks):
+                    self._add_fork(seq, child)
             stop = self.stop_checker(seq, token)
             if stop is not None:
                 self.finish(seq, *stop)

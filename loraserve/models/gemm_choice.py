@@ -142,7 +142,7 @@ def pack_linears(model: nn.Module, policy: GemmPolicy) -> GemmPlan:
     for module in model.modules():
         for attr, names in getattr(module, "fused_groups", {}).items():
             members = [getattr(module, name) for name in names]
-            if getattr(module, attr, None) is not None:
+            if isinstance(getattr(module, attr, None), PackedLinearGroup):  # packed already
                 grouped.update(id(m) for m in members)
             elif all(type(m) is nn.Linear and can_pack(m.weight) for m in members):
                 add(members, attr, functools.partial(_set_group, module, attr))

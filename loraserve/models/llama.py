@@ -16,6 +16,7 @@ from torch import nn
 
 from loraserve.forward_batch import ForwardBatch
 from loraserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_varlen, write_kv
+from loraserve.models.fused_linear import ConcatLinear
 from loraserve.models.packed_linear import PackedLinearGroup
 
 # (input, layer_index, group, outputs, batch): adds the LoRA deltas of one input group
@@ -63,10 +64,11 @@ class RMSNorm(nn.Module):
         if residual is not None:
             hidden = residual.add_(hidden)
         dtype = hidden.dtype
-        hidden = hidden.to(torch.float32)
+        if dtype != torch.float32:  # the casts are no-ops (but still ops) in float32
+            hidden = hidden.to(torch.float32)
         variance = hidden.pow(2).mean(-1, keepdim=True)
         hidden = hidden * torch.rsqrt(variance + self.eps)
-        return self.weight * hidden.to(dtype)
+        return self.weight * (hidden if dtype == torch.float32 else hidden.to(dtype))
 
 
 class RotaryEmbedding(nn.Module):
@@ -90,12 +92,31 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 2]
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [num_tokens, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign folded in
+        return RopeTables(cos, sin, cos[:, None, :], sin_signed[:, None, :])
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """One step's rotary tables, computed once for every layer."""
+
+    cos: torch.Tensor  # [num_tokens, head_dim]
+    sin: torch.Tensor  # [num_tokens, head_dim]
+    cos_heads: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin_signed_heads: torch.Tensor  # [num_tokens, 1, head_dim], first half negated
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+        """``apply_rope(x, cos, sin)`` with the per-step parts precomputed: the halves swapped by one
+        flip, the sign of rotate-half taken from the table (bit for bit the same products and sum)."""
+        num_tokens, heads, head_dim = x.shape
+        swapped = x.view(num_tokens, heads, 2, head_dim // 2).flip(2).view(num_tokens, heads, head_dim)
+        return x * self.cos_heads + swapped * self.sin_signed_heads
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +125,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
+    """The reference: x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
@@ -128,7 +149,8 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.qkv_packed: PackedLinearGroup | None = None  # set by pack_linears
+        # One GEMM for q, k and v: over their concatenated weights, or the CPU kernels' packed copies.
+        self.qkv_packed: ConcatLinear | PackedLinearGroup = ConcatLinear(self, self.fused_groups["qkv_packed"])
         self.decode_attention = kernels.decode_attention
         self.prefill_attention = kernels.prefill_attention
         self.write_kv = kernels.write_kv
@@ -137,27 +159,23 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeTables,
         kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]
         batch: ForwardBatch,
         lora: LoRAHook | None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        if self.qkv_packed is not None:
-            q, k, v = self.qkv_packed(hidden)
-        else:
-            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q, k, v = self.qkv_packed(hidden)
         if lora is not None:
             lora(hidden, self.layer_index, "qkv", (q, k, v), batch)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = cos_sin
         if self.fused_rope is not None:
-            self.fused_rope(q, cos, sin)
-            self.fused_rope(k, cos, sin)
+            self.fused_rope(q, rope.cos, rope.sin)
+            self.fused_rope(k, rope.cos, rope.sin)
         else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rope.apply(q), rope.apply(k)
         self.write_kv(kv, k, v, batch.slot_mapping)
         decode = (kv, batch.decode_block_tables, batch.decode_context_lens, self.scale)
         prefill = batch.prefill
@@ -191,13 +209,12 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.gate_up_packed: PackedLinearGroup | None = None  # set by pack_linears
+        self.gate_up_packed: ConcatLinear | PackedLinearGroup = ConcatLinear(
+            self, self.fused_groups["gate_up_packed"]
+        )
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
-        if self.gate_up_packed is not None:
-            gate, up = self.gate_up_packed(hidden)  # [num_tokens, intermediate] each
-        else:
-            gate, up = self.gate_proj(hidden), self.up_proj(hidden)
+        gate, up = self.gate_up_packed(hidden)  # [num_tokens, intermediate] each
         if lora is not None:
             lora(hidden, self.layer_index, "gate_up", (gate, up), batch)
         act = F.silu(gate, inplace=True).mul_(up)  # [num_tokens, intermediate], in place: no temporaries
@@ -218,13 +235,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeTables,
         kv: torch.Tensor,
         batch: ForwardBatch,
         lora: LoRAHook | None,
     ) -> torch.Tensor:
         """``hidden`` is the residual stream; it is updated in place and returned."""
-        attn = self.self_attn(self.input_layernorm(hidden), cos_sin, kv, batch, lora)
+        attn = self.self_attn(self.input_layernorm(hidden), rope, kv, batch, lora)
         normed = self.post_attention_layernorm(attn, residual=hidden)  # hidden += attn
         return hidden.add_(self.mlp(normed, batch, lora))
 
@@ -254,8 +271,8 @@ class LlamaForCausalLM(nn.Module):
         self, batch: ForwardBatch, kv_caches: list[torch.Tensor], lora: LoRAHook | None = None
     ) -> torch.Tensor:  # [num_sampled, vocab]
         hidden = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
-        cos_sin = self.model.rotary_emb(batch.positions, hidden.dtype)
+        rope = self.model.rotary_emb(batch.positions, hidden.dtype)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos_sin, kv, batch, lora)
+            hidden = layer(hidden, rope, kv, batch, lora)
         hidden = self.model.norm(hidden[batch.logits_indices])  # [num_sampled, hidden]
         return self.lm_head(hidden).float()

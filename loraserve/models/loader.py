@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraserve.kernels.cpu import cache_root
+from loraserve.models.fused_linear import ConcatLinear
 from loraserve.models.llama import LlamaForCausalLM, ModelKernels
 
 logger = logging.getLogger(__name__)
@@ -129,4 +130,8 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = type(model.model.rotary_emb)(config)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    for module in model.modules():
+        if isinstance(module, ConcatLinear):
+            module.refresh()  # concatenate the fused projections' weights now, not in the first step
+    return model
