@@ -22,6 +22,21 @@ from typing import NamedTuple
 import torch
 
 
+class SegmentMeta:
+    """The per-segment LoRA metadata of one layer and input group, as the compiled CPU kernel
+    (``kernels/csrc/lora_tiled.h``) and the Triton kernels (``kernels/triton_lora.py``) read it:
+    one int64 row ``[a_offset, num_rows, then per module: column, rank, b_offset, out_features]``
+    (rank 0: the module is not adapted). Defined here once; tests check both mirrors against it."""
+
+    A_OFFSET = 0  # where the group's stacked A rows start in the adapter's flat layer buffer
+    NUM_ROWS = 1  # stacked A rows (the sum of the group's ranks)
+    MODULE_BASE = 2  # module m's fields start at MODULE_BASE + MODULE_STRIDE * m
+    MODULE_STRIDE = 4
+    COLUMN, RANK, B_OFFSET, OUT_FEATURES = 0, 1, 2, 3  # within a module's fields
+    MAX_MODULES = 3  # q/k/v
+    WIDTH = MODULE_BASE + MODULE_STRIDE * MAX_MODULES  # 14
+
+
 class OutputSlice(NamedTuple):
     """Where module m's rank columns sit in ``v`` and its expand weights."""
 

@@ -35,11 +35,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraserve.kernels.lora import SegmentMeta
 from loraserve.kernels.triton_attention import runs_interpreted
 
 BLOCK_T = 16  # tokens per tile (tl.dot needs at least 16)
 SHRINK_BLOCK_R, SHRINK_BLOCK_K = 32, 64
 EXPAND_BLOCK_N, EXPAND_BLOCK_R = 64, 16
+# The segment metadata layout (kernels/lora.py: SegmentMeta), as constants the kernels can read.
+META_A_OFFSET = tl.constexpr(SegmentMeta.A_OFFSET)
+META_NUM_ROWS = tl.constexpr(SegmentMeta.NUM_ROWS)
+META_MODULE_BASE = tl.constexpr(SegmentMeta.MODULE_BASE)
+META_MODULE_STRIDE = tl.constexpr(SegmentMeta.MODULE_STRIDE)
+META_COLUMN = tl.constexpr(SegmentMeta.COLUMN)
+META_RANK = tl.constexpr(SegmentMeta.RANK)
+META_B_OFFSET = tl.constexpr(SegmentMeta.B_OFFSET)
+META_OUT_FEATURES = tl.constexpr(SegmentMeta.OUT_FEATURES)
 
 
 @triton.jit
@@ -79,8 +89,8 @@ def _shrink_kernel(
     segment = tl.program_id(0)
     first_token = tl.load(bounds_ptr + segment * 4) + tl.program_id(1) * BLOCK_T
     end = tl.load(bounds_ptr + segment * 4 + 1)
-    a_offset = tl.load(meta_ptr + segment * stride_meta)
-    num_rows = tl.load(meta_ptr + segment * stride_meta + 1)
+    a_offset = tl.load(meta_ptr + segment * stride_meta + META_A_OFFSET)
+    num_rows = tl.load(meta_ptr + segment * stride_meta + META_NUM_ROWS)
     first_row = tl.program_id(2) * BLOCK_R
     if (first_token < end) & (first_row < num_rows):
         tokens = first_token + tl.arange(0, BLOCK_T)  # [BLOCK_T]
@@ -138,11 +148,11 @@ def _expand_kernel(
     end = tl.load(bounds_ptr + segment * 4 + 1)
     module = tl.program_id(2) // num_col_blocks
     first_col = (tl.program_id(2) % num_col_blocks) * BLOCK_N
-    module_meta = meta_ptr + segment * stride_meta + 2 + 4 * module
-    column = tl.load(module_meta)
-    rank = tl.load(module_meta + 1)
-    b_offset = tl.load(module_meta + 2)
-    out_features = tl.load(module_meta + 3)
+    module_meta = meta_ptr + segment * stride_meta + META_MODULE_BASE + META_MODULE_STRIDE * module
+    column = tl.load(module_meta + META_COLUMN)
+    rank = tl.load(module_meta + META_RANK)
+    b_offset = tl.load(module_meta + META_B_OFFSET)
+    out_features = tl.load(module_meta + META_OUT_FEATURES)
     if (first_token < end) & (rank > 0) & (first_col < out_features):
         tokens = first_token + tl.arange(0, BLOCK_T)  # [BLOCK_T]
         cols = first_col + tl.arange(0, BLOCK_N)  # [BLOCK_N]

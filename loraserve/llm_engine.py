@@ -24,7 +24,7 @@ from loraserve.kernel_backend import select_backend
 from loraserve.kv_cache_manager import KVCacheManager
 from loraserve.lora.residency import AdapterManager
 from loraserve.model_runner import ModelRunner, PageLayout
-from loraserve.models.gemm_choice import GemmPlan, GemmPolicy, pack_linears
+from loraserve.models.gemm_choice import GemmPolicy
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
 from loraserve.outputs import RequestOutput
 from loraserve.page_pool import PagePool
@@ -62,7 +62,20 @@ class LLMEngine:
         self.hf_config = load_hf_config(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.kernels = select_backend(config.kernels, self.device, config.torch_dtype)
-        self.model = load_model(self.model_dir, self.hf_config, config.torch_dtype, self.device, self.kernels.model)
+        gemm_policy = None
+        if self.kernels.pack_linears:
+            gemm_policy = GemmPolicy(
+                config.cpu_gemm,
+                max_rows=config.max_num_batched_tokens,
+                row_limits=(("lm_head", config.max_num_seqs),),  # one row per sampled sequence
+                cache_dir=cache_root() / "cpu_gemm",
+            )
+        elif config.cpu_gemm != "auto":
+            raise ConfigError(f"cpu_gemm={config.cpu_gemm!r} needs the compiled CPU kernels (kernels 'cpu')")
+        # The CPU GEMM kernel of each linear layer shape and row bucket (empty off the cpu backend).
+        self.model, self.gemm_plan = load_model(
+            self.model_dir, self.hf_config, config.torch_dtype, self.device, self.kernels.model, gemm_policy
+        )
         self.layout = PageLayout.for_model(self.hf_config, config.block_size)
         page_bytes = self.layout.page_bytes(config.torch_dtype)
         num_pages = config.num_pages or max(2, config.memory_budget_mb * 2**20 // page_bytes)
@@ -111,17 +124,6 @@ class LLMEngine:
             config.max_num_seqs,
             self.max_model_len,
         )
-        self.gemm_plan = GemmPlan()  # the CPU GEMM kernel of each linear layer shape and row bucket
-        if self.kernels.pack_linears:
-            policy = GemmPolicy(
-                config.cpu_gemm,
-                max_rows=config.max_num_batched_tokens,
-                row_limits=(("lm_head", config.max_num_seqs),),  # one row per sampled sequence
-                cache_dir=cache_root() / "cpu_gemm",
-            )
-            self.gemm_plan = pack_linears(self.model, policy)
-        elif config.cpu_gemm != "auto":
-            raise ConfigError(f"cpu_gemm={config.cpu_gemm!r} needs the compiled CPU kernels (kernels 'cpu')")
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)  # sampling seeds of requests that give none
         logger.info(

@@ -8,6 +8,7 @@ of per-sequence ranges into segments (``LoRABatch.from_ranges``).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 
@@ -178,3 +179,22 @@ def test_lora_batch_from_ranges_merges_touching_ranges(
 def test_lora_batch_from_ranges_without_adapters_is_none() -> None:
     assert LoRABatch.from_ranges([], {}) is None
     assert LoRABatch.from_ranges([(0, 4, None), (4, 5, None), (5, 5, "a")], {}) is None
+
+
+def test_the_segment_meta_layout_is_defined_once_and_mirrored() -> None:
+    """kernels/lora.py's SegmentMeta is what the C++ kernel and the Triton kernels read."""
+    from loraserve.kernels import cpu
+    from loraserve.kernels.lora import SegmentMeta
+
+    from loraserve.lora.apply_cpu import META_WIDTH
+
+    assert SegmentMeta.WIDTH == META_WIDTH == 14
+    extension = cpu.load_extension()
+    if extension is not None:
+        mirrored = [SegmentMeta.WIDTH, SegmentMeta.MAX_MODULES, SegmentMeta.MODULE_BASE, SegmentMeta.MODULE_STRIDE]
+        assert list(extension.lora_meta_layout()) == mirrored
+    if importlib.util.find_spec("triton") is not None:
+        from loraserve.kernels import triton_lora
+
+        for name in ("A_OFFSET", "NUM_ROWS", "MODULE_BASE", "MODULE_STRIDE", "COLUMN", "RANK", "B_OFFSET"):
+            assert getattr(triton_lora, f"META_{name}").value == getattr(SegmentMeta, name)

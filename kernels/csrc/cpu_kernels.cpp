@@ -243,6 +243,7 @@ void write_kv_(at::Tensor& kv, const at::Tensor& key, const at::Tensor& value, c
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
                    const at::Tensor& meta, const at::Tensor& scales);
+std::vector<int64_t> lora_meta_layout();
 // linear_panels.cpp
 std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& panels,
                                       const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes,
@@ -260,6 +261,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal paged attention of all the prefill chunks of a step (see kernels/cpu.py)", no_gil());
   m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)", no_gil());
+  m.def("lora_meta_layout", &lora_meta_layout, "the segment metadata layout: width, max modules, module base, stride");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)",
         no_gil());
   m.def("rope_", &rope_, "rotary embedding in place (see kernels/cpu.py)", no_gil());

@@ -55,7 +55,7 @@ void small_segment(const float* x, int64_t in_features, const AdapterBuffer& w, 
     }
   }
   for (int64_t module = 0; module < num_outputs; ++module) {
-    const int64_t* mm = m + 2 + 4 * module;
+    const int64_t* mm = m + kModuleBase + kModuleStride * module;
     const int64_t column = mm[0], rank = mm[1], b_offset = mm[2], out_features = mm[3];
     if (rank == 0) continue;
     // tmp[t] = v_m[t] @ B_m^T first, then out[t] += scale * tmp[t], as one GEMM with alpha would.
@@ -136,7 +136,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     // (offset in the adapter's layer buffer, elements) of A, then of each present B^T.
     std::vector<std::pair<int64_t, int64_t>> spans = {{m[0], m[1] * in_features}};
     for (int64_t module = 0; module < num_outputs; ++module) {
-      const int64_t* mm = m + 2 + 4 * module;
+      const int64_t* mm = m + kModuleBase + kModuleStride * module;
       if (mm[1] == 0) continue;
       TORCH_CHECK(outputs[module].size(1) == mm[3], "output ", module, " width does not match the adapter");
       spans.emplace_back(mm[2], mm[1] * mm[3]);
@@ -166,7 +166,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
       tiled.push_back(seg);
       int64_t crossing = crossing_elements(buffer, m[0], m[1], in_features);
       for (int64_t module = 0; module < num_outputs; ++module) {
-        const int64_t* mm = m + 2 + 4 * module;
+        const int64_t* mm = m + kModuleBase + kModuleStride * module;
         if (mm[1] != 0) crossing += crossing_elements(buffer, mm[2], mm[1], mm[3]);
       }
       row_copy_sizes.push_back(crossing);
@@ -189,7 +189,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     }
     weights[s].a = where[0];
     for (int64_t module = 0, i = 1; module < num_outputs; ++module) {
-      if (m[3 + 4 * module] != 0) weights[s].b[module] = where[i++];
+      if (m[kModuleBase + 1 + kModuleStride * module] != 0) weights[s].b[module] = where[i++];
     }
   }
   if (!small.empty()) {
@@ -216,7 +216,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
       const AdapterBuffer& buffer = buffers[(seg.meta - meta_ptr) / kMetaWidth];
       collect_rows(buffer, seg.meta[0], seg.meta[1], in_features, seg.a_rows, scratch);
       for (int64_t module = 0; module < num_outputs; ++module) {
-        const int64_t* mm = seg.meta + 2 + 4 * module;
+        const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
         if (mm[1] != 0) collect_rows(buffer, mm[2], mm[1], mm[3], seg.b_rows[module], scratch);
       }
     }
@@ -253,7 +253,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     const int64_t* m = meta_ptr + s * kMetaWidth;
     const int64_t start = bound_ptr[s * 4], num = bound_ptr[s * 4 + 1] - start;
     for (int64_t module = 0; module < num_outputs; ++module) {
-      const int64_t* mm = m + 2 + 4 * module;
+      const int64_t* mm = m + kModuleBase + kModuleStride * module;
       const int64_t column = mm[0], rank = mm[1], out_features = mm[3];
       if (rank == 0) continue;
       add(kNoTrans, num, out_features, rank, scale_ptr[s * kMaxModules + module], v_ptr + start * ldv + column, ldv,
@@ -263,3 +263,5 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
   if (!sizes.empty()) run();
 }
 
+// The segment metadata layout these kernels read: {width, max modules, module base, module stride}.
+std::vector<int64_t> lora_meta_layout() { return {kMetaWidth, kMaxModules, kModuleBase, kModuleStride}; }

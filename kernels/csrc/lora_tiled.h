@@ -14,9 +14,12 @@
 
 namespace loraserve_lora {
 
-// meta[layer, group, s] = [a_offset, num_rows, (column, rank, b_offset, out_features) x 3]
-constexpr int64_t kMetaWidth = 14;
+// meta[layer, group, s] = [a_offset, num_rows, (column, rank, b_offset, out_features) x 3]: the
+// layout defined in kernels/lora.py (SegmentMeta), checked against these by tests/test_lora_kernel.py.
 constexpr int64_t kMaxModules = 3;
+constexpr int64_t kModuleBase = 2;    // where module 0's fields start
+constexpr int64_t kModuleStride = 4;  // column, rank, b_offset, out_features
+constexpr int64_t kMetaWidth = kModuleBase + kModuleStride * kMaxModules;
 // Segments of 3 up to this many tokens (decode steps, short prefills) run as the register-tiled
 // loops below, which read each weight row of the segment's adapter once, in place in its pages;
 // longer ones go to MKL's grouped GEMM. Measured on SmolLM2 shapes (8 adapters, ranks 8-64, all
@@ -217,7 +220,7 @@ void run_tiled(const std::vector<TiledSegment>& segs, const float* x, int64_t in
     const int64_t rows = segs[i].meta[1];
     for (int64_t c = 0; c < rows; c += kShrinkItemRows) shrinks.emplace_back(i, c);
     for (int64_t module = 0; module < num_outputs; ++module) {
-      if (segs[i].meta[3 + 4 * module] == 0) continue;
+      if (segs[i].meta[kModuleBase + 1 + kModuleStride * module] == 0) continue;
       const int64_t width = out_widths[module], chunk = expand_chunk(width);
       for (int64_t o = 0; o < width; o += chunk) expands.emplace_back(i, module, o);
     }
@@ -250,7 +253,7 @@ void run_tiled(const std::vector<TiledSegment>& segs, const float* x, int64_t in
     for (size_t i = 0; i < expands.size(); ++i) {
       const auto [s, module, o] = expands[i];
       const TiledSegment& seg = segs[s];
-      const int64_t* mm = seg.meta + 2 + 4 * module;
+      const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
       const int64_t column = mm[0], rank = mm[1], width = out_widths[module];
       const int64_t o_end = std::min(width, o + expand_chunk(width));
       for_token_blocks(seg.num, [&](auto tb, int64_t t) {

@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 
 from loraserve.kernels import cpu
+from loraserve.kernels.lora import SegmentMeta
 from loraserve.lora.apply_torch import PerBatchLoRAHook
 from loraserve.lora.batch import AdapterPages, LoRABatch
 from loraserve.lora.layout import LORA_GROUPS, AdapterLayout
 
 GROUP_INDEX = {group: index for index, group in enumerate(LORA_GROUPS)}
-META_WIDTH = 14  # a_offset, num_rows, then (column, rank, b_offset, out_features) x 3 modules
-MAX_MODULES = 3
+META_WIDTH = SegmentMeta.WIDTH  # a_offset, num_rows, then (column, rank, b_offset, out_features) x 3
+MAX_MODULES = SegmentMeta.MAX_MODULES
 
 
 def layout_meta(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,13 +32,20 @@ def layout_meta(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor]:
     for layer, groups in enumerate(layout.layers):
         for group, slot in groups.items():
             g = GROUP_INDEX[group]
-            meta[layer, g, 0], meta[layer, g, 1] = slot.a_offset, slot.num_rows
+            meta[layer, g, SegmentMeta.A_OFFSET] = slot.a_offset
+            meta[layer, g, SegmentMeta.NUM_ROWS] = slot.num_rows
             for index, module in enumerate(slot.modules):
                 if module is None:
                     continue
-                meta[layer, g, 2 + 4 * index : 6 + 4 * index] = torch.tensor(
-                    [module.column, module.rank, module.b_offset, module.out_features]
-                )
+                base = SegmentMeta.MODULE_BASE + SegmentMeta.MODULE_STRIDE * index
+                fields = {
+                    SegmentMeta.COLUMN: module.column,
+                    SegmentMeta.RANK: module.rank,
+                    SegmentMeta.B_OFFSET: module.b_offset,
+                    SegmentMeta.OUT_FEATURES: module.out_features,
+                }
+                for field, value in fields.items():
+                    meta[layer, g, base + field] = value
                 scales[layer, g, index] = module.scale
     return meta, scales
 

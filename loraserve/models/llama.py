@@ -209,9 +209,7 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.gate_up_packed: ConcatLinear | PackedLinearGroup = ConcatLinear(
-            self, self.fused_groups["gate_up_packed"]
-        )
+        self.gate_up_packed: ConcatLinear | PackedLinearGroup = ConcatLinear(self, self.fused_groups["gate_up_packed"])
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
         gate, up = self.gate_up_packed(hidden)  # [num_tokens, intermediate] each

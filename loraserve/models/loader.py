@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from loraserve.kernels.cpu import cache_root
 from loraserve.models.fused_linear import ConcatLinear
+from loraserve.models.gemm_choice import GemmPlan, GemmPolicy, pack_linears
 from loraserve.models.llama import LlamaForCausalLM, ModelKernels
 
 logger = logging.getLogger(__name__)
@@ -106,10 +107,16 @@ def load_hf_config(model_dir: Path) -> Any:
 
 
 def load_model(
-    model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device, kernels: ModelKernels | None = None
-) -> LlamaForCausalLM:
+    model_dir: Path,
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: ModelKernels | None = None,
+    gemm_policy: GemmPolicy | None = None,
+) -> tuple[LlamaForCausalLM, GemmPlan]:
     """Build the native model over ``kernels`` (default: the torch ones) and load every
-    ``*.safetensors`` file of the directory."""
+    ``*.safetensors`` file of the directory; with ``gemm_policy`` (the ``cpu`` backend) its linear
+    layers run on the CPU GEMM kernels it chooses. Returns the finished model and that choice."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weights (pickled .bin files are refused)")
@@ -134,4 +141,5 @@ def load_model(
     for module in model.modules():
         if isinstance(module, ConcatLinear):
             module.refresh()  # concatenate the fused projections' weights now, not in the first step
-    return model
+    plan = pack_linears(model, gemm_policy) if gemm_policy is not None else GemmPlan()
+    return model, plan
