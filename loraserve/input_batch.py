@@ -1,6 +1,7 @@
 """The runner's state kept across steps (vLLM v1's ``InputBatch``): one row per live sequence.
 
-A row holds the sequence's KV block table in a preallocated array, updated incrementally: a step
+A row holds what stays fixed for a sequence (its sampling parameters, seed, prompt length),
+written when it joins, and its KV block table in a preallocated array, updated incrementally: a step
 writes only the blocks appended since the last one, and rewrites a row only when the KV cache
 manager gave the sequence a new table (``Sequence.block_table_epoch``: preemption, swap,
 copy-on-write). Rows are released when the scheduler reports the sequence finished or preempted
@@ -19,9 +20,18 @@ from loraserve.sequence import Sequence
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device) -> None:
         self.device = device
+        self.vocab_size = vocab_size
         self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
+        # Per row, fixed while the sequence lives (gathered by row for the sampled sequences):
+        self.seeds = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.top_ks = np.zeros(max_num_seqs, dtype=np.int64)  # the vocabulary size when off
+        self.temperatures = np.zeros(max_num_seqs, dtype=np.float64)
+        self.top_ps = np.ones(max_num_seqs, dtype=np.float64)
+        self.greedy = np.zeros(max_num_seqs, dtype=bool)
+        self.filtered = np.zeros(max_num_seqs, dtype=bool)  # top-k or top-p on
         self._num_synced = [0] * max_num_seqs  # leading entries of each row equal to its table
         self._epochs = [-1] * max_num_seqs
         self._rows: dict[int, int] = {}  # seq_id -> row
@@ -43,12 +53,11 @@ class InputBatch:
     def row(self, seq: Sequence) -> int:
         """The sequence's row, its block table brought up to date."""
         row = self._rows.get(seq.seq_id)
-        if row is None:
-            if not self._free_rows:
-                raise RuntimeError(f"no free input-batch row for seq {seq.seq_id}: more live sequences than rows")
-            row = self._rows[seq.seq_id] = self._free_rows.pop()
-            self._epochs[row] = -1
         table = seq.block_ids
+        if row is not None and len(table) == self._num_synced[row] and self._epochs[row] == seq.block_table_epoch:
+            return row  # the common decode step: nothing changed
+        if row is None:
+            row = self._join(seq)
         if len(table) > self.block_tables.shape[1]:
             raise RuntimeError(f"seq {seq.seq_id} has {len(table)} blocks; rows hold {self.block_tables.shape[1]}")
         synced = self._num_synced[row]
@@ -58,6 +67,21 @@ class InputBatch:
         elif len(table) > synced:
             self.block_tables[row, synced : len(table)] = table[synced:]
         self._num_synced[row] = len(table)
+        return row
+
+    def _join(self, seq: Sequence) -> int:
+        if not self._free_rows:
+            raise RuntimeError(f"no free input-batch row for seq {seq.seq_id}: more live sequences than rows")
+        row = self._rows[seq.seq_id] = self._free_rows.pop()
+        self._epochs[row] = -1
+        params = seq.params
+        self.seeds[row] = seq.seed
+        self.num_prompt_tokens[row] = seq.num_prompt_tokens
+        self.top_ks[row] = params.top_k if params.top_k > 0 else self.vocab_size
+        self.temperatures[row] = params.temperature
+        self.top_ps[row] = params.top_p
+        self.greedy[row] = params.is_greedy
+        self.filtered[row] = params.top_k > 0 or params.top_p < 1.0
         return row
 
     def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:

@@ -81,7 +81,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.lora_hook = make_lora_hook(self.storage)
         max_blocks = min(num_pages, -(-max_model_len // layout.block_size) + 1)
-        self.input_batch = InputBatch(max_num_seqs, max_blocks, device)
+        self.input_batch = InputBatch(max_num_seqs, max_blocks, self.vocab_size, device)
         self.num_downloads = 0  # device-to-host copies of sampled ids (one per step that samples)
 
     def copy_pages(self, batch: ScheduledBatch) -> None:
@@ -112,27 +112,30 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in order]
         count = len(seqs)
         block_size = self.layout.block_size
-        num_new = np.fromiter((batch.num_new_tokens[i] for i in order), np.int64, count)  # [n]
-        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, count)  # [n]
-        rows = np.fromiter((self.input_batch.row(seq) for seq in seqs), np.int64, count)  # [n]
+        rows_of = self.input_batch
+        row = rows_of.row
+        per_seq = np.array([(s.num_computed_tokens, s.num_tokens, row(s)) for s in seqs], np.int64).reshape(count, 3)
+        starts, totals, rows = per_seq[:, 0], per_seq[:, 1], per_seq[:, 2]  # [n] each
+        num_new = np.array([batch.num_new_tokens[i] for i in order], np.int64)  # [n]
         ends = starts + num_new
         num_decode = int(np.count_nonzero(num_new == 1))  # sorted first
         token_ends = np.cumsum(num_new)  # [n], one past each sequence's last row
         token_starts = token_ends - num_new
+        num_tokens = int(token_ends[-1])
         owner = np.repeat(np.arange(count), num_new)  # [num_tokens], the sequence of each row
-        positions = np.arange(int(token_ends[-1])) - token_starts[owner] + starts[owner]  # [num_tokens]
-        tables = self.input_batch.block_tables
+        positions = np.arange(num_tokens) - token_starts[owner] + starts[owner]  # [num_tokens]
+        tables = rows_of.block_tables
         slots = tables[rows[owner], positions // block_size] * block_size + positions % block_size
-        input_ids = np.fromiter(
-            itertools.chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends, strict=True)),
-            np.int64,
-            int(token_ends[-1]),
+        decode_ids = [s.token_ids[s.num_computed_tokens] for s in seqs[:num_decode]]
+        prefill_ids = itertools.chain.from_iterable(
+            s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]
+            for s, n in zip(seqs[num_decode:], num_new[num_decode:].tolist(), strict=True)
         )
-        samples = ends == np.fromiter((seq.num_tokens for seq in seqs), np.int64, count)  # [n] bool
-        sampled_seqs = [seq for seq, sample in zip(seqs, samples, strict=True) if sample]
+        input_ids = np.fromiter(itertools.chain(decode_ids, prefill_ids), np.int64, num_tokens)
+        samples = ends == totals  # [n] bool: the sequence reaches its last token, so it samples
+        sampled_rows = rows[samples]
         decode_width = -(-int(ends[:num_decode].max(initial=0)) // block_size)
         prefill_width = -(-int(ends[num_decode:].max(initial=0)) // block_size)
-        params = [seq.params for seq in sampled_seqs]
         parts = [
             input_ids,
             positions,
@@ -143,15 +146,16 @@ class ModelRunner:
             np.concatenate(([0], np.cumsum(num_new[num_decode:]))),  # prefill query starts
             starts[num_decode:],  # prefill cached lengths
             tables[rows[num_decode:], :prefill_width],
-            np.fromiter((p.top_k if p.top_k > 0 else self.vocab_size for p in params), np.int64, len(params)),
-            np.fromiter((seq.seed for seq in sampled_seqs), np.int64, len(params)),
-            np.fromiter((seq.num_output_tokens for seq in sampled_seqs), np.int64, len(params)),
-            np.fromiter((p.temperature for p in params), np.float64, len(params)),
-            np.fromiter((p.top_p for p in params), np.float64, len(params)),
+            rows_of.top_ks[sampled_rows],
+            rows_of.seeds[sampled_rows],
+            totals[samples] - rows_of.num_prompt_tokens[sampled_rows],  # output index of each sampled token
+            rows_of.temperatures[sampled_rows],
+            rows_of.top_ps[sampled_rows],
         ]
         (ids, pos, slot, decode_lens, logits_rows, decode_tables, query_starts, cached, prefill_tables,
-         top_ks, seeds, counters, temperatures, top_ps) = self.input_batch.upload(parts)  # fmt: skip
-        ranges = [(int(a), int(b), seq.adapter_id) for a, b, seq in zip(token_starts, token_ends, seqs, strict=True)]
+         top_ks, seeds, counters, temperatures, top_ps) = rows_of.upload(parts)  # fmt: skip
+        bounds = zip(token_starts.tolist(), token_ends.tolist(), seqs, strict=True)
+        ranges = [(start, end, seq.adapter_id) for start, end, seq in bounds]
         forward_batch = ForwardBatch(
             input_ids=ids,
             positions=pos,
@@ -171,8 +175,8 @@ class ModelRunner:
             top_ps=top_ps.float(),
             seeds=seeds,
             counters=counters,
-            all_greedy=all(p.is_greedy for p in params),
-            any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            all_greedy=bool(rows_of.greedy[sampled_rows].all()),
+            any_filter=bool(rows_of.filtered[sampled_rows].any()),
         )
         return forward_batch, sampling, order
 

@@ -121,7 +121,7 @@ def test_input_batch_rows_follow_block_tables_incrementally() -> None:
     from loraserve.input_batch import InputBatch
     from loraserve.sequence import Sequence
 
-    rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=4, device=torch.device("cpu"))
+    rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=4, vocab_size=10, device=torch.device("cpu"))
     a, b = Sequence("a", [1, 2], SamplingParams()), Sequence("b", [3], SamplingParams())
     a.block_ids = [7]
     assert rows.row(a) == 0 and rows.block_tables[0].tolist() == [7, 0, 0, 0]
