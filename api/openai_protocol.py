@@ -44,10 +44,12 @@ class _SamplingFields(_Request):
         min_length=1,
         description="vLLM extension: requests share cached prompt blocks only with requests of the same salt",
     )
-    # Declared only to refuse non-default values (see unsupported_fields).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM extension: 1 is off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM extension: 0 is off")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM extension: no EOS or stop before this many")
 
 
 class CompletionRequest(_SamplingFields):
@@ -86,9 +88,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 def unsupported_fields(request: _SamplingFields) -> list[str]:
     """Names of fields set to values loraserve cannot honour."""
-    bad = [name for name in ("presence_penalty", "frequency_penalty") if getattr(request, name) not in (None, 0, 0.0)]
-    if request.logit_bias:
-        bad.append("logit_bias")
+    bad: list[str] = []
     if isinstance(request, CompletionRequest):
         if request.suffix:
             bad.append("suffix")

@@ -87,6 +87,10 @@ def sampling_params(
         raise APIError(400, f"unsupported parameter(s) {bad}: loraserve does not implement them", param=bad[0])
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
+        logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+    try:
         return SamplingParams(
             n=request.n if n is None else n,
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -98,6 +102,12 @@ def sampling_params(
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            min_p=request.min_p or 0.0,
+            logit_bias=tuple(logit_bias.items()),
+            min_tokens=request.min_tokens or 0,
             # A plain JSON response needs only the finished output (no per-step outputs or text).
             output_kind="cumulative" if request.stream else "final_only",
         )

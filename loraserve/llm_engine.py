@@ -123,6 +123,7 @@ class LLMEngine:
             self.kernels.make_lora_hook,
             config.max_num_seqs,
             self.max_model_len,
+            eos_token_ids,
         )
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)  # sampling seeds of requests that give none
@@ -148,6 +149,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         token_ids = self.encode(prompt)
+        vocab = int(self.hf_config.vocab_size)
+        bad = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"logit_bias or stop_token_ids name token ids {bad[:5]} outside [0, {vocab})")
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "

@@ -18,6 +18,7 @@ import torch
 
 from loraserve.forward_batch import ForwardBatch, PrefillBatch
 from loraserve.input_batch import InputBatch
+from loraserve.logits_adjustments import LogitsAdjustments
 from loraserve.lora.batch import LoRABatch
 from loraserve.lora.weights import write_adapter_load
 from loraserve.models.llama import LlamaForCausalLM, LoRAHook
@@ -63,6 +64,7 @@ class ModelRunner:
         make_lora_hook: Callable[[torch.Tensor], LoRAHook],
         max_num_seqs: int,
         max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.layout = layout
@@ -83,6 +85,7 @@ class ModelRunner:
         max_blocks = min(num_pages, -(-max_model_len // layout.block_size) + 1)
         self.input_batch = InputBatch(max_num_seqs, max_blocks, self.vocab_size, device)
         self.num_downloads = 0  # device-to-host copies of sampled ids (one per step that samples)
+        self.eos_token_ids = eos_token_ids  # banned before a request's min_tokens
 
     def copy_pages(self, batch: ScheduledBatch) -> None:
         """Swap-out, swap-in, copy-on-write copies and adapter loads, in that order, before the forward."""
@@ -151,9 +154,20 @@ class ModelRunner:
             totals[samples] - rows_of.num_prompt_tokens[sampled_rows],  # output index of each sampled token
             rows_of.temperatures[sampled_rows],
             rows_of.top_ps[sampled_rows],
+            rows_of.min_ps[sampled_rows],
         ]
+        adjusts = bool(rows_of.adjusts[sampled_rows].any())
+        if adjusts:  # only steps with a penalty, bias or min_tokens pay for this
+            sampled_seqs = [seq for seq, sample in zip(seqs, samples.tolist(), strict=True) if sample]
+            extra = LogitsAdjustments.host_parts(sampled_seqs, self.eos_token_ids)
+            parts.extend(extra)
+        views = rows_of.upload(parts)
         (ids, pos, slot, decode_lens, logits_rows, decode_tables, query_starts, cached, prefill_tables,
-         top_ks, seeds, counters, temperatures, top_ps) = rows_of.upload(parts)  # fmt: skip
+         top_ks, seeds, counters, temperatures, top_ps, min_ps) = views[:15]  # fmt: skip
+        adjustments = None
+        if adjusts:
+            any_penalty = any(seq.params.has_penalties for seq in sampled_seqs)
+            adjustments = LogitsAdjustments.from_views(views[15:], [part.shape for part in extra], any_penalty)
         bounds = zip(token_starts.tolist(), token_ends.tolist(), seqs, strict=True)
         ranges = [(start, end, seq.adapter_id) for start, end, seq in bounds]
         forward_batch = ForwardBatch(
@@ -177,6 +191,8 @@ class ModelRunner:
             counters=counters,
             all_greedy=bool(rows_of.greedy[sampled_rows].all()),
             any_filter=bool(rows_of.filtered[sampled_rows].any()),
+            min_ps=min_ps if bool((rows_of.min_ps[sampled_rows] > 0).any()) else None,
+            adjustments=adjustments,
         )
         return forward_batch, sampling, order
 

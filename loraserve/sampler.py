@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.logits_adjustments import LogitsAdjustments
 from loraserve.sequence import Sequence
 
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # the splitmix64 constants as signed int64
@@ -64,6 +65,8 @@ class SamplingBatch:
     counters: torch.Tensor  # int64, the index of the token being sampled in the sequence's output
     all_greedy: bool  # host-side flags, so that no branch reads a device value
     any_filter: bool
+    min_ps: torch.Tensor | None = None  # [rows] float64, None when no row sets min_p
+    adjustments: LogitsAdjustments | None = None  # bias, min_tokens, penalties; None when no row asks
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -77,6 +80,9 @@ class SamplingBatch:
             counters=torch.tensor([seq.num_output_tokens for seq in seqs], dtype=torch.long, device=device),
             all_greedy=all(p.is_greedy for p in params),
             any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device)
+            if any(p.min_p > 0 for p in params)
+            else None,
         )
 
 
@@ -86,11 +92,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # [rows] int64
         """logits: ``[rows, vocab]``; returns the sampled ids on the logits' device."""
         logits = logits.float()
+        if batch.adjustments is not None:
+            logits = batch.adjustments.apply(logits)  # a new tensor: logprobs stay the model's
         greedy = logits.argmax(dim=-1)  # [rows]
         if batch.all_greedy:
             return greedy
         is_greedy = batch.temperatures == 0
         scaled = logits / torch.where(is_greedy, 1.0, batch.temperatures)[:, None]  # [rows, vocab]
+        if batch.min_ps is not None:  # p < min_p * p_max  <=>  logit < max logit + log(min_p)
+            floor = scaled.amax(dim=-1, keepdim=True) + batch.min_ps.float().log()[:, None]
+            scaled = scaled.masked_fill(scaled < floor, float("-inf"))
         if batch.any_filter:
             scaled = _filter_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
         cdf = scaled.softmax(dim=-1).cumsum(dim=-1)  # [rows, vocab]

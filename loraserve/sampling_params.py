@@ -36,6 +36,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     output_kind: str = "cumulative"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted
+    min_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -44,6 +50,26 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        _require(
+            -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
+        )
+        _require(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _require(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _require(
+            all(-100.0 <= b <= 100.0 for _, b in self.logit_bias),
+            "logit_bias values must be in [-100, 100]",
+        )
+        _require(all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must be >= 0")
+        _require(
+            0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
         _require(self.n >= 1, f"n must be at least 1, got {self.n}")
         _require(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
@@ -57,6 +83,15 @@ class SamplingParams:
         _require(
             self.output_kind in OUTPUT_KINDS, f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}"
         )
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether sampling changes this request's logits before drawing (penalties, bias, ...)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0.0
 
     @property
     def is_greedy(self) -> bool:

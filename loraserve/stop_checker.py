@@ -26,7 +26,10 @@ class StopChecker:
         decode_at_end = params.output_kind == "final_only" and not params.stop
         num_new_chars = 0 if decode_at_end else len(self.detokenizer.update(seq))
         stop: Stop | None = None
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if seq.num_output_tokens < params.min_tokens:  # only the lengths end it before min_tokens
+            if seq.num_tokens >= self.max_model_len:
+                stop = (FinishReason.LENGTH, None)
+        elif not params.ignore_eos and token in self.eos_token_ids:
             stop = (FinishReason.STOP, None)
         elif token in params.stop_token_ids:
             stop = (FinishReason.STOP, token)

@@ -203,8 +203,14 @@ def test_errors_use_the_openai_shape(http: httpx.Client, client: openai.OpenAI) 
     assert assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}), 400)["param"] == "model"
     bad_json = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert_openai_error(bad_json, 400)
-    penalty = {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}
-    assert "presence_penalty" in assert_openai_error(http.post("/v1/completions", json=penalty), 400)["message"]
+    suffix = {"model": MODEL, "prompt": "x", "suffix": "y"}
+    assert "suffix" in assert_openai_error(http.post("/v1/completions", json=suffix), 400)["message"]
+    for bias in ({"x": 1.0}, {"10000000": 1.0}, {"5": 500.0}):
+        body = {"model": MODEL, "prompt": "x", "logit_bias": bias}
+        assert "logit_bias" in assert_openai_error(http.post("/v1/completions", json=body), 400)["message"]
+    for name, value in (("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("min_p", 1.5), ("min_tokens", 99)):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4, name: value}
+        assert name in assert_openai_error(http.post("/v1/completions", json=body), 400)["message"]
     too_long = {"model": MODEL, "prompt": "x", "max_tokens": 10**6}
     assert "max_tokens" in assert_openai_error(http.post("/v1/completions", json=too_long), 400)["message"]
     assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": ""}), 400)
@@ -215,6 +221,17 @@ def test_errors_use_the_openai_shape(http: httpx.Client, client: openai.OpenAI) 
     assert_openai_error(http.get("/v1/completions"), 405)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+
+
+def test_penalties_and_bias_are_honoured_over_http(client: openai.OpenAI) -> None:
+    """vLLM's sampling parameters change the output (they are never accepted and ignored)."""
+    base = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    plain = client.completions.create(**base).choices[0].text  # type: ignore[call-overload]
+    extra = {"repetition_penalty": 1.8, "min_tokens": 4}
+    penalized = client.completions.create(**base, presence_penalty=2.0, extra_body=extra).choices[0].text  # type: ignore[call-overload]
+    assert penalized != plain
+    forced = client.completions.create(**base, logit_bias={"77": 100}).choices[0]  # type: ignore[call-overload]
+    assert forced.text and len(set(forced.text)) <= 2  # one token over and over
 
 
 def test_metrics_parse(http: httpx.Client, client: openai.OpenAI, server: tuple[Any, LLMEngine]) -> None:

@@ -160,3 +160,77 @@ def test_bad_input_is_named(llm: LLM) -> None:
     with pytest.raises(ConfigError, match="kernels must be one of"):
         LLM(kernels="gpu")
     assert llm.engine.pool.num_free_pages + llm.engine.pool.num_evictable_pages == llm.engine.pool.num_pages
+
+
+def _reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+    """vLLM's definitions, one row, plain loops (the reference twin of LogitsAdjustments.apply)."""
+    out = logits.clone()
+    for token, bias in p.logit_bias:
+        out[token] += bias
+    for token in set(prompt) | set(output):
+        out[token] = out[token] / p.repetition_penalty if out[token] > 0 else out[token] * p.repetition_penalty
+    for token in set(output):
+        out[token] -= p.frequency_penalty * output.count(token) + p.presence_penalty
+    return out
+
+
+def test_penalties_and_bias_match_the_reference() -> None:
+    from loraserve.logits_adjustments import LogitsAdjustments
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=gen) * 3
+    cases = [
+        SamplingParams(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={7: 5.0}),
+        SamplingParams(),  # a row without any: unchanged
+        SamplingParams(repetition_penalty=0.6, frequency_penalty=-1.0, logit_bias={0: -100.0, 39: 2.5}),
+    ]
+    seqs = []
+    for i, params in enumerate(cases):
+        seq = Sequence(str(i), [1, 2, 3, 9 + i], params)
+        for token in (2, 5, 5, 11, 30 + i):
+            seq.append_token(token)
+        seqs.append(seq)
+    parts = LogitsAdjustments.host_parts(seqs, frozenset({0}))
+    views = [torch.from_numpy(p.reshape(-1)) for p in parts]
+    adjustments = LogitsAdjustments.from_views(views, [p.shape for p in parts], any_penalty=True)
+    got = adjustments.apply(logits)
+    for row, seq in enumerate(seqs):
+        expected = _reference_penalties(logits[row], seq.prompt_token_ids, seq.output_token_ids, seq.params)
+        torch.testing.assert_close(got[row], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    from loraserve.logits_adjustments import LogitsAdjustments
+
+    params = SamplingParams(min_tokens=2, stop_token_ids=(4,), max_tokens=5)
+    seq = Sequence("r", [1, 2], params)
+    logits = torch.zeros(1, 8)
+    logits[0, 3], logits[0, 4] = 10.0, 9.0  # EOS (3) and a stop id (4) are the likeliest
+    parts = LogitsAdjustments.host_parts([seq], frozenset({3}))
+    views = [torch.from_numpy(p.reshape(-1)) for p in parts]
+    banned = LogitsAdjustments.from_views(views, [p.shape for p in parts], any_penalty=False).apply(logits)
+    assert banned[0, 3] == banned[0, 4] == float("-inf") and banned.argmax().item() not in (3, 4)
+    seq.append_token(6)
+    seq.append_token(6)  # min_tokens reached: nothing banned any more
+    parts = LogitsAdjustments.host_parts([seq], frozenset({3}))
+    assert parts[8].size == 0
+
+
+def test_sampling_parameters_change_the_output_as_vllm_defines_them(llm: LLM) -> None:
+    prompt = ["The capital of France is"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = _tokens(llm, prompt, greedy)[0]
+    assert len(set(plain)) < len(plain)  # the tiny model repeats a token: something to penalize
+    for penalty in ({"repetition_penalty": 1.8}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        penalized = _tokens(llm, prompt, dataclasses.replace(greedy, **penalty))[0]  # type: ignore[arg-type]
+        assert penalized != plain and len(set(penalized)) > len(set(plain)), penalty
+    forced = _tokens(llm, prompt, dataclasses.replace(greedy, logit_bias={77: 100.0}))[0]
+    assert forced == [77] * 24
+    # min_p 0.99 at temperature 1 keeps only the top token: the greedy output.
+    assert _tokens(llm, prompt, SamplingParams(temperature=1.0, min_p=0.99, max_tokens=24, ignore_eos=True))[0] == plain
+    eos = llm.engine.scheduler.stop_checker.eos_token_ids
+    early = SamplingParams(temperature=0.0, max_tokens=12, logit_bias={min(eos): 100.0})
+    assert _tokens(llm, prompt, early)[0] == [min(eos)]  # EOS at once
+    late = dataclasses.replace(early, min_tokens=5)
+    tokens = _tokens(llm, prompt, late)[0]
+    assert len(tokens) == 6 and tokens[-1] == min(eos) and min(eos) not in tokens[:5]
