@@ -158,9 +158,9 @@ async def _stream(
                     start, end = tracker.next_token_range(completion)
                     tracker.finished = completion.finish_reason is not None
                     logprobs = _logprobs(state, completion, start, end, params, num_top) if end > start else None
-                    if not text and not tracker.finished and logprobs is None:
-                        continue
-                    delta = ChatDelta(content=text or None)
+                    if not text and not tracker.finished and end == start:
+                        continue  # nothing new (a token whose text is still incomplete still gets its chunk)
+                    delta = ChatDelta(content=text)
                     choice = ChatChunkChoice(
                         index=completion.index, delta=delta, logprobs=logprobs, finish_reason=completion.finish_reason
                     )

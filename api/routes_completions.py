@@ -159,8 +159,8 @@ class _ChoiceStreamer:
         if self.params.logprobs is not None and end > start:
             logprobs = completion_logprobs(self.state, completion, start, end, self.text_offsets[index])
             self.text_offsets[index] += sum(len(token) for token in logprobs.tokens)
-        if not text and finish_reason is None and logprobs is None:
-            return None
+        if not text and finish_reason is None and end == start:
+            return None  # nothing new (a token whose text is still incomplete still gets its chunk)
         return CompletionChoice(
             index=index,
             text=text,

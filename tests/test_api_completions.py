@@ -160,6 +160,20 @@ def test_logprobs_and_stop(client: openai.OpenAI, http: httpx.Client) -> None:
     assert "echo" in error["message"]
 
 
+def test_a_token_with_incomplete_text_still_gets_its_chunk(client: openai.OpenAI) -> None:
+    """Token 111 alone decodes to half of a UTF-8 character: forced 8 times, the stream still sends
+    a chunk as the tokens come (empty text while the character is incomplete), as vLLM does."""
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logit_bias={"111": 100}, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = [chunk for chunk in stream if chunk.choices]
+    usage_tokens = 8
+    assert len(chunks) >= usage_tokens // 2  # a chunk per engine step (several only if the client lags)
+    assert any(chunk.choices[0].text == "" for chunk in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_chat_stream_and_non_stream(client: openai.OpenAI) -> None:
     messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
