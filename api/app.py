@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from loraserve.llm_engine import LLMEngine
 
-from . import routes_adapters, routes_chat, routes_completions, routes_models
+from . import routes_adapters, routes_chat, routes_completions, routes_models, routes_tokenize
 from .async_engine import AsyncEngine
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
@@ -61,6 +61,6 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.state.server = state
     app.state.settings = settings
     install_error_handlers(app)
-    for module in (routes_completions, routes_chat, routes_models, routes_adapters):
+    for module in (routes_completions, routes_chat, routes_tokenize, routes_models, routes_adapters):
         app.include_router(module.router)
     return app

@@ -64,18 +64,20 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     return {"role": role, "content": content or ""}
 
 
-def render_chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+def render_chat_prompt(
+    state: ServerState, chat: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool = False
+) -> list[int]:
     """Apply the base model's chat template and tokenize (the API's tokenizer, on the event loop)."""
-    messages = [_message_dict(message, i) for i, message in enumerate(body.messages)]
+    messages = [_message_dict(message, i) for i, message in enumerate(chat)]
     if getattr(state.tokenizer, "chat_template", None) is None:
         raise APIError(400, "the base model has no chat template; use /v1/completions", param="messages")
     try:
         text = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as error:  # jinja raises for conversations the template refuses
         raise APIError(400, f"the chat template refused the messages: {error}", param="messages") from None
-    return [int(token) for token in state.tokenizer.encode(text, add_special_tokens=False)]
+    return [int(token) for token in state.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
 
 
 @router.post(
@@ -90,7 +92,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     adapter_name = resolve_adapter(state, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
-    prompt_ids = render_chat_prompt(state, body)
+    prompt_ids = render_chat_prompt(state, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens or state.max_new_tokens(len(prompt_ids))
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     num_top = body.top_logprobs or 0

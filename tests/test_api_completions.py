@@ -248,6 +248,27 @@ def test_penalties_and_bias_are_honoured_over_http(client: openai.OpenAI) -> Non
     assert forced.text and len(set(forced.text)) <= 2  # one token over and over
 
 
+def test_tokenize_and_detokenize_as_vllm(http: httpx.Client, server: tuple[Any, LLMEngine]) -> None:
+    engine = server[1]
+    expected = list(engine.tokenizer.encode(PROMPT))
+    body = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+    assert body["tokens"] == expected and body["count"] == len(expected)
+    assert body["max_model_len"] == engine.max_model_len and len(body["token_strs"]) == len(expected)
+    plain = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert plain["token_strs"] is None and plain["tokens"] == list(
+        engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    )
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == list(engine.tokenizer.encode(text, add_special_tokens=False))
+    back = http.post("/detokenize", json={"model": MODEL, "tokens": plain["tokens"]}).json()
+    assert back == {"prompt": engine.tokenizer.decode(plain["tokens"])} and PROMPT in back["prompt"]
+    assert_openai_error(http.post("/detokenize", json={"tokens": [10**9]}), 400)
+    assert_openai_error(http.post("/tokenize", json={"model": MODEL}), 400)  # neither prompt nor messages
+    assert_openai_error(http.post("/tokenize", json={"model": "no-such", "prompt": "x"}), 404)
+
+
 def test_metrics_parse(http: httpx.Client, client: openai.OpenAI, server: tuple[Any, LLMEngine]) -> None:
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     values = wait_until_idle(http, server[1])
