@@ -22,6 +22,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused when true (see unsupported_fields)
 
 
 class _SamplingFields(_Request):
@@ -50,6 +51,21 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM extension: 1 is off")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM extension: 0 is off")
     min_tokens: int | None = Field(None, ge=0, description="vLLM extension: no EOS or stop before this many")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the stop string")
+    # vLLM's other sampling extensions, declared so that a value loraserve cannot honour is refused
+    # with a 400 naming it (see unsupported_fields) instead of being ignored.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -115,7 +131,19 @@ class DetokenizeResponse(BaseModel):
 
 def unsupported_fields(request: _SamplingFields) -> list[str]:
     """Names of fields set to values loraserve cannot honour."""
-    bad: list[str] = []
+    defaults: dict[str, Any] = {
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+    }
+    bad = [name for name, default in defaults.items() if getattr(request, name) != default]
+    for name in ("truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words", "guided_json",
+                 "guided_regex", "guided_choice", "guided_grammar"):  # fmt: skip
+        if getattr(request, name) is not None:
+            bad.append(name)
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+        bad.append("stream_options.continuous_usage_stats")
     if isinstance(request, CompletionRequest):
         if request.suffix:
             bad.append("suffix")

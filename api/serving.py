@@ -108,6 +108,7 @@ def sampling_params(
             min_p=request.min_p or 0.0,
             logit_bias=tuple(logit_bias.items()),
             min_tokens=request.min_tokens or 0,
+            include_stop_str_in_output=request.include_stop_str_in_output,
             # A plain JSON response needs only the finished output (no per-step outputs or text).
             output_kind="cumulative" if request.stream else "final_only",
         )

@@ -35,7 +35,8 @@ class StopChecker:
             stop = (FinishReason.STOP, token)
         elif params.stop and (found := find_stop_string(seq.output_text, num_new_chars, params.stop)):
             index, stop_string = found
-            seq.output_text = seq.output_text[:index]
+            end = index + len(stop_string) if params.include_stop_str_in_output else index
+            seq.output_text = seq.output_text[:end]
             stop = (FinishReason.STOP, stop_string)
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             stop = (FinishReason.LENGTH, None)

@@ -217,8 +217,12 @@ def test_errors_use_the_openai_shape(http: httpx.Client, client: openai.OpenAI) 
     assert assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}), 400)["param"] == "model"
     bad_json = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert_openai_error(bad_json, 400)
-    suffix = {"model": MODEL, "prompt": "x", "suffix": "y"}
-    assert "suffix" in assert_openai_error(http.post("/v1/completions", json=suffix), 400)["message"]
+    refused: dict[str, Any] = {"suffix": "y", "use_beam_search": True, "skip_special_tokens": False,
+                               "prompt_logprobs": 1, "guided_choice": ["a"],
+                               "stream_options": {"continuous_usage_stats": True}}  # fmt: skip
+    for name, value in refused.items():
+        body = {"model": MODEL, "prompt": "x", name: value}
+        assert name in assert_openai_error(http.post("/v1/completions", json=body), 400)["message"]
     for bias in ({"x": 1.0}, {"10000000": 1.0}, {"5": 500.0}):
         body = {"model": MODEL, "prompt": "x", "logit_bias": bias}
         assert "logit_bias" in assert_openai_error(http.post("/v1/completions", json=body), 400)["message"]

@@ -93,6 +93,10 @@ def test_max_tokens_stop_token_ids_and_stop_strings(llm: LLM) -> None:
     )[0]
     assert by_text.finish_reason == "stop" and by_text.outputs[0].stop_reason == stop
     assert by_text.text == text[: text.index(stop)]
+    kept = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True
+    )
+    assert llm.generate([PROMPTS[1]], kept, use_tqdm=False)[0].text == text[: text.index(stop) + len(stop)]
 
 
 def test_eos_ends_generation_unless_ignored(llm: LLM) -> None:
