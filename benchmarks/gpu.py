@@ -272,12 +272,28 @@ def part_profile(args: argparse.Namespace) -> None:
     record("profile", text.getvalue()[-6000:])
 
 
+def part_host_overhead(args: argparse.Namespace) -> None:
+    """``benchmarks.host_overhead`` on the device: ms per decode step of a tiny model (256
+    sequences, 32 adapters), by phase, on the triton and torch backends."""
+    from benchmarks import host_overhead
+
+    for kernels in ("triton", "torch"):
+        argv = ["--device", args.device, "--kernels", kernels]
+        if args.smoke:
+            argv += ["--seqs", "8", "--adapters", "2", "--steps", "4", "--warmup", "1"]
+        result = host_overhead.measure(host_overhead.parse_args(argv))
+        log(f"host overhead, {kernels}: {result['ms_per_step_median']:.2f} ms per step, "
+            f"{result['us_per_seq_step']:.2f} us per sequence, phases {result['phase_ms_mean']}")  # fmt: skip
+        record(f"host_overhead_{kernels}", result)
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], None]] = {
     "tests": part_tests,
     "exact": part_exact,
     "attention": part_attention,
     "throughput": part_throughput,
     "profile": part_profile,
+    "host_overhead": part_host_overhead,
 }
 
 

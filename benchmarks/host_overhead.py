@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -95,8 +94,9 @@ def instrument(engine: Any, timer: PhaseTimer) -> list[str]:
 def run(args: argparse.Namespace, model_dir: Path, adapter_dir: Path) -> dict[str, Any]:
     from loraserve import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), kernels=args.kernels, max_num_seqs=args.seqs, max_num_batched_tokens=4096,
-              num_pages=args.seqs * 8 + 64 * max(args.adapters, 1), num_threads=args.threads)  # fmt: skip
+    llm = LLM(str(model_dir), kernels=args.kernels, device=args.device, max_num_seqs=args.seqs,
+              max_num_batched_tokens=4096, num_pages=args.seqs * 8 + 64 * max(args.adapters, 1),
+              num_threads=args.threads)  # fmt: skip
     engine = llm.engine
     ranks = [(8, 16, 32, 64)[i % 4] for i in range(args.adapters)]
     names: list[str | None] = [None]
@@ -147,9 +147,10 @@ def run(args: argparse.Namespace, model_dir: Path, adapter_dir: Path) -> dict[st
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", default="cpu", choices=["cpu", "torch", "triton"], help="kernel backend (cpu)")
+    parser.add_argument("--device", default="cpu", help="the engine's device (cpu; cuda with --kernels triton)")
     parser.add_argument("--seqs", type=int, default=256, help="sequences decoding together (256)")
     parser.add_argument("--adapters", type=int, default=32, help="adapters, round robin; 0: base model (32)")
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per sequence (8)")
@@ -166,12 +167,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.seqs < 1 or args.adapters < 0 or args.steps < 1 or args.prompt_len < 1:
         parser.error("--seqs, --steps and --prompt-len must be positive, --adapters >= 0")
+    return args
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Build (once) the model and adapters under the loraserve cache and run the benchmark."""
     from loraserve.models.loader import cache_root
 
     root = cache_root() / "bench-host-overhead"
-    model_dir = make_tiny_model(root / "model")
-    with tempfile.TemporaryDirectory():
-        result = run(args, model_dir, root / "adapters")
+    return run(args, make_tiny_model(root / "model"), root / "adapters")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = measure(args)
     result["machine"] = machine_info()
     phases = "  ".join(f"{k} {v:.2f}" for k, v in result["phase_ms_mean"].items())
     print(f"host overhead, {result['kernels']} backend, {args.seqs} seqs, {args.adapters} adapters, "
