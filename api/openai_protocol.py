@@ -22,7 +22,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; refused when true (see unsupported_fields)
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) in every chunk
 
 
 class _SamplingFields(_Request):
@@ -56,7 +56,7 @@ class _SamplingFields(_Request):
     # with a 400 naming it (see unsupported_fields) instead of being ignored.
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = Field(True, description="vLLM extension: special tokens' text left out")
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
@@ -134,7 +134,6 @@ def unsupported_fields(request: _SamplingFields) -> list[str]:
     defaults: dict[str, Any] = {
         "use_beam_search": False,
         "length_penalty": 1.0,
-        "skip_special_tokens": True,
         "spaces_between_special_tokens": True,
     }
     bad = [name for name, default in defaults.items() if getattr(request, name) != default]
@@ -142,8 +141,6 @@ def unsupported_fields(request: _SamplingFields) -> list[str]:
                  "guided_regex", "guided_choice", "guided_grammar"):  # fmt: skip
         if getattr(request, name) is not None:
             bad.append(name)
-    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
-        bad.append("stream_options.continuous_usage_stats")
     if isinstance(request, CompletionRequest):
         if request.suffix:
             bad.append("suffix")

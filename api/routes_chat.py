@@ -100,7 +100,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.stream:
         streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model, body.cache_salt)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_stream(state, request_id, body.model, streams[0], params, num_top, include_usage))
+        continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        stream = _stream(state, request_id, body.model, streams[0], params, num_top, include_usage, continuous)
+        return SSEResponse(stream)
 
     async def complete() -> ChatCompletionResponse:
         streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model, body.cache_salt)
@@ -139,6 +141,7 @@ async def _stream(
     params: SamplingParams,
     num_top: int,
     include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
@@ -166,7 +169,7 @@ async def _stream(
                     choice = ChatChunkChoice(
                         index=completion.index, delta=delta, logprobs=logprobs, finish_reason=completion.finish_reason
                     )
-                    yield chunk([choice])
+                    yield chunk([choice], usage_for([output]) if continuous_usage else None)
         if include_usage and final is not None:
             yield chunk([], usage_for([final]))
     except Exception as error:

@@ -86,7 +86,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     if body.stream:
         streams = await submit(state, request_id, prompts, params, adapter_name, body.model, body.cache_salt)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_stream(state, request_id, body.model, streams, params, echoes, include_usage))
+        continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        return SSEResponse(_stream(state, request_id, body.model, streams, params, echoes, include_usage, continuous))
 
     async def complete() -> CompletionResponse:
         streams = await submit(state, request_id, prompts, params, adapter_name, body.model, body.cache_salt)
@@ -178,6 +179,7 @@ async def _stream(
     params: SamplingParams,
     echoes: list[str],
     include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     streamer = _ChoiceStreamer(state, params, echoes)
@@ -190,7 +192,10 @@ async def _stream(
                 for completion in output.outputs:
                     choice = streamer.choice(prompt_index, completion)
                     if choice is not None:
-                        chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
+                        usage = usage_for([output]) if continuous_usage else None  # this prompt's, so far
+                        chunk = CompletionResponse(
+                            id=request_id, created=created, model=model, choices=[choice], usage=usage
+                        )
                         yield sse_event(chunk)
         if include_usage:
             usage = usage_for([final for final in finals if final is not None])

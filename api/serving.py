@@ -109,6 +109,7 @@ def sampling_params(
             logit_bias=tuple(logit_bias.items()),
             min_tokens=request.min_tokens or 0,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
             # A plain JSON response needs only the finished output (no per-step outputs or text).
             output_kind="cumulative" if request.stream else "final_only",
         )

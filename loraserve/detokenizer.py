@@ -27,7 +27,7 @@ class Detokenizer:
 
     def update(self, seq: Sequence) -> str:
         """Decode tokens past ``read_offset``; return the new text (may be empty)."""
-        special = self.special_ids
+        special = self.special_ids if seq.params.skip_special_tokens else frozenset()
         ids = [t for t in seq.token_ids[seq.prefix_offset :] if t not in special]
         num_prefix = len([t for t in seq.token_ids[seq.prefix_offset : seq.read_offset] if t not in special])
         prefix_text = self.tokenizer.decode(ids[:num_prefix])

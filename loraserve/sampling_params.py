@@ -43,6 +43,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
+    skip_special_tokens: bool = True  # leave special tokens' text out of the output text
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -217,9 +217,8 @@ def test_errors_use_the_openai_shape(http: httpx.Client, client: openai.OpenAI) 
     assert assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}), 400)["param"] == "model"
     bad_json = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert_openai_error(bad_json, 400)
-    refused: dict[str, Any] = {"suffix": "y", "use_beam_search": True, "skip_special_tokens": False,
-                               "prompt_logprobs": 1, "guided_choice": ["a"],
-                               "stream_options": {"continuous_usage_stats": True}}  # fmt: skip
+    refused: dict[str, Any] = {"suffix": "y", "use_beam_search": True, "spaces_between_special_tokens": False,
+                               "prompt_logprobs": 1, "guided_choice": ["a"]}  # fmt: skip
     for name, value in refused.items():
         body = {"model": MODEL, "prompt": "x", name: value}
         assert name in assert_openai_error(http.post("/v1/completions", json=body), 400)["message"]
@@ -250,6 +249,28 @@ def test_penalties_and_bias_are_honoured_over_http(client: openai.OpenAI) -> Non
     assert penalized != plain
     forced = client.completions.create(**base, logit_bias={"77": 100}).choices[0]  # type: ignore[call-overload]
     assert forced.text and len(set(forced.text)) <= 2  # one token over and over
+
+
+def test_continuous_usage_stats_and_special_tokens(client: openai.OpenAI, server: tuple[Any, LLMEngine]) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options=options,  # type: ignore[arg-type]
+    )
+    chunks = list(stream)
+    counts = [chunk.usage.completion_tokens for chunk in chunks if chunk.choices and chunk.usage]
+    assert counts and counts == sorted(counts) and counts[-1] == 5  # usage so far, in every chunk
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    eos = min(server[1].scheduler.stop_checker.eos_token_ids)
+    forced = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(eos): 100})
+    extra = {"ignore_eos": True}
+    hidden = client.completions.create(**forced, extra_body=extra).choices[0].text  # type: ignore[call-overload]
+    shown = client.completions.create(**forced, extra_body={**extra, "skip_special_tokens": False}).choices[0].text  # type: ignore[call-overload]
+    assert hidden == "" and shown == server[1].tokenizer.decode([eos]) * 3
 
 
 def test_tokenize_and_detokenize_as_vllm(http: httpx.Client, server: tuple[Any, LLMEngine]) -> None:
