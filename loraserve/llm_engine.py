@@ -272,10 +272,12 @@ class LLMEngine:
         sampled = self.runner.execute(batch)
         touched: dict[str, Request] = {}
         for seq in self.scheduler.update_from_output(batch, sampled):
-            if seq.params.output_kind == "cumulative" or seq.is_finished:
-                request = self.requests.get(seq.request_id)
-                if request is not None and (seq.params.output_kind == "cumulative" or request.is_finished):
-                    touched[seq.request_id] = request
+            cumulative = seq.params.output_kind == "cumulative"
+            if not (cumulative or seq.is_finished):
+                continue  # final_only and still running: nothing to report (the common case)
+            request = self.requests.get(seq.request_id)
+            if request is not None and (cumulative or request.is_finished):
+                touched[seq.request_id] = request
         for request in touched.values():
             outputs.append(make_output(request))
             if request.is_finished:
