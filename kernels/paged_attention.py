@@ -124,3 +124,28 @@ def paged_prefill_attention_varlen(
         num_blocks = -(-(cached[s] + end - start) // kv.shape[2])
         out[rows] = paged_prefill_attention(query[rows], kv, block_tables[s, :num_blocks], cached[s], scale, key, value)
     return out
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]
+    query_starts: torch.Tensor,  # [num_seqs + 1] int64
+    seq_lens: torch.Tensor,  # [num_seqs] int64, context of each sequence after this step's write
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """The reference twin of ``triton_unified_attention.unified_attention``: every sequence of a
+    step (decode tokens and prefill chunks alike; its queries are the last ``q_s`` positions of
+    its ``seq_lens[s]``-token context) as one gather + SDPA each, reading K/V from the pages."""
+    out = torch.zeros_like(query)
+    starts, lens = query_starts.tolist(), seq_lens.tolist()
+    block_size = kv.shape[2]
+    for s, (start, end) in enumerate(itertools.pairwise(starts)):
+        if end == start:
+            continue
+        num_blocks = -(-lens[s] // block_size)
+        rows = slice(start, end)
+        out[rows] = paged_prefill_attention(
+            query[rows], kv, block_tables[s, :num_blocks], lens[s] - (end - start), scale
+        )
+    return out

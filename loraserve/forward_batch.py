@@ -23,15 +23,20 @@ class PrefillBatch:
 class ForwardBatch:
     """Flattened tokens of a step: decode tokens first, then each prefill chunk.
 
-    ``lora`` carries the per-token adapter mapping when adapters are in the batch.
+    Every sequence of the step, decode or prefill, is described by ``query_starts``, ``seq_lens``
+    and ``block_tables`` (what a one-launch attention takes); the decode part's tables are views
+    of their first rows. ``lora`` carries the per-token adapter mapping when adapters are in the batch.
     """
 
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_starts: torch.Tensor  # [num_seqs + 1] int64: rows of sequence s are query_starts[s]:query_starts[s + 1]
+    seq_lens: torch.Tensor  # [num_seqs] int64: context of each sequence after this step's KV write
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, decode sequences first
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor  # [num_decode_tokens, max_blocks] int64
-    decode_context_lens: torch.Tensor  # [num_decode_tokens] int64
+    decode_block_tables: torch.Tensor  # [num_decode_tokens, max_blocks] int64 (block_tables' first rows)
+    decode_context_lens: torch.Tensor  # [num_decode_tokens] int64 (seq_lens' first entries)
     prefill: PrefillBatch | None  # None: a decode-only step
     logits_indices: torch.Tensor  # [num_sampled] int64, rows whose logits are sampled
     lora: Any = None

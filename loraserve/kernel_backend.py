@@ -6,8 +6,10 @@
   float32 also the LoRA segments and fused RMSNorm / RoPE; the model's float32 and bfloat16
   linear layers run on the GEMM kernel timed fastest on this CPU for their shape and row count
   (``models/gemm_choice.py``).
-* ``triton``: the Triton kernels (GPU): paged decode attention (``kernels/triton_attention.py``)
-  and LoRA read in place from the pool pages (``kernels/triton_lora.py``); on a CPU device
+* ``triton``: the Triton kernels (GPU): the paged attention of a whole step, decode and prefill,
+  in one launch per layer (``kernels/triton_unified_attention.py``) and LoRA read in place from
+  the pool pages (``kernels/triton_lora.py``), RoPE fused with the KV write, residual add fused
+  with RMSNorm, SiLU-and-mul (``kernels/triton_fused.py``); on a CPU device
   only under Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
 * ``auto``: ``cpu`` on a CPU device when the extension builds, ``triton`` on a CUDA device when
   Triton is installed, else ``torch``.
@@ -64,10 +66,18 @@ def _triton_backend(dtype: torch.dtype) -> KernelBackend:
     if importlib.util.find_spec("triton") is None:
         raise RuntimeError("kernels='triton' needs the triton package (pip install 'loraserve[triton]')")
     # Imported here: triton is optional, and its kernels are compiled (or interpreted) on import.
-    from loraserve.kernels import triton_attention
+    from loraserve.kernels import triton_attention, triton_fused, triton_unified_attention
     from loraserve.lora.apply_triton import TritonLoRAApplier
 
-    kernels = ModelKernels(triton_attention.paged_decode_attention, paged_prefill_attention_varlen, write_kv)
+    kernels = ModelKernels(
+        triton_attention.paged_decode_attention,
+        paged_prefill_attention_varlen,
+        write_kv,
+        rms_norm=triton_fused.fused_add_rms_norm,
+        attention=triton_unified_attention.unified_attention,
+        rope_write_kv=triton_fused.rope_write_kv,
+        silu_and_mul=triton_fused.silu_and_mul,
+    )
     return KernelBackend("triton", kernels, TritonLoRAApplier)
 
 

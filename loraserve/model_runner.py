@@ -137,18 +137,17 @@ class ModelRunner:
         input_ids = np.fromiter(itertools.chain(decode_ids, prefill_ids), np.int64, num_tokens)
         samples = ends == totals  # [n] bool: the sequence reaches its last token, so it samples
         sampled_rows = rows[samples]
-        decode_width = -(-int(ends[:num_decode].max(initial=0)) // block_size)
-        prefill_width = -(-int(ends[num_decode:].max(initial=0)) // block_size)
+        width = -(-int(ends.max()) // block_size)  # blocks of the longest context
         parts = [
             input_ids,
             positions,
             slots,
-            ends[:num_decode],  # decode context lengths
+            ends,  # context of each sequence after the step
             token_ends[samples] - 1,  # logits rows
-            tables[rows[:num_decode], :decode_width],
+            tables[rows, :width],  # decode sequences' rows first
+            np.concatenate(([0], token_ends)),  # query starts of every sequence
             np.concatenate(([0], np.cumsum(num_new[num_decode:]))),  # prefill query starts
             starts[num_decode:],  # prefill cached lengths
-            tables[rows[num_decode:], :prefill_width],
             rows_of.top_ks[sampled_rows],
             rows_of.seeds[sampled_rows],
             totals[samples] - rows_of.num_prompt_tokens[sampled_rows],  # output index of each sampled token
@@ -162,8 +161,9 @@ class ModelRunner:
             extra = LogitsAdjustments.host_parts(sampled_seqs, self.eos_token_ids)
             parts.extend(extra)
         views = rows_of.upload(parts)
-        (ids, pos, slot, decode_lens, logits_rows, decode_tables, query_starts, cached, prefill_tables,
+        (ids, pos, slot, seq_lens, logits_rows, flat_tables, all_starts, query_starts, cached,
          top_ks, seeds, counters, temperatures, top_ps, min_ps) = views[:15]  # fmt: skip
+        block_tables = flat_tables.view(count, width)  # [num_seqs, width]
         adjustments = None
         if adjusts:
             any_penalty = any(seq.params.has_penalties for seq in sampled_seqs)
@@ -174,12 +174,13 @@ class ModelRunner:
             input_ids=ids,
             positions=pos,
             slot_mapping=slot,
+            query_starts=all_starts,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             num_decode_tokens=num_decode,
-            decode_block_tables=decode_tables.view(num_decode, decode_width),
-            decode_context_lens=decode_lens,
-            prefill=None
-            if num_decode == count
-            else PrefillBatch(query_starts, cached, prefill_tables.view(count - num_decode, prefill_width)),
+            decode_block_tables=block_tables[:num_decode],
+            decode_context_lens=seq_lens[:num_decode],
+            prefill=None if num_decode == count else PrefillBatch(query_starts, cached, block_tables[num_decode:]),
             logits_indices=logits_rows,
             lora=LoRABatch.from_ranges(ranges, batch.adapters),
         )

@@ -36,18 +36,36 @@ FusedRMSNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None]
 WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (x [num_tokens, heads, head_dim], cos, sin) -> None: rotates x in place.
 FusedRope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+# (query, kv, query_starts, seq_lens, block_tables, scale) -> out: every sequence of a step, decode
+# and prefill, in one call (see kernels/triton_unified_attention.py).
+UnifiedAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+# (query, key, value, cos, sin, kv, slot_mapping) -> None: RoPE on query and key in place, then
+# key and value stored in their slots (slot -1: not stored).
+RopeWriteKV = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
+]
+# (gate, up) -> None: gate <- silu(gate) * up in place.
+SiluAndMul = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
 class ModelKernels:
     """The kernels a model runs, given at construction (a backend's, see loraserve/kernel_backend.py);
-    ``rms_norm``/``rope`` None: the model's torch ops. The defaults are the torch references."""
+    a fused kernel left None: the model's torch ops. The defaults are the torch references.
+    ``attention`` set: it takes every sequence of a step in one call, instead of
+    ``decode_attention`` and ``prefill_attention``; ``rope_write_kv`` set: it replaces ``rope``
+    and ``write_kv``."""
 
     decode_attention: DecodeAttention = paged_decode_attention
     prefill_attention: PrefillAttention = paged_prefill_attention_varlen
     write_kv: WriteKV = write_kv
     rms_norm: FusedRMSNorm | None = None
     rope: FusedRope | None = None
+    attention: UnifiedAttention | None = None
+    rope_write_kv: RopeWriteKV | None = None
+    silu_and_mul: SiluAndMul | None = None
 
 
 class RMSNorm(nn.Module):
@@ -155,6 +173,8 @@ class LlamaAttention(nn.Module):
         self.prefill_attention = kernels.prefill_attention
         self.write_kv = kernels.write_kv
         self.fused_rope = kernels.rope
+        self.unified_attention = kernels.attention
+        self.rope_write_kv = kernels.rope_write_kv
 
     def forward(
         self,
@@ -171,16 +191,22 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.fused_rope is not None:
-            self.fused_rope(q, rope.cos, rope.sin)
-            self.fused_rope(k, rope.cos, rope.sin)
+        if self.rope_write_kv is not None:
+            self.rope_write_kv(q, k, v, rope.cos, rope.sin, kv, batch.slot_mapping)
         else:
-            q, k = rope.apply(q), rope.apply(k)
-        self.write_kv(kv, k, v, batch.slot_mapping)
+            if self.fused_rope is not None:
+                self.fused_rope(q, rope.cos, rope.sin)
+                self.fused_rope(k, rope.cos, rope.sin)
+            else:
+                q, k = rope.apply(q), rope.apply(k)
+            self.write_kv(kv, k, v, batch.slot_mapping)
         decode = (kv, batch.decode_block_tables, batch.decode_context_lens, self.scale)
         prefill = batch.prefill
         num_decode = batch.num_decode_tokens
-        if prefill is None:  # a decode-only step: the kernel's output is the whole result
+        if self.unified_attention is not None:  # the whole step, decode and prefill, in one call
+            tables = (batch.query_starts, batch.seq_lens, batch.block_tables)
+            out = self.unified_attention(q, kv, *tables, self.scale)  # [num_tokens, num_heads, head_dim]
+        elif prefill is None:  # a decode-only step: the kernel's output is the whole result
             out = self.decode_attention(q, *decode)  # [num_tokens, num_heads, head_dim]
         else:
             tables = (prefill.query_starts, prefill.cached_lens, prefill.block_tables)
@@ -202,9 +228,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     fused_groups: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_packed": ("gate_proj", "up_proj")}
 
-    def __init__(self, config: Any, layer_index: int) -> None:
+    def __init__(self, config: Any, layer_index: int, kernels: ModelKernels) -> None:
         super().__init__()
         self.layer_index = layer_index
+        self.silu_and_mul = kernels.silu_and_mul
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
@@ -215,7 +242,11 @@ class LlamaMLP(nn.Module):
         gate, up = self.gate_up_packed(hidden)  # [num_tokens, intermediate] each
         if lora is not None:
             lora(hidden, self.layer_index, "gate_up", (gate, up), batch)
-        act = F.silu(gate, inplace=True).mul_(up)  # [num_tokens, intermediate], in place: no temporaries
+        if self.silu_and_mul is not None:
+            self.silu_and_mul(gate, up)
+            act = gate  # [num_tokens, intermediate]
+        else:
+            act = F.silu(gate, inplace=True).mul_(up)  # [num_tokens, intermediate], in place: no temporaries
         out = self.down_proj(act)  # [num_tokens, hidden]
         if lora is not None:
             lora(act, self.layer_index, "down", (out,), batch)
@@ -226,7 +257,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_index: int, kernels: ModelKernels) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_index, kernels)
-        self.mlp = LlamaMLP(config, layer_index)
+        self.mlp = LlamaMLP(config, layer_index, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
 
