@@ -11,7 +11,8 @@ in the sequence), and with ``g = h // G`` (``G = num_heads / num_kv_heads``):
     K_s[j]    = kv[block_tables[s, j // B], 0, j % B]          (V likewise with index 1)
 
 A decode token is a sequence with ``q_s = 1``; a prefill over ``c`` cached tokens has
-``n_s = c + q_s``. Rows of the output not covered by any sequence (``t >= qs_S``) are not written.
+``n_s = c + q_s``. Rows of the output not covered by any sequence (``t >= qs_S``) are not written
+(a new output is zero there).
 
 Arguments (one float dtype for ``query``/``kv``/``out``; accumulation in float32):
 
@@ -250,8 +251,8 @@ def unified_attention(
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
-    if out is None:
-        out = torch.empty_like(query)
+    if out is None:  # zeros: rows no sequence covers (a padded batch's) stay finite
+        out = torch.zeros_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
     if block_tables.stride(1) != 1:

@@ -41,6 +41,8 @@ class EngineConfig:
     ``cpu_gemm`` picks the GEMM kernel of the linear layers under the ``cpu`` backend: ``auto``
     (timed per layer shape and row count on this CPU at start, the choice cached per CPU kind),
     or ``panels``, ``onednn`` or ``torch`` for every layer (``models/gemm_choice.py``).
+    ``enforce_eager``: under the ``triton`` kernels, run decode steps eagerly as they come instead
+    of padded to a captured size and replayed as CUDA graphs (``decode_graphs.py``).
     """
 
     model: str | None = None
@@ -62,6 +64,7 @@ class EngineConfig:
     host_adapter_cache_mb: int = 2048
     kernels: str = "auto"
     cpu_gemm: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _require(

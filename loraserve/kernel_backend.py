@@ -38,12 +38,14 @@ class KernelBackend:
     """Kernels of one backend, built once: ``model`` is given to the model at construction,
     ``make_lora_hook`` to the runner, which builds its hook over the pool's storage;
     ``pack_linears``: run the linear layers as ``PackedLinear`` on the chosen CPU GEMM kernels,
-    the projections that share an input (q/k/v, gate/up) as one ``PackedLinearGroup`` each."""
+    the projections that share an input (q/k/v, gate/up) as one ``PackedLinearGroup`` each;
+    ``decode_graphs``: the backend's decode forward can be captured (``decode_graphs.py``)."""
 
     name: str
     model: ModelKernels
     make_lora_hook: Callable[[torch.Tensor], LoRAHook]  # (storage [num_layers, num_pages, page_elems])
     pack_linears: bool = False
+    decode_graphs: bool = False  # decode steps padded on static buffers, adapters by slot (CUDA graphs)
 
 
 def _torch_backend(dtype: torch.dtype) -> KernelBackend:
@@ -78,7 +80,7 @@ def _triton_backend(dtype: torch.dtype) -> KernelBackend:
         rope_write_kv=triton_fused.rope_write_kv,
         silu_and_mul=triton_fused.silu_and_mul,
     )
-    return KernelBackend("triton", kernels, TritonLoRAApplier)
+    return KernelBackend("triton", kernels, TritonLoRAApplier, decode_graphs=True)
 
 
 BACKENDS: dict[str, Callable[[torch.dtype], KernelBackend]] = {

@@ -124,7 +124,10 @@ class LLMEngine:
             config.max_num_seqs,
             self.max_model_len,
             eos_token_ids,
+            decode_graphs=self.kernels.decode_graphs and not config.enforce_eager,
         )
+        if self.runner.decode_graphs is not None:
+            self.runner.decode_graphs.warm_up()  # CUDA: every padded decode size captured now
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)  # sampling seeds of requests that give none
         logger.info(

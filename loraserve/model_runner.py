@@ -10,16 +10,18 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from loraserve.decode_graphs import DecodeGraphs
 from loraserve.forward_batch import ForwardBatch, PrefillBatch
 from loraserve.input_batch import InputBatch
 from loraserve.logits_adjustments import LogitsAdjustments
 from loraserve.lora.batch import LoRABatch
+from loraserve.lora.slots import AdapterSlots
 from loraserve.lora.weights import write_adapter_load
 from loraserve.models.llama import LlamaForCausalLM, LoRAHook
 from loraserve.sampler import Sampler, SamplingBatch, record_logprobs
@@ -65,7 +67,10 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        decode_graphs: bool = False,
     ) -> None:
+        """``decode_graphs``: run decode-only steps padded on static buffers with adapters by slot
+        (``decode_graphs.py``; the Triton backend), captured as CUDA graphs on a CUDA device."""
         self.model = model
         self.layout = layout
         self.device = device
@@ -84,6 +89,20 @@ class ModelRunner:
         self.lora_hook = make_lora_hook(self.storage)
         max_blocks = min(num_pages, -(-max_model_len // layout.block_size) + 1)
         self.input_batch = InputBatch(max_num_seqs, max_blocks, self.vocab_size, device)
+        self.adapter_slots: AdapterSlots | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        if decode_graphs:
+            self.adapter_slots = AdapterSlots(max_num_seqs, layout.num_layers, device)
+            self.decode_graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                self.lora_hook,
+                self.adapter_slots,
+                max_num_seqs,
+                max_blocks,
+                device,
+                capture=device.type == "cuda",
+            )
         self.num_downloads = 0  # device-to-host copies of sampled ids (one per step that samples)
         self.eos_token_ids = eos_token_ids  # banned before a request's min_tokens
 
@@ -155,6 +174,11 @@ class ModelRunner:
             rows_of.top_ps[sampled_rows],
             rows_of.min_ps[sampled_rows],
         ]
+        slots_of: dict[str, int] | None = None
+        if self.adapter_slots is not None and num_decode == count and batch.adapters:
+            # A decode step that may replay a graph: adapters by slot, each token's slot uploaded.
+            slots_of = self.adapter_slots.assign(batch.adapters)
+            parts.append(np.array([slots_of.get(s.adapter_id or "", -1) for s in seqs], np.int64))
         adjusts = bool(rows_of.adjusts[sampled_rows].any())
         if adjusts:  # only steps with a penalty, bias or min_tokens pay for this
             sampled_seqs = [seq for seq, sample in zip(seqs, samples.tolist(), strict=True) if sample]
@@ -164,10 +188,12 @@ class ModelRunner:
         (ids, pos, slot, seq_lens, logits_rows, flat_tables, all_starts, query_starts, cached,
          top_ks, seeds, counters, temperatures, top_ps, min_ps) = views[:15]  # fmt: skip
         block_tables = flat_tables.view(count, width)  # [num_seqs, width]
+        token_slots = views[15] if slots_of is not None else None  # [num_tokens]
         adjustments = None
         if adjusts:
             any_penalty = any(seq.params.has_penalties for seq in sampled_seqs)
-            adjustments = LogitsAdjustments.from_views(views[15:], [part.shape for part in extra], any_penalty)
+            first = 16 if slots_of is not None else 15
+            adjustments = LogitsAdjustments.from_views(views[first:], [part.shape for part in extra], any_penalty)
         bounds = zip(token_starts.tolist(), token_ends.tolist(), seqs, strict=True)
         ranges = [(start, end, seq.adapter_id) for start, end, seq in bounds]
         forward_batch = ForwardBatch(
@@ -184,6 +210,9 @@ class ModelRunner:
             logits_indices=logits_rows,
             lora=LoRABatch.from_ranges(ranges, batch.adapters),
         )
+        if token_slots is not None and forward_batch.lora is not None and self.adapter_slots is not None:
+            slotted = replace(forward_batch.lora, token_slots=token_slots, slots=self.adapter_slots.tables)
+            forward_batch = replace(forward_batch, lora=slotted)
         sampling = SamplingBatch(
             temperatures=temperatures.float(),
             top_ks=top_ks,
@@ -206,8 +235,10 @@ class ModelRunner:
         if not batch.seqs:
             return sampled
         forward_batch, sampling, order = self.prepare(batch)
-        hook = self.lora_hook if forward_batch.lora is not None else None
-        logits = self.model(forward_batch, self.kv_caches, hook)  # [num_sampled, vocab]
+        logits = self.decode_graphs.run(forward_batch) if self.decode_graphs is not None else None
+        if logits is None:  # not a decode step a graph takes: eager
+            hook = self.lora_hook if forward_batch.lora is not None else None
+            logits = self.model(forward_batch, self.kv_caches, hook)  # [num_sampled, vocab]
         sampling_index = [i for i in order if batch.samples(i)]
         if sampling_index:
             tokens = self.sampler(logits, sampling).tolist()  # the step's one device-to-host copy

@@ -115,11 +115,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="do not share KV blocks between requests with the same prefix (default: shared)",
     )
+    engine.add_argument(
+        "--enforce-eager",
+        dest="enforce_eager",
+        action="store_true",
+        default=None,
+        help="Triton kernels: run decode steps eagerly, no CUDA graphs (default: graphs per padded batch size)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line (others keep their defaults)."""
-    fields = [field for _, field, _, _ in ENGINE_OPTIONS] + ["enable_prefix_caching"]
+    fields = [field for _, field, _, _ in ENGINE_OPTIONS] + ["enable_prefix_caching", "enforce_eager"]
     return {field: getattr(args, field) for field in fields if getattr(args, field, None) is not None}
 
 

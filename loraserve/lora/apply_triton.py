@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.kernels import triton_lora
+from loraserve.forward_batch import ForwardBatch
+from loraserve.kernels import triton_lora, triton_lora_slots
 from loraserve.lora.apply_cpu import GROUP_INDEX, SegmentPacker
 from loraserve.lora.apply_torch import PerBatchLoRAHook
 from loraserve.lora.batch import LoRABatch
@@ -30,7 +31,33 @@ class TritonSegments:
 
 
 class TritonLoRAApplier(PerBatchLoRAHook[TritonSegments]):
-    """``LoRAHook`` that runs every segment of a layer's input group in two kernel launches."""
+    """``LoRAHook`` that runs every segment of a layer's input group in two kernel launches;
+    a batch that carries token slots (a decode step, maybe graph-captured) runs the slot kernel
+    instead: one launch per layer and group, nothing prepared on the host."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [num_tokens, in_features]
+        layer: int,
+        group: str,
+        outputs: tuple[torch.Tensor, ...],  # each [num_tokens, out_features_m], updated in place
+        batch: ForwardBatch,
+    ) -> None:
+        lora: LoRABatch | None = batch.lora
+        if lora is None or lora.token_slots is None or lora.slots is None:
+            super().__call__(x, layer, group, outputs, batch)
+            return
+        g = GROUP_INDEX[group]
+        tables = lora.slots
+        triton_lora_slots.lora_slots(
+            x,
+            outputs,
+            self.storage[layer],
+            lora.token_slots,
+            tables.page_tables,
+            tables.meta[layer, g],
+            tables.scales[layer, g],
+        )
 
     def __init__(self, storage: torch.Tensor) -> None:
         super().__init__(storage)

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from loraserve.adapters import LoRAAdapter
 from loraserve.lora.layout import AdapterLayout
+
+if TYPE_CHECKING:
+    from loraserve.lora.slots import SlotTables
 
 
 @dataclass(frozen=True)
@@ -41,10 +47,13 @@ class AdapterLoad:
 @dataclass(frozen=True)
 class LoRABatch:
     """Contiguous token ranges of the flattened batch, each using one adapter, and where each
-    of those adapters sits in the pool."""
+    of those adapters sits in the pool. A decode step for the slot kernel (graph-capturable) also
+    carries each token's adapter slot and the slot tables (``lora/slots.py``)."""
 
     segments: tuple[tuple[int, int, str], ...]  # (start, end, adapter_id)
     adapters: Mapping[str, AdapterPages]  # every adapter of ``segments``
+    token_slots: torch.Tensor | None = None  # [num_tokens] int64, -1: base model
+    slots: SlotTables | None = None
 
     @classmethod
     def from_ranges(

@@ -1,0 +1,171 @@
+"""LoRA by per-token adapter slot, read straight from pool pages (BGMV-style): the kernel of
+graph-captured decode steps, whose launch never depends on the step's adapters or ranks.
+
+Semantics, identical to ``lora.lora_reference`` per module: for token ``t`` with adapter slot
+``s = token_slots[t]`` (``-1``: the base model, nothing added) and each module ``m`` of the
+layer's input group that slot ``s``'s adapter adapts (rank ``r_m > 0``),
+
+    out_m[t, :] += scale_m,s * (x[t] @ A_m,s^T) @ Bt_m,s      A_m,s = stacked A rows c_m .. c_m + r_m
+
+The rank loop runs inside the kernel (``BLOCK_R`` rank rows at a time: their shrink over the
+input, then their expand into this program's output columns), so there is no maximum rank and
+nothing is padded; the grid, ``(num_tokens, num_modules * N_SPLIT)``, depends only on the
+batch's (padded) size and the group's shapes. A slot's weights are found element by element
+through its page table (``weights[page_table[e // page_elems], e % page_elems]`` for element
+``e`` of the adapter's flat layer buffer, ``lora/layout.py``), wherever its pages are.
+
+Arguments (``x``, ``outputs`` and ``weights`` share one float dtype; float32 accumulation):
+
+* ``x``            ``[num_tokens, in_features]`` row-major
+* ``outputs``      1-3 tensors ``[num_tokens, out_features_m]``, updated in place
+* ``weights``      ``[num_pages, page_elems]``, one layer of the pool storage
+* ``token_slots``  ``[num_tokens]`` int64, a slot per token or -1
+* ``page_tables``  ``[num_slots, max_pages]`` int64, each slot's adapter pages
+* ``meta``         ``[num_slots, 14]`` int64, ``kernels/lora.py: SegmentMeta`` per slot (this layer
+                   and group; rank 0: module not adapted)
+* ``scales``       ``[num_slots, num_modules]`` float32
+
+Each program owns the output columns ``n`` with ``n // BLOCK_N ≡ split (mod N_SPLIT)`` of one
+module for one token: no two programs write the same element (no atomics). The shrink of a
+rank tile is recomputed by the ``N_SPLIT`` programs of a module, which keeps decode steps of
+few tokens parallel; for the small ranks of LoRA this costs less than a round trip through memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from loraserve.kernels.triton_lora import (
+    META_A_OFFSET,
+    META_B_OFFSET,
+    META_COLUMN,
+    META_MODULE_BASE,
+    META_MODULE_STRIDE,
+    META_OUT_FEATURES,
+    META_RANK,
+    _load_from_pages,
+)
+
+BLOCK_R = 16  # rank rows per step of the rank loop
+BLOCK_K = 128  # input columns per step of the shrink
+BLOCK_N = 128  # output columns per step of the expand
+MAX_SPLIT = 4  # programs per (token, module), each taking every MAX_SPLIT-th column tile
+
+
+@triton.jit
+def _lora_slots_kernel(
+    x_ptr,
+    out0_ptr,
+    out1_ptr,
+    out2_ptr,
+    weights_ptr,
+    token_slots_ptr,
+    page_tables_ptr,
+    meta_ptr,
+    scales_ptr,
+    in_features,
+    stride_x,
+    stride_out0,
+    stride_out1,
+    stride_out2,
+    stride_table,
+    stride_meta,
+    stride_scales,
+    PAGE_ELEMS: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    token = tl.program_id(0)
+    module = tl.program_id(1) // N_SPLIT
+    split = tl.program_id(1) % N_SPLIT
+    slot = tl.load(token_slots_ptr + token)
+    if slot >= 0:
+        slot_meta = meta_ptr + slot * stride_meta
+        module_meta = slot_meta + META_MODULE_BASE + META_MODULE_STRIDE * module
+        a_offset = tl.load(slot_meta + META_A_OFFSET)
+        column = tl.load(module_meta + META_COLUMN)
+        rank = tl.load(module_meta + META_RANK)
+        b_offset = tl.load(module_meta + META_B_OFFSET)
+        out_features = tl.load(module_meta + META_OUT_FEATURES)
+        scale = tl.load(scales_ptr + slot * stride_scales + module)
+        table = page_tables_ptr + slot * stride_table
+        if module == 0:
+            out_row = out0_ptr + token * stride_out0
+        elif module == 1:
+            out_row = out1_ptr + token * stride_out1
+        else:
+            out_row = out2_ptr + token * stride_out2
+        num_col_tiles = tl.cdiv(out_features, BLOCK_N)
+        for r in range(0, rank, BLOCK_R):
+            ranks = r + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+            rank_mask = ranks < rank
+            v = tl.zeros((BLOCK_R,), tl.float32)
+            for k in range(0, in_features, BLOCK_K):
+                cols = k + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+                col_mask = cols < in_features
+                x = tl.load(x_ptr + token * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
+                elems = a_offset + (column + ranks[:, None]) * in_features + cols[None, :]  # [BLOCK_R, BLOCK_K]
+                a = _load_from_pages(weights_ptr, table, elems, rank_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
+                v += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+            v = v * scale
+            for tile in range(split, num_col_tiles, N_SPLIT):
+                outs = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+                out_mask = outs < out_features
+                elems = b_offset + ranks[:, None] * out_features + outs[None, :]  # [BLOCK_R, BLOCK_N]
+                b = _load_from_pages(weights_ptr, table, elems, rank_mask[:, None] & out_mask[None, :], PAGE_ELEMS)
+                delta = tl.sum(v[:, None] * b.to(tl.float32), axis=0)  # [BLOCK_N]
+                old = tl.load(out_row + outs, mask=out_mask, other=0.0).to(tl.float32)
+                tl.store(out_row + outs, (old + delta).to(out0_ptr.dtype.element_ty), mask=out_mask)
+
+
+def num_splits(outputs: tuple[torch.Tensor, ...]) -> int:
+    """Programs per (token, module): one per column tile of the widest output, at most MAX_SPLIT."""
+    return min(MAX_SPLIT, triton.cdiv(max(out.shape[1] for out in outputs), BLOCK_N))
+
+
+def lora_slots(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    outputs: tuple[torch.Tensor, ...],  # 1-3 of [num_tokens, out_features_m], updated in place
+    weights: torch.Tensor,  # [num_pages, page_elems]
+    token_slots: torch.Tensor,  # [num_tokens] int64
+    page_tables: torch.Tensor,  # [num_slots, max_pages] int64
+    meta: torch.Tensor,  # [num_slots, 14] int64
+    scales: torch.Tensor,  # [num_slots, num_modules] float32
+) -> None:
+    """Add each token's adapter delta to ``outputs`` (see the module docstring)."""
+    if not 1 <= len(outputs) <= 3:
+        raise ValueError(f"lora_slots takes 1 to 3 outputs, got {len(outputs)}")
+    if x.stride(1) != 1 or any(out.stride(1) != 1 for out in outputs) or not weights.is_contiguous():
+        raise ValueError("lora_slots needs row-major x, outputs and weights")
+    num_tokens = x.shape[0]
+    if num_tokens == 0:
+        return
+    split = num_splits(outputs)
+    padded = (*outputs, *(outputs[0],) * (3 - len(outputs)))  # absent modules: no program runs them
+    _lora_slots_kernel[(num_tokens, len(outputs) * split)](
+        x,
+        padded[0],
+        padded[1],
+        padded[2],
+        weights,
+        token_slots,
+        page_tables,
+        meta,
+        scales,
+        x.shape[1],
+        x.stride(0),
+        padded[0].stride(0),
+        padded[1].stride(0),
+        padded[2].stride(0),
+        page_tables.stride(0),
+        meta.stride(0),
+        scales.stride(0),
+        PAGE_ELEMS=weights.shape[1],
+        N_SPLIT=split,
+        BLOCK_R=BLOCK_R,
+        BLOCK_K=BLOCK_K,
+        BLOCK_N=BLOCK_N,
+    )

@@ -1,0 +1,201 @@
+"""Decode steps on fixed buffers, captured as CUDA graphs per padded batch size (nano-vllm's and
+vLLM's design, our own code).
+
+A decode-only step of ``n`` sequences runs at the smallest captured size ``>= n`` (1, 2, 4, 8,
+16, then multiples of 16 up to ``max_num_seqs``). Its integers are copied, on the device, from
+the step's uploaded batch into static buffers; rows ``n ..`` are padding: their KV slot is -1
+(the fused RoPE + KV write skips them), their adapter slot -1 (no LoRA), and they belong to no
+sequence (``query_starts`` stays at ``n``), so attention leaves them alone and they never touch a
+real row. The forward over those buffers makes no host copy and reads no device scalar, so on
+CUDA it is captured once per (size, with or without adapters) at warm-up and replayed; adapter
+weights and page tables it reads (``lora/slots.py``) change in place between replays. On other
+devices (the CPU tests, Triton's interpreter) the same padded forward runs eagerly: what a graph
+would replay. Mixed and prefill steps always run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loraserve.forward_batch import ForwardBatch
+from loraserve.lora.batch import LoRABatch
+from loraserve.lora.slots import AdapterSlots
+from loraserve.models.llama import LlamaForCausalLM, LoRAHook
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_num_seqs`` (always included)."""
+    sizes = [size for size in (1, 2, 4, 8) if size < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return [*sizes, max_num_seqs]
+
+
+@dataclass(frozen=True)
+class StaticBuffers:
+    """Inputs of the padded decode forward, allocated once for the largest size."""
+
+    input_ids: torch.Tensor  # [max_size] int64
+    positions: torch.Tensor  # [max_size] int64
+    slot_mapping: torch.Tensor  # [max_size] int64, -1 on padded rows
+    query_starts: torch.Tensor  # [max_size + 1] int64
+    seq_lens: torch.Tensor  # [max_size] int64
+    block_tables: torch.Tensor  # [max_size, max_blocks] int64
+    token_slots: torch.Tensor  # [max_size] int64, -1 on padded rows and base-model rows
+    logits_indices: torch.Tensor  # [max_size] int64, arange
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        lora_hook: LoRAHook,
+        slots: AdapterSlots,
+        max_num_seqs: int,
+        max_blocks: int,
+        device: torch.device,
+        capture: bool,
+    ) -> None:
+        """``capture``: record CUDA graphs (CUDA only); otherwise run the padded forward eagerly."""
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.lora_hook = lora_hook
+        self.slots = slots
+        self.sizes = capture_sizes(max_num_seqs)
+        self.capture = capture
+        size = self.sizes[-1]
+
+        def longs(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.long, device=device)
+
+        self.buffers = StaticBuffers(
+            longs(size),
+            longs(size),
+            longs(size),
+            longs(size + 1),
+            longs(size),
+            longs(size, max_blocks),
+            longs(size),
+            torch.arange(size, device=device),
+        )
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self._generation = slots.generation
+        self._pool: Any = None  # the graphs' shared memory pool
+        self.num_steps = 0  # decode steps run here (padded), replayed or eager
+        self.num_replays = 0
+        self.num_captures = 0
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        """The captured size a step of ``num_seqs`` decode sequences runs at (None: too many)."""
+        return next((size for size in self.sizes if size >= num_seqs), None)
+
+    def static_batch(self, size: int, with_lora: bool) -> ForwardBatch:
+        """The padded decode batch over the static buffers (what a graph of this size reads)."""
+        b = self.buffers
+        lora = None
+        if with_lora:
+            lora = LoRABatch((), {}, token_slots=b.token_slots[:size], slots=self.slots.tables)
+        return ForwardBatch(
+            input_ids=b.input_ids[:size],
+            positions=b.positions[:size],
+            slot_mapping=b.slot_mapping[:size],
+            query_starts=b.query_starts[: size + 1],
+            seq_lens=b.seq_lens[:size],
+            block_tables=b.block_tables[:size],
+            num_decode_tokens=size,
+            decode_block_tables=b.block_tables[:size],
+            decode_context_lens=b.seq_lens[:size],
+            prefill=None,
+            logits_indices=b.logits_indices[:size],
+            lora=lora,
+        )
+
+    def fill(self, batch: ForwardBatch, size: int) -> None:
+        """Copy a decode step's inputs into the static buffers (device to device) and pad them."""
+        n = batch.num_decode_tokens
+        b = self.buffers
+        b.input_ids[:n].copy_(batch.input_ids)
+        b.positions[:n].copy_(batch.positions)
+        b.slot_mapping[:n].copy_(batch.slot_mapping)
+        b.seq_lens[:n].copy_(batch.seq_lens)
+        b.query_starts[: n + 1].copy_(batch.query_starts)
+        width = batch.block_tables.shape[1]
+        b.block_tables[:n, :width].copy_(batch.block_tables)
+        if batch.lora is not None and batch.lora.token_slots is not None:
+            b.token_slots[:n].copy_(batch.lora.token_slots)
+        if size > n:  # padding rows: no KV write, no adapter, no sequence
+            b.input_ids[n:size].zero_()
+            b.positions[n:size].zero_()
+            b.slot_mapping[n:size].fill_(-1)
+            b.seq_lens[n:size].zero_()
+            b.query_starts[n + 1 : size + 1].fill_(n)
+            b.token_slots[n:size].fill_(-1)
+
+    def forward(self, size: int, with_lora: bool) -> torch.Tensor:  # [size, vocab]
+        """The padded forward over the static buffers: what a graph captures."""
+        hook = self.lora_hook if with_lora else None
+        return self.model(self.static_batch(size, with_lora), self.kv_caches, hook)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:  # [num_sampled, vocab]
+        """Logits of a decode-only step's sampled rows, or None when it is not one a graph takes."""
+        n = batch.num_decode_tokens
+        size = self.padded_size(n)
+        if size is None or batch.prefill is not None:
+            return None
+        with_lora = batch.lora is not None
+        if with_lora and (batch.lora is None or batch.lora.token_slots is None):
+            return None  # adapters without slots (not expected from the runner): run eagerly
+        self.fill(batch, size)
+        self.num_steps += 1
+        if not self.capture:
+            return self.forward(size, with_lora).index_select(0, batch.logits_indices)
+        if self.slots.generation != self._generation:  # the slot tables were reallocated
+            logger.info("adapter slot tables grew: capturing the decode graphs again")
+            self._graphs.clear()
+            self._outputs.clear()
+            self._generation = self.slots.generation
+        key = (size, with_lora)
+        if key not in self._graphs:
+            self._capture(key)
+        self._graphs[key].replay()
+        self.num_replays += 1
+        return self._outputs[key].index_select(0, batch.logits_indices)  # the sampled rows
+
+    def _capture(self, key: tuple[int, bool]) -> None:
+        size, with_lora = key
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.forward(size, with_lora)  # warm-up: compiles the kernels of this size outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._outputs[key] = self.forward(size, with_lora)
+        self._pool = graph.pool()
+        self._graphs[key] = graph
+        self.num_captures += 1
+
+    def warm_up(self) -> None:
+        """Capture every size, with and without adapters, largest first (they share one memory
+        pool), over padding-only inputs (no KV write, no adapter, no sequence)."""
+        if not self.capture:
+            return
+        b = self.buffers
+        b.slot_mapping.fill_(-1)
+        b.query_starts.zero_()
+        b.token_slots.fill_(-1)
+        for size in reversed(self.sizes):
+            for with_lora in (False, True):
+                if (size, with_lora) not in self._graphs:
+                    self._capture((size, with_lora))
+        torch.cuda.synchronize()
+        logger.info("captured %d decode graphs (sizes %s)", len(self._graphs), self.sizes)

@@ -1,0 +1,111 @@
+"""The per-token-slot LoRA kernel (``kernels/triton_lora_slots.py``, the decode-graph path)
+against ``lora_reference``, on the cases of the segment kernels (``kernel_cases.run_segments``:
+adapters of ranks 1-64 on consecutive or scattered pages, modules absent in some adapters,
+Punica's popularity patterns, base-model tokens left bit for bit), each segment's adapter given
+a slot and every token its slot; plus ranks past one rank tile (128), slots in any order, and
+tokens of padding (slot -1)."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from kernel_cases import BS, NUM_ADAPTERS, POPULARITY, run_segments
+
+slots_kernel = pytest.importorskip("loraserve.kernels.triton_lora_slots")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def slot_kernel(
+    x: torch.Tensor,
+    outputs: tuple[torch.Tensor, ...],
+    storage: torch.Tensor,  # [L, P, E]
+    layer: int,
+    group: int,
+    bounds: torch.Tensor,  # [S, 4]: segment s covers tokens start:end
+    page_tables: torch.Tensor,  # [S, max_pages]
+    meta: torch.Tensor,  # [L, G, S, 14]
+    scales: torch.Tensor,  # [L, G, S, 3]
+    reverse_slots: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """``kernel_cases.SegmentsKernel`` over ``lora_slots``: segment ``s``'s adapter sits in slot ``s``
+    (or, ``reverse_slots``, in slot ``S - 1 - s``), its tokens point at that slot."""
+    num_segments = bounds.shape[0]
+    order = list(reversed(range(num_segments))) if reverse_slots else list(range(num_segments))
+    token_slots = torch.full((x.shape[0],), -1, dtype=torch.long)
+    for s, (start, end, _, _) in enumerate(bounds.tolist()):
+        token_slots[start:end] = order[s]
+    inverse = torch.tensor(order).argsort()  # slot -> segment
+    on_device = tuple(out.to(DEVICE, dtype) for out in outputs)
+    slots_kernel.lora_slots(
+        x.to(DEVICE, dtype),
+        on_device,
+        storage[layer].to(DEVICE, dtype),
+        token_slots.to(DEVICE),
+        page_tables[inverse].contiguous().to(DEVICE),
+        meta[layer, group][inverse].contiguous().to(DEVICE),
+        scales[layer, group][inverse].contiguous().to(DEVICE),
+    )
+    for out, result in zip(outputs, on_device, strict=True):
+        out.copy_(result.float().cpu())
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
+@pytest.mark.parametrize("pattern", list(POPULARITY))
+def test_lora_slots_match_reference(pattern: str, scattered: bool) -> None:
+    indices = POPULARITY[pattern](random.Random(pattern))
+    run_segments(slot_kernel, indices, seed=len(pattern), scattered=scattered, layer=1)
+
+
+def test_slots_in_any_order_and_skewed_sizes() -> None:
+    reverse = functools.partial(slot_kernel, reverse_slots=True)
+    run_segments(reverse, [5] + [11] * (BS - 1), seed=9, scattered=True, layer=0)
+    run_segments(reverse, [*range(NUM_ADAPTERS), -1, -1], seed=4, scattered=False, layer=1)
+
+
+@pytest.mark.parametrize("hidden, outs", [(37, (29, 5, 300)), (160, (130,))], ids=["odd", "one-output"])
+def test_any_width_and_several_column_tiles(hidden: int, outs: tuple[int, ...]) -> None:
+    indices = [0, 1, 1, 2, -1, 3, 3, 3, 7]
+    run_segments(slot_kernel, indices, seed=5, scattered=True, layer=1, hidden=hidden, outs=outs)
+
+
+def test_float16_close_to_float32_reference() -> None:
+    indices = POPULARITY["skewed"](random.Random(1))[:12]
+    fp16 = functools.partial(slot_kernel, dtype=torch.float16)
+    run_segments(fp16, indices, seed=2, scattered=True, layer=1, atol=2e-2, dtype=torch.float16)
+
+
+def test_rank_128_crosses_rank_tiles_and_pages() -> None:
+    """One adapter of rank 128 (eight rank tiles), its rows crossing pages, against a plain product."""
+    hidden, out_features, rank, page_elems = 40, 70, 128, 256
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(rank, hidden, generator=gen) / hidden**0.5
+    bt = torch.randn(rank, out_features, generator=gen) / rank**0.5
+    flat = torch.cat([a.reshape(-1), bt.reshape(-1)])
+    num_pages = -(-flat.numel() // page_elems)
+    pages = torch.randperm(num_pages + 3, generator=gen)[:num_pages]
+    weights = torch.zeros(num_pages + 3, page_elems)
+    padded = torch.zeros(num_pages * page_elems)
+    padded[: flat.numel()] = flat
+    weights[pages] = padded.view(num_pages, page_elems)
+    meta = torch.zeros(1, 14, dtype=torch.long)
+    meta[0, :6] = torch.tensor([0, rank, 0, rank, a.numel(), out_features])
+    x = torch.randn(3, hidden, generator=gen)
+    out = torch.zeros(3, out_features)
+    on_device = (out.to(DEVICE),)
+    slots_kernel.lora_slots(
+        x.to(DEVICE),
+        on_device,
+        weights.to(DEVICE),
+        torch.tensor([0, -1, 0], device=DEVICE),
+        pages[None].to(DEVICE),
+        meta.to(DEVICE),
+        torch.tensor([[0.5]], device=DEVICE),
+    )
+    expected = 0.5 * (x @ a.T) @ bt
+    expected[1] = 0
+    torch.testing.assert_close(on_device[0].cpu(), expected, rtol=1e-5, atol=1e-5)
