@@ -9,9 +9,13 @@ on when one fails; ``--out`` also gets a JSON of every figure.
    Hugging Face + PEFT one request at a time, on a SmolLM2-135M-shaped model with 4 adapters
    (ranks 8-64, all projections) and prompts of 5 to 1,100 tokens.
 3. ``attention``: paged decode attention, Triton against the torch reference (``do_bench``).
-4. ``throughput``: a Llama-3.2-1B-shaped model in bfloat16: loraserve without adapters and with
-   ``--adapters`` adapters round robin (``triton`` kernels, then the ``torch`` references),
-   against ``generate`` at batch 1 and a padded static batch, and PEFT's mixed-adapter batch.
+4. ``kernels``: the one-launch paged attention against SDPA on a contiguous cache (decode,
+   split-KV, a mixed step) and the per-token-slot LoRA against a dense matmul of the same rank.
+5. ``throughput``: a Llama-3.2-1B-shaped model in bfloat16: loraserve without adapters and with
+   ``--adapters`` adapters round robin (``triton`` kernels with decode CUDA graphs, then eager,
+   then the ``torch`` references; Triton compilations during each timed run; ms per step of a
+   full decode batch), against ``generate`` at batch 1 and a padded static batch, and PEFT's
+   mixed-adapter batch.
 
 Run: ``python -m benchmarks.gpu --out DIR`` (``--smoke`` for a minute-long CPU dry run of
 the code paths, with tiny shapes, under ``TRITON_INTERPRET=1``).
@@ -66,7 +70,9 @@ def part_tests(args: argparse.Namespace) -> None:
 
     if not (cache_root() / "models" / DEFAULT_MODEL_NAME / "config.json").is_file():
         raise RuntimeError("no default model directory for the test fixtures (see LORASERVE_GPU_TOKENIZER)")
-    files = ["tests/test_triton_kernels.py", "tests/test_triton_engine.py"]
+    files = ["tests/test_triton_kernels.py", "tests/test_triton_unified_attention.py", "tests/test_triton_fused.py",
+             "tests/test_triton_lora_slots.py", "tests/test_triton_engine.py",
+             "tests/test_decode_graphs.py"]  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT,
                          capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
     log(run.stdout[-4000:] + run.stderr[-2000:])
@@ -152,6 +158,140 @@ def part_attention(args: argparse.Namespace) -> None:
     record("attention", rows)
 
 
+def part_kernels(args: argparse.Namespace) -> None:
+    """The step's kernels against their yardsticks (bf16, ``do_bench`` medians): one-launch paged
+    attention for decode against SDPA on a contiguous cache of the same shape, its split-KV path
+    for few long sequences, a mixed prefill + decode step; the per-token-slot LoRA kernel
+    (ranks 8-64 mixed) against one dense matmul pair of the same total rank."""
+    import torch.nn.functional as F
+    import triton.testing
+    from loraserve.kernels import triton_lora_slots, triton_unified_attention
+
+    dev, bf16 = args.device, torch.bfloat16
+    heads, kv_heads, head_dim, block = 32, 8, 64, 16
+    rows: dict[str, Any] = {}
+
+    def bench(fn: Callable[[], Any]) -> float:
+        if args.smoke:  # runs the code path once, times nothing
+            fn()
+            return 0.0
+        return float(triton.testing.do_bench(fn))
+
+    cases = [(4, 40, 1)] if args.smoke else [(256, 512, 1), (64, 1024, 1), (256, 2048, 1), (4, 8192, 1), (4, 8192, 8)]
+    for num_seqs, context, splits in cases:
+        blocks = -(-context // block)
+        num_pages = num_seqs * blocks + 1
+        kv = torch.randn(num_pages, 2, block, kv_heads, head_dim, device=dev, dtype=bf16)
+        tables = (torch.randperm(num_pages - 1, device=dev)[: num_seqs * blocks].view(num_seqs, blocks) + 1)
+        query = torch.randn(num_seqs, heads, head_dim, device=dev, dtype=bf16)
+        lens = torch.full((num_seqs,), context, device=dev)
+        starts = torch.arange(num_seqs + 1, device=dev)
+        paged = (query, kv, starts, lens, tables, 0.125)
+        keys = torch.randn(num_seqs, kv_heads, context, head_dim, device=dev, dtype=bf16)
+        values = torch.randn_like(keys)
+        q4 = query.unsqueeze(2)  # [num_seqs, heads, 1, head_dim]
+        t_paged = bench(lambda p=paged, n=splits: triton_unified_attention.unified_attention(*p, num_splits=n))
+        t_sdpa = bench(lambda q=q4, k=keys, v=values: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        key = f"decode seqs={num_seqs} ctx={context} splits={splits}"
+        rows[key] = {"paged_ms": t_paged, "sdpa_contiguous_ms": t_sdpa, "ratio": t_paged / t_sdpa if t_sdpa else None}
+        log(f"attention {key}: unified paged {t_paged:.3f} ms, SDPA contiguous {t_sdpa:.3f} ms")
+    # A mixed step: 192 decode tokens (ctx 512) and 4 prefill chunks of 512 over 256 cached tokens.
+    num_decode, chunks, chunk, cached = (2, 1, 8, 8) if args.smoke else (192, 4, 512, 256)
+    lens = [512] * num_decode + [cached + chunk] * chunks
+    q_rows = [1] * num_decode + [chunk] * chunks
+    blocks = -(-max(lens) // block)
+    num_pages = len(lens) * blocks + 1
+    kv = torch.randn(num_pages, 2, block, kv_heads, head_dim, device=dev, dtype=bf16)
+    tables = torch.randperm(num_pages - 1, device=dev)[: len(lens) * blocks].view(len(lens), blocks) + 1
+    query = torch.randn(sum(q_rows), heads, head_dim, device=dev, dtype=bf16)
+    starts = torch.tensor([0, *torch.tensor(q_rows).cumsum(0).tolist()], device=dev)
+    mixed = (query, kv, starts, torch.tensor(lens, device=dev), tables, 0.125)
+    rows["mixed step"] = {"unified_ms": bench(lambda m=mixed: triton_unified_attention.unified_attention(*m))}
+    log(f"attention mixed step ({num_decode} decode + {chunks} x {chunk} prefill): {rows['mixed step']}")
+
+    # LoRA by slot: 256 tokens, 32 adapters of ranks 8-64 (q/k/v-like group of 2048 -> 2048/512/512).
+    tokens, hidden, outs, page_elems = (8, 64, (64, 16, 16), 256) if args.smoke else (256, 2048, (2048, 512, 512),
+                                                                                    2 * block * kv_heads * head_dim)
+    ranks = [[8, 16, 32, 64][i % 4] for i in range(32)]
+    flat_sizes = [r * 3 * hidden + sum(r * o for o in outs) for r in ranks]
+    pages_each = [-(-size // page_elems) for size in flat_sizes]
+    weights = torch.randn(sum(pages_each) + 1, page_elems, device=dev, dtype=bf16) * 0.01
+    table_width = max(pages_each)
+    page_tables = torch.zeros(32, table_width, dtype=torch.long)
+    meta = torch.zeros(32, 14, dtype=torch.long)
+    first = 1
+    for a, (rank, count) in enumerate(zip(ranks, pages_each, strict=True)):
+        page_tables[a, :count] = torch.arange(first, first + count)
+        first += count
+        meta[a, :2] = torch.tensor([0, 3 * rank])
+        offset = 3 * rank * hidden
+        for m, out in enumerate(outs):
+            meta[a, 2 + 4 * m : 6 + 4 * m] = torch.tensor([m * rank, rank, offset, out])
+            offset += rank * out
+    token_slots = torch.arange(tokens, device=dev) % 32
+    x = torch.randn(tokens, hidden, device=dev, dtype=bf16)
+    outputs = tuple(torch.zeros(tokens, out, device=dev, dtype=bf16) for out in outs)
+    scales = torch.ones(32, 3, device=dev)
+    slot_args = (x, outputs, weights, token_slots, page_tables.to(dev), meta.to(dev), scales)
+    t_slots = bench(lambda a=slot_args: triton_lora_slots.lora_slots(*a))
+    mean_rank = sum(ranks) // len(ranks)
+    dense_a = torch.randn(3 * mean_rank, hidden, device=dev, dtype=bf16)
+    dense_b = torch.randn(sum(outs), mean_rank, device=dev, dtype=bf16)
+    t_dense = bench(lambda: (x @ dense_a.T)[:, :mean_rank] @ dense_b.T)
+    rows["lora slots"] = {"tokens": tokens, "adapters": 32, "slots_ms": t_slots, "dense_same_rank_ms": t_dense,
+                          "ratio": t_slots / t_dense if t_dense else None}  # fmt: skip
+    log(f"LoRA by slot, {tokens} tokens x 32 adapters (ranks 8-64): {t_slots:.3f} ms; one dense shrink+expand "
+        f"of rank {mean_rank}: {t_dense:.3f} ms")  # fmt: skip
+    record("kernels", rows)
+
+
+def triton_compilations() -> int | None:
+    """Compiled variants of loraserve's Triton kernels so far (None if this Triton does not say)."""
+    from loraserve.kernels import (
+        triton_attention,
+        triton_fused,
+        triton_lora,
+        triton_lora_slots,
+        triton_unified_attention,
+    )
+
+    total = 0
+    try:
+        for module in (triton_attention, triton_fused, triton_lora, triton_lora_slots, triton_unified_attention):
+            for value in vars(module).values():
+                caches = getattr(value, "device_caches", None)
+                if caches is not None:
+                    total += sum(len(cache[0]) for cache in caches.values())
+    except Exception:
+        return None
+    return total
+
+
+def timed_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] | None, steps: int) -> dict[str, float]:
+    """ms per step of a full decode batch: every prompt admitted and past its prefill first."""
+    from loraserve import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"decode-{i}", prompt, params, names[i] if names else None)
+    while engine.scheduler.num_waiting or any(
+        seq.num_computed_tokens < seq.num_prompt_tokens for r in engine.requests.values() for seq in r.seqs
+    ):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    synchronize()
+    wall = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"ms_per_step": wall / steps * 1e3, "seqs": len(prompts)}
+
+
 def timed_generate(llm: Any, prompts: list[list[int]], names: list[str] | None, new: int) -> dict[str, float]:
     from loraserve import SamplingParams
 
@@ -193,19 +333,35 @@ def part_throughput(args: argparse.Namespace) -> None:
     engine_options = dict(device=args.device, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=8192, memory_budget_mb=args.pool_mb)  # fmt: skip
 
-    def engine_runs(kernels: str, runs: list[tuple[str, list[str] | None]]) -> None:
-        llm = LLM(str(model_dir), kernels=kernels, **engine_options)
+    def engine_runs(kernels: str, runs: list[tuple[str, list[str] | None]], **extra: Any) -> None:
+        llm = LLM(str(model_dir), kernels=kernels, **engine_options, **extra)
         for name, path in adapters:
             llm.add_adapter(name, path)
+        mode = " eager" if extra.get("enforce_eager") else ""
         for label, request_adapters in runs:
-            key = f"loraserve[{kernels}] {label}"
+            key = f"loraserve[{kernels}{mode}] {label}"
+            compiled = triton_compilations()
             results[key] = timed_generate(llm, prompts, request_adapters, new)
+            after = triton_compilations()
+            results[key]["compilations_during_run"] = None if compiled is None or after is None else after - compiled
             log(f"{key}: {results[key]}")
             record("throughput", results)
+        for label, request_adapters in runs:  # one full decode batch, ms per step
+            key = f"loraserve[{kernels}{mode}] decode step, {label}"
+            results[key] = timed_decode_steps(llm, prompts[: args.max_num_seqs], request_adapters, 16 if args.smoke
+                                              else 50)  # fmt: skip
+            log(f"{key}: {results[key]}")
+            record("throughput", results)
+        graphs = llm.engine.runner.decode_graphs
+        if graphs is not None:
+            results[f"loraserve[{kernels}{mode}] graphs"] = {"captures": graphs.num_captures,
+                                                             "replays": graphs.num_replays}  # fmt: skip
         del llm
         free_gpu_cache()
 
-    engine_runs("triton", [("no adapters", None), (f"{args.adapters} adapters", names)])
+    runs = [("no adapters", None), (f"{args.adapters} adapters", names)]
+    engine_runs("triton", runs)
+    engine_runs("triton", runs, enforce_eager=True)
 
     def hf_generate(model: Any, batch: list[list[int]], adapter_names: list[str] | None) -> int:
         width = max(map(len, batch))
@@ -291,6 +447,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], None]] = {
     "tests": part_tests,
     "exact": part_exact,
     "attention": part_attention,
+    "kernels": part_kernels,
     "throughput": part_throughput,
     "profile": part_profile,
     "host_overhead": part_host_overhead,

@@ -35,7 +35,8 @@ class ScheduledBatch:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.swap_out and not self.swap_in
+        """Nothing for the runner to do: no sequence, no swap, no row to release."""
+        return not self.seqs and not self.swap_out and not self.swap_in and not self.released_seq_ids
 
     def samples(self, index: int) -> bool:
         """Whether sequence ``index`` reaches its last token this step (so it samples)."""

@@ -140,3 +140,20 @@ def test_input_batch_rows_follow_block_tables_incrementally() -> None:
     assert rows.row(c) == 0 and rows.block_tables[0, :1].tolist() == [4]  # a's row, rewritten for c
     ints, floats = rows.upload([np.arange(3), np.array([0.5, 2.0])])
     assert ints.tolist() == [0, 1, 2] and floats.dtype == torch.float64 and floats.tolist() == [0.5, 2.0]
+
+
+def test_rows_of_finished_sequences_are_released_across_empty_steps(
+    tiny_model_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    """A step with nothing to run (every request waiting for its adapter's files) still hands the
+    runner the rows to release; before, they leaked until no row was free and every step failed."""
+    llm = LLM(str(tiny_model_dir), kernels="torch", num_pages=256, block_size=4, max_num_seqs=4)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for round_index in range(3):
+        llm.generate(["one", "two", "three", "four"], params, use_tqdm=False)
+        # a new adapter each round: its files load while the scheduler has nothing to run
+        name = f"a{round_index}"
+        llm.add_adapter(name, adapter_dirs["a"])
+        llm.generate(["five"], params, adapters=name, use_tqdm=False)
+    llm.generate(["six"], params, use_tqdm=False)
+    assert llm.engine.runner.input_batch.num_rows <= 1
