@@ -246,25 +246,9 @@ def part_kernels(args: argparse.Namespace) -> None:
 
 
 def triton_compilations() -> int | None:
-    """Compiled variants of loraserve's Triton kernels so far (None if this Triton does not say)."""
-    from loraserve.kernels import (
-        triton_attention,
-        triton_fused,
-        triton_lora,
-        triton_lora_slots,
-        triton_unified_attention,
-    )
+    from loraserve.kernels.triton_compilations import compiled_variants
 
-    total = 0
-    try:
-        for module in (triton_attention, triton_fused, triton_lora, triton_lora_slots, triton_unified_attention):
-            for value in vars(module).values():
-                caches = getattr(value, "device_caches", None)
-                if caches is not None:
-                    total += sum(len(cache[0]) for cache in caches.values())
-    except Exception:
-        return None
-    return total
+    return compiled_variants()
 
 
 def timed_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] | None, steps: int) -> dict[str, float]:

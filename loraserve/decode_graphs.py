@@ -22,11 +22,14 @@ from typing import Any
 import torch
 
 from loraserve.forward_batch import ForwardBatch
+from loraserve.kernels.triton_compilations import compiled_variants
 from loraserve.lora.batch import LoRABatch
 from loraserve.lora.slots import AdapterSlots
 from loraserve.models.llama import LlamaForCausalLM, LoRAHook
 
 logger = logging.getLogger(__name__)
+
+CHECK_COMPILATIONS_EVERY = 256  # decode steps between counts of Triton compilations (microseconds each)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -90,6 +93,8 @@ class DecodeGraphs:
         self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self._generation = slots.generation
         self._pool: Any = None  # the graphs' shared memory pool
+        self._compiled_at_warm_up: int | None = None  # Triton kernel variants after warm_up (CUDA)
+        self.compilations_after_warm_up = 0
         self.num_steps = 0  # decode steps run here (padded), replayed or eager
         self.num_replays = 0
         self.num_captures = 0
@@ -156,6 +161,8 @@ class DecodeGraphs:
             return None  # adapters without slots (not expected from the runner): run eagerly
         self.fill(batch, size)
         self.num_steps += 1
+        if self.num_steps % CHECK_COMPILATIONS_EVERY == 0:
+            self.check_compilations()
         if not self.capture:
             return self.forward(size, with_lora).index_select(0, batch.logits_indices)
         if self.slots.generation != self._generation:  # the slot tables were reallocated
@@ -198,4 +205,23 @@ class DecodeGraphs:
                 if (size, with_lora) not in self._graphs:
                     self._capture((size, with_lora))
         torch.cuda.synchronize()
-        logger.info("captured %d decode graphs (sizes %s)", len(self._graphs), self.sizes)
+        self._compiled_at_warm_up = compiled_variants()
+        logger.info(
+            "captured %d decode graphs (sizes %s); %s Triton kernel variants compiled",
+            len(self._graphs),
+            self.sizes,
+            self._compiled_at_warm_up,
+        )
+
+    def check_compilations(self) -> int:
+        """Triton compilations since the warm-up (logged when they grow; 0 in steady state)."""
+        if self._compiled_at_warm_up is None:
+            return 0
+        now = compiled_variants()
+        if now is None:
+            return 0
+        new = now - self._compiled_at_warm_up
+        if new > self.compilations_after_warm_up:
+            logger.warning("%d Triton kernel variants compiled after the warm-up (a step stalled for each)", new)
+        self.compilations_after_warm_up = new
+        return new
