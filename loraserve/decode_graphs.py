@@ -16,6 +16,7 @@ would replay. Mixed and prefill steps always run eagerly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +65,11 @@ class DecodeGraphs:
         max_blocks: int,
         device: torch.device,
         capture: bool,
+        splits_for_size: Callable[[int], int] = lambda size: 1,
     ) -> None:
-        """``capture``: record CUDA graphs (CUDA only); otherwise run the padded forward eagerly."""
+        """``capture``: record CUDA graphs (CUDA only); otherwise run the padded forward eagerly.
+        ``splits_for_size``: the split-KV shares of the attention at each padded size (fixed in its
+        graph; the kernel divides each sequence's actual context into them)."""
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model = model
@@ -73,6 +77,7 @@ class DecodeGraphs:
         self.lora_hook = lora_hook
         self.slots = slots
         self.sizes = capture_sizes(max_num_seqs)
+        self.splits = {size: splits_for_size(size) for size in self.sizes}
         self.capture = capture
         size = self.sizes[-1]
 
@@ -122,6 +127,7 @@ class DecodeGraphs:
             prefill=None,
             logits_indices=b.logits_indices[:size],
             lora=lora,
+            attention_splits=self.splits[size],
         )
 
     def fill(self, batch: ForwardBatch, size: int) -> None:

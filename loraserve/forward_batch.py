@@ -40,3 +40,19 @@ class ForwardBatch:
     prefill: PrefillBatch | None  # None: a decode-only step
     logits_indices: torch.Tensor  # [num_sampled] int64, rows whose logits are sampled
     lora: Any = None
+    attention_splits: int = 1  # split-KV shares of each sequence's context (one-launch attention)
+
+
+MIN_SPLIT_CONTEXT = 512  # context tokens a split-KV share should have at least
+
+
+def attention_splits(num_programs: int, max_context: int, num_sms: int) -> int:
+    """How many shares to split each context into (flash-decoding) so that ``num_programs``
+    attention programs (query blocks x KV heads) fill ``num_sms`` multiprocessors: a power of two,
+    1 when they already do, when the contexts are short, or off a GPU (``num_sms`` 0)."""
+    if num_programs <= 0 or num_programs >= num_sms:
+        return 1
+    splits = 1
+    while splits < 16 and num_programs * splits < num_sms and max_context // (2 * splits) >= MIN_SPLIT_CONTEXT:
+        splits *= 2
+    return splits

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from loraserve.decode_graphs import DecodeGraphs
-from loraserve.forward_batch import ForwardBatch, PrefillBatch
+from loraserve.forward_batch import ForwardBatch, PrefillBatch, attention_splits
 from loraserve.input_batch import InputBatch
 from loraserve.logits_adjustments import LogitsAdjustments
 from loraserve.lora.batch import LoRABatch
@@ -91,6 +91,9 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_blocks, self.vocab_size, device)
         self.adapter_slots: AdapterSlots | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        # Multiprocessors the one-launch attention should fill (0: never split contexts).
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        self.split_kv = decode_graphs  # the backend's attention takes split-KV shares (Triton)
         if decode_graphs:
             self.adapter_slots = AdapterSlots(max_num_seqs, layout.num_layers, device)
             self.decode_graphs = DecodeGraphs(
@@ -102,9 +105,16 @@ class ModelRunner:
                 max_blocks,
                 device,
                 capture=device.type == "cuda",
+                splits_for_size=lambda size: self.attention_splits(size, max_model_len),
             )
         self.num_downloads = 0  # device-to-host copies of sampled ids (one per step that samples)
         self.eos_token_ids = eos_token_ids  # banned before a request's min_tokens
+
+    def attention_splits(self, num_seqs: int, max_context: int) -> int:
+        """Split-KV shares for a step of ``num_seqs`` sequences (``forward_batch.attention_splits``)."""
+        if not self.split_kv:
+            return 1
+        return attention_splits(num_seqs * self.layout.num_kv_heads, max_context, self.num_sms)
 
     def copy_pages(self, batch: ScheduledBatch) -> None:
         """Swap-out, swap-in, copy-on-write copies and adapter loads, in that order, before the forward."""
@@ -209,6 +219,7 @@ class ModelRunner:
             prefill=None if num_decode == count else PrefillBatch(query_starts, cached, block_tables[num_decode:]),
             logits_indices=logits_rows,
             lora=LoRABatch.from_ranges(ranges, batch.adapters),
+            attention_splits=self.attention_splits(count, int(ends.max())),
         )
         if token_slots is not None and forward_batch.lora is not None and self.adapter_slots is not None:
             slotted = replace(forward_batch.lora, token_slots=token_slots, slots=self.adapter_slots.tables)

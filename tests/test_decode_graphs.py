@@ -59,6 +59,10 @@ def _generate(model_dir: Path, adapters: dict[str, Path], kernels: str, **option
     llm = LLM(str(model_dir), kernels=kernels, device=DEVICE, block_size=4, num_pages=300, max_num_seqs=8, **options)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
+    return _run_prompts(llm), llm
+
+
+def _run_prompts(llm: LLM) -> list[list[int]]:
     system = "You are a terse assistant. Answer in one line. "  # a shared prefix: prefix-cache hits
     prompts = [system + p for p in ("Hi", "Name a color", "Count to three", "Why?", "Hi")]
     names: list[str | None] = [None, "r4-qv", "r24-all", "r24-all", "r4-qv", None, "r4-qv"]
@@ -66,7 +70,7 @@ def _generate(model_dir: Path, adapters: dict[str, Path], kernels: str, **option
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), adapters=names, use_tqdm=False
     )
-    return [o.token_ids for o in outputs], llm
+    return [o.token_ids for o in outputs]
 
 
 def test_graph_path_equals_eager_and_torch(
@@ -199,3 +203,30 @@ def test_adapter_slots_are_written_only_when_an_adapter_takes_one(
     assert table.tables.page_tables[1, : len(some.page_ids)].tolist() == list(moved.page_ids)  # rows kept
     with pytest.raises(RuntimeError, match="3 adapters in one step"):
         table.assign({"a": a, "b": b, "c": c})
+
+
+def test_attention_splits_rule() -> None:
+    from loraserve.forward_batch import attention_splits
+
+    assert attention_splits(num_programs=8, max_context=8192, num_sms=132) == 16  # few sequences, long contexts
+    assert attention_splits(num_programs=8, max_context=2048, num_sms=132) == 4  # shares of >= 512 tokens
+    assert attention_splits(num_programs=8, max_context=1500, num_sms=132) == 2
+    assert attention_splits(num_programs=8, max_context=600, num_sms=132) == 1  # short contexts
+    assert attention_splits(num_programs=256 * 8, max_context=8192, num_sms=132) == 1  # the GPU is already full
+    assert attention_splits(num_programs=8, max_context=8192, num_sms=0) == 1  # off a GPU
+
+
+def test_split_kv_decode_graphs_equal_torch(tiny_model_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """Decode steps whose attention is split into 4 shares per context (what a GPU with more
+    multiprocessors than programs gets) give the torch references' tokens."""
+    expected, _ = _generate(tiny_model_dir, adapter_dirs, "torch")
+    llm = LLM(str(tiny_model_dir), kernels="triton", device=DEVICE, block_size=4, num_pages=300, max_num_seqs=8)
+    runner = llm.engine.runner
+    graphs = runner.decode_graphs
+    assert graphs is not None
+    runner.num_sms = 64  # as if on a GPU of 64 multiprocessors: every padded size splits contexts
+    graphs.splits = {size: runner.attention_splits(size, llm.engine.max_model_len) for size in graphs.sizes}
+    assert graphs.splits[8] == graphs.splits[1] == 4  # shares of 512 of the 2,048-token limit
+    for name, path in adapter_dirs.items():
+        llm.add_adapter(name, path)
+    assert _run_prompts(llm) == expected

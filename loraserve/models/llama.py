@@ -36,10 +36,11 @@ FusedRMSNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None]
 WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (x [num_tokens, heads, head_dim], cos, sin) -> None: rotates x in place.
 FusedRope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-# (query, kv, query_starts, seq_lens, block_tables, scale) -> out: every sequence of a step, decode
-# and prefill, in one call (see kernels/triton_unified_attention.py).
+# (query, kv, query_starts, seq_lens, block_tables, scale, out or None, num_splits) -> out: every
+# sequence of a step, decode and prefill, in one call (see kernels/triton_unified_attention.py).
 UnifiedAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor | None, int],
+    torch.Tensor,
 ]
 # (query, key, value, cos, sin, kv, slot_mapping) -> None: RoPE on query and key in place, then
 # key and value stored in their slots (slot -1: not stored).
@@ -205,7 +206,8 @@ class LlamaAttention(nn.Module):
         num_decode = batch.num_decode_tokens
         if self.unified_attention is not None:  # the whole step, decode and prefill, in one call
             tables = (batch.query_starts, batch.seq_lens, batch.block_tables)
-            out = self.unified_attention(q, kv, *tables, self.scale)  # [num_tokens, num_heads, head_dim]
+            splits = batch.attention_splits
+            out = self.unified_attention(q, kv, *tables, self.scale, None, splits)  # [num_tokens, num_heads, head_dim]
         elif prefill is None:  # a decode-only step: the kernel's output is the whole result
             out = self.decode_attention(q, *decode)  # [num_tokens, num_heads, head_dim]
         else:
