@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from loraserve.outputs import CompletionOutput
+from loraserve.outputs import CompletionOutput, RequestOutput
 
-from .openai_protocol import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from .openai_protocol import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs
 from .serving import ServerState
 
 _FLOOR = -9999.0  # JSON has no -inf
@@ -64,3 +64,19 @@ def chat_logprobs(
             )
         )
     return content
+
+
+def prompt_logprobs(state: ServerState, final: RequestOutput) -> PromptLogprobs | None:
+    """The request's prompt logprobs in vLLM's shape (None for the first token; per later token,
+    token id -> logprob, rank and text), or None when it did not ask."""
+    if final.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(token): PromptLogprob(logprob=_finite(value), rank=rank, decoded_token=state.token_text(token))
+            for token, (value, rank) in entry.items()
+        }
+        for entry in final.prompt_logprobs
+    ]

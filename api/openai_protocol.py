@@ -57,11 +57,15 @@ class _SamplingFields(_Request):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     skip_special_tokens: bool = Field(True, description="vLLM extension: special tokens' text left out")
-    spaces_between_special_tokens: bool = True
+    spaces_between_special_tokens: bool = Field(
+        True, description="vLLM extension: the tokenizer's decode option (no effect with fast tokenizers, as in vLLM)"
+    )
     truncate_prompt_tokens: int | None = None
-    prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM extension: logprobs of the prompt tokens and the top ones"
+    )
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="vLLM extension: only these ids")
+    bad_words: list[str] | None = Field(None, description="vLLM extension: words never generated")
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -100,6 +104,12 @@ class ChatCompletionRequest(_SamplingFields):
     # Declared only to refuse them (see unsupported_fields).
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):
@@ -131,14 +141,9 @@ class DetokenizeResponse(BaseModel):
 
 def unsupported_fields(request: _SamplingFields) -> list[str]:
     """Names of fields set to values loraserve cannot honour."""
-    defaults: dict[str, Any] = {
-        "use_beam_search": False,
-        "length_penalty": 1.0,
-        "spaces_between_special_tokens": True,
-    }
+    defaults: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0}
     bad = [name for name, default in defaults.items() if getattr(request, name) != default]
-    for name in ("truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words", "guided_json",
-                 "guided_regex", "guided_choice", "guided_grammar"):  # fmt: skip
+    for name in ("truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if getattr(request, name) is not None:
             bad.append(name)
     if isinstance(request, CompletionRequest):
@@ -151,6 +156,13 @@ def unsupported_fields(request: _SamplingFields) -> list[str]:
             bad.append("tools")
         if request.response_format and request.response_format.get("type") not in (None, "text"):
             bad.append("response_format")
+        if request.tool_choice not in (None, "none", "auto"):  # a tool demanded, and no tools run
+            bad.append("tool_choice")
+        for name in ("functions", "function_call", "audio", "web_search_options"):
+            if getattr(request, name) is not None:
+                bad.append(name)
+        if request.modalities is not None and set(request.modalities) != {"text"}:
+            bad.append("modalities")
     return bad
 
 
@@ -173,12 +185,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``, keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -224,6 +248,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(BaseModel):

@@ -16,7 +16,7 @@ from loraserve.sampling_params import SamplingParams
 from .async_engine import RequestStream
 from .auth import require_api_key
 from .errors import APIError
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, prompt_logprobs
 from .openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -117,7 +117,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             )
             for completion in final.outputs
         ]
-        return ChatCompletionResponse(id=request_id, model=body.model, choices=choices, usage=usage_for([final]))
+        return ChatCompletionResponse(
+            id=request_id,
+            model=body.model,
+            choices=choices,
+            usage=usage_for([final]),
+            prompt_logprobs=prompt_logprobs(state, final),
+        )
 
     try:
         return await cancel_on_disconnect(request, complete())

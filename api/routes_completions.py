@@ -15,7 +15,7 @@ from loraserve.sampling_params import SamplingParams
 from .async_engine import RequestStream
 from .auth import require_api_key
 from .errors import APIError
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, prompt_logprobs
 from .openai_protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -115,6 +115,7 @@ def _response(
     choices: list[CompletionChoice] = []
     for prompt_index, final in enumerate(finals):
         prefix = echoes[prompt_index]
+        prompt_entries = prompt_logprobs(state, final)
         for completion in final.outputs:
             logprobs = None
             if params.logprobs is not None:
@@ -126,6 +127,7 @@ def _response(
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
+                    prompt_logprobs=prompt_entries,
                 )
             )
     choices.sort(key=lambda choice: choice.index)

@@ -85,6 +85,8 @@ def sampling_params(
     bad = unsupported_fields(request)
     if bad:
         raise APIError(400, f"unsupported parameter(s) {bad}: loraserve does not implement them", param=bad[0])
+    if request.prompt_logprobs is not None and request.stream:
+        raise APIError(400, "prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
         logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
@@ -102,6 +104,7 @@ def sampling_params(
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=request.prompt_logprobs,
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
@@ -110,6 +113,9 @@ def sampling_params(
             min_tokens=request.min_tokens or 0,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            allowed_token_ids=None if request.allowed_token_ids is None else tuple(request.allowed_token_ids),
+            bad_words=tuple(request.bad_words or ()),
             # A plain JSON response needs only the finished output (no per-step outputs or text).
             output_kind="cumulative" if request.stream else "final_only",
         )

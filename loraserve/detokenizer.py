@@ -30,8 +30,9 @@ class Detokenizer:
         special = self.special_ids if seq.params.skip_special_tokens else frozenset()
         ids = [t for t in seq.token_ids[seq.prefix_offset :] if t not in special]
         num_prefix = len([t for t in seq.token_ids[seq.prefix_offset : seq.read_offset] if t not in special])
-        prefix_text = self.tokenizer.decode(ids[:num_prefix])
-        full_text = self.tokenizer.decode(ids)
+        spaces = seq.params.spaces_between_special_tokens
+        prefix_text = self.tokenizer.decode(ids[:num_prefix], spaces_between_special_tokens=spaces)
+        full_text = self.tokenizer.decode(ids, spaces_between_special_tokens=spaces)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         delta = full_text[len(prefix_text) :]

@@ -33,7 +33,7 @@ class InputBatch:
         self.greedy = np.zeros(max_num_seqs, dtype=bool)
         self.filtered = np.zeros(max_num_seqs, dtype=bool)  # top-k or top-p on
         self.min_ps = np.zeros(max_num_seqs, dtype=np.float64)
-        self.adjusts = np.zeros(max_num_seqs, dtype=bool)  # penalties, logit bias or min_tokens
+        self.adjusts = np.zeros(max_num_seqs, dtype=bool)  # penalties, logit bias, min_tokens, masks
         self._num_synced = [0] * max_num_seqs  # leading entries of each row equal to its table
         self._epochs = [-1] * max_num_seqs
         self._rows: dict[int, int] = {}  # seq_id -> row
@@ -85,7 +85,9 @@ class InputBatch:
         self.greedy[row] = params.is_greedy
         self.filtered[row] = params.top_k > 0 or params.top_p < 1.0
         self.min_ps[row] = params.min_p
-        self.adjusts[row] = params.has_penalties or bool(params.logit_bias) or params.min_tokens > 0
+        self.adjusts[row] = (
+            params.has_penalties or bool(params.logit_bias) or params.min_tokens > 0 or params.restricts_tokens
+        )
         return row
 
     def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:

@@ -120,10 +120,11 @@ class KVCacheManager:
         """Start a fresh sequence from its cached leading blocks; return the tokens reused.
 
         The last prompt token is always computed (its logits are needed), so at most
-        ``(num_tokens - 1) // block_size`` blocks are reused.
+        ``(num_tokens - 1) // block_size`` blocks are reused; a request for prompt logprobs
+        reuses none.
         """
-        if self.prefix_cache is None:
-            return 0
+        if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need the logits of every prompt token: nothing is skipped
         assert not seq.block_ids and seq.num_computed_tokens == 0, "match_prefix needs a fresh sequence"
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.prefix_cache.num_queried_tokens += seq.num_tokens

@@ -154,8 +154,12 @@ class LLMEngine:
         token_ids = self.encode(prompt)
         vocab = int(self.hf_config.vocab_size)
         bad = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        bad += [t for t in params.allowed_token_ids or () if t >= vocab]
         if bad:
-            raise RequestError(f"logit_bias or stop_token_ids name token ids {bad[:5]} outside [0, {vocab})")
+            raise RequestError(
+                f"logit_bias, stop_token_ids or allowed_token_ids name token ids {bad[:5]} outside [0, {vocab})"
+            )
+        bad_words = self.bad_words_token_ids(params.bad_words)
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
@@ -175,6 +179,7 @@ class LLMEngine:
                 adapter_id=adapter_id,
                 cache_salt=cache_salt,
                 random_seed=self._seed_rng.getrandbits(63),
+                bad_words_token_ids=bad_words,
             )
             for i in range(params.n)
         ]
@@ -184,6 +189,19 @@ class LLMEngine:
             self.detokenizer.start(seq)
         self.scheduler.add(seqs[0], forks=seqs[1:])  # waits for the adapter's files if they are on their way
         return request
+
+    def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's rule: each word as tokenized alone, and with a leading space when that gives
+        another first token but as many tokens (the word inside a text)."""
+        result: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if alone:
+                result.append(alone)
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
+                result.append(spaced)
+        return tuple(result)
 
     def _resolve_adapter(self, adapter_name: str | None) -> str | None:
         if adapter_name is None:

@@ -1,11 +1,14 @@
-"""What sampling does to a step's logits before drawing: logit bias, ``min_tokens``, penalties.
+"""What sampling does to a step's logits before drawing: allowed tokens, bad words, logit bias,
+``min_tokens``, penalties.
 
 Only steps with such a request pay for it. The runner packs the host side (``host_parts``: every
 sampled row's output token ids, and prompt token ids when a repetition penalty asks for them,
-padded with -1; the biases and banned tokens as (row, token) lists) into its one upload; the
-sampler applies them on the device, in vLLM's order: bias, ``min_tokens``' banned tokens (EOS and
-the stop ids), then repetition, frequency and presence penalties (``apply``). ``min_p`` is applied
-by the sampler after the temperature.
+padded with -1; the allowed tokens, the biases and the banned tokens as (row, token) lists) into
+its one upload; the sampler applies them on the device (``apply``): a row with ``allowed_token_ids``
+keeps only those, then the bias, then the banned tokens (``min_tokens``' EOS and stop ids; each
+bad word's last token once the output ends with the word's other tokens, vLLM's rule), then
+repetition, frequency and presence penalties. ``min_p`` is applied by the sampler after the
+temperature.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from loraserve.sequence import Sequence
 
-NUM_PARTS = 10  # arrays in host_parts / views in from_views
+NUM_PARTS = 12  # arrays in host_parts / views in from_views
 
 
 def _padded(rows: list[list[int]]) -> np.ndarray:  # [len(rows), longest] int64, -1 padded
@@ -42,6 +45,8 @@ class LogitsAdjustments:
     bias_values: torch.Tensor  # [k] float64
     banned_rows: torch.Tensor  # [m] int64
     banned_tokens: torch.Tensor  # [m] int64
+    allowed_rows: torch.Tensor  # [a] int64, rows limited to their allowed tokens
+    allowed_tokens: torch.Tensor  # [a] int64
     any_penalty: bool
 
     @staticmethod
@@ -56,6 +61,10 @@ class LogitsAdjustments:
             if seq.num_output_tokens < p.min_tokens
             for t in (*(() if p.ignore_eos else sorted(eos_token_ids)), *p.stop_token_ids)
         ]
+        for i, seq in enumerate(seqs):
+            if seq.bad_words_token_ids:
+                banned += [(i, t) for t in _bad_word_bans(seq)]
+        allowed = [(i, t) for i, p in enumerate(params) for t in p.allowed_token_ids or ()]
         penalized = [seq.params.has_penalties for seq in seqs]
         return [
             np.array([p.presence_penalty for p in params], np.float64),
@@ -70,6 +79,8 @@ class LogitsAdjustments:
             np.array([b for _, _, b in bias], np.float64),
             np.array([i for i, _ in banned], np.int64),
             np.array([t for _, t in banned], np.int64),
+            np.array([i for i, _ in allowed], np.int64),
+            np.array([t for _, t in allowed], np.int64),
         ]
 
     @classmethod
@@ -78,11 +89,17 @@ class LogitsAdjustments:
     ) -> LogitsAdjustments:
         """The uploaded ``host_parts`` (1-D views of the device buffer) in their shapes."""
         p = [view.view(shape) for view, shape in zip(views, shapes, strict=True)]
-        return cls(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], any_penalty)
+        return cls(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], any_penalty)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32 -> a new tensor
         logits = logits.clone()
         rows, vocab = logits.shape
+        if self.allowed_rows.numel():
+            keep = torch.zeros(rows, vocab, dtype=torch.bool, device=logits.device)
+            keep[self.allowed_rows, self.allowed_tokens] = True
+            limited = torch.zeros(rows, 1, dtype=torch.bool, device=logits.device)
+            limited[self.allowed_rows] = True
+            logits.masked_fill_(limited & ~keep, float("-inf"))
         if self.bias_rows.numel():
             logits.index_put_((self.bias_rows, self.bias_tokens), self.bias_values.float(), accumulate=True)
         if self.banned_rows.numel():
@@ -105,3 +122,15 @@ class LogitsAdjustments:
         logits = torch.where(seen, penalized, logits)
         logits -= self.frequency.float()[:, None] * counts + self.presence.float()[:, None] * in_output
         return logits
+
+
+def _bad_word_bans(seq: Sequence) -> list[int]:
+    """Tokens a sequence must not sample next: a one-token bad word always, a longer one's last
+    token when the output so far ends with its other tokens."""
+    output = seq.output_token_ids
+    bans = []
+    for word in seq.bad_words_token_ids:
+        prefix = word[:-1]
+        if not prefix or (len(output) >= len(prefix) and tuple(output[len(output) - len(prefix) :]) == prefix):
+            bans.append(word[-1])
+    return bans

@@ -24,8 +24,9 @@ from loraserve.lora.batch import LoRABatch
 from loraserve.lora.slots import AdapterSlots
 from loraserve.lora.weights import write_adapter_load
 from loraserve.models.llama import LlamaForCausalLM, LoRAHook
-from loraserve.sampler import Sampler, SamplingBatch, record_logprobs
+from loraserve.sampler import Sampler, SamplingBatch, record_logprobs, record_prompt_logprobs
 from loraserve.scheduled_batch import ScheduledBatch
+from loraserve.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class ModelRunner:
         )
         input_ids = np.fromiter(itertools.chain(decode_ids, prefill_ids), np.int64, num_tokens)
         samples = ends == totals  # [n] bool: the sequence reaches its last token, so it samples
+        prompt_spans, prompt_rows = self._prompt_logprob_rows(seqs, num_decode, starts, ends, token_starts)
         sampled_rows = rows[samples]
         width = -(-int(ends.max()) // block_size)  # blocks of the longest context
         parts = [
@@ -172,7 +174,7 @@ class ModelRunner:
             positions,
             slots,
             ends,  # context of each sequence after the step
-            token_ends[samples] - 1,  # logits rows
+            np.concatenate([token_ends[samples] - 1, *prompt_rows]),  # logits rows: sampled, then prompt logprobs
             tables[rows, :width],  # decode sequences' rows first
             np.concatenate(([0], token_ends)),  # query starts of every sequence
             np.concatenate(([0], np.cumsum(num_new[num_decode:]))),  # prefill query starts
@@ -234,8 +236,29 @@ class ModelRunner:
             any_filter=bool(rows_of.filtered[sampled_rows].any()),
             min_ps=min_ps if bool((rows_of.min_ps[sampled_rows] > 0).any()) else None,
             adjustments=adjustments,
+            prompt_spans=prompt_spans,
         )
         return forward_batch, sampling, order
+
+    @staticmethod
+    def _prompt_logprob_rows(
+        seqs: list[Sequence], num_decode: int, starts: np.ndarray, ends: np.ndarray, token_starts: np.ndarray
+    ) -> tuple[tuple[tuple[Sequence, int, int], ...], list[np.ndarray]]:
+        """Rows whose logits give prompt logprobs: for each prefill chunk of a request that asks,
+        its positions ``p`` with ``p + 1`` a prompt token not recorded yet (so a prompt recomputed
+        after preemption is not recorded twice)."""
+        spans: list[tuple[Sequence, int, int]] = []
+        rows: list[np.ndarray] = []
+        for i in range(num_decode, len(seqs)):
+            seq = seqs[i]
+            if seq.params.prompt_logprobs is None or seq.sample_index != 0:
+                continue
+            first = max(int(starts[i]), len(seq.prompt_logprobs) - 1)
+            last = min(int(ends[i]), seq.num_prompt_tokens - 1)
+            if last > first:
+                spans.append((seq, first, last - first))
+                rows.append(token_starts[i] + np.arange(first, last) - starts[i])
+        return tuple(spans), rows
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
@@ -251,6 +274,9 @@ class ModelRunner:
             hook = self.lora_hook if forward_batch.lora is not None else None
             logits = self.model(forward_batch, self.kv_caches, hook)  # [num_sampled, vocab]
         sampling_index = [i for i in order if batch.samples(i)]
+        if sampling.prompt_spans:  # rows past the sampled ones: prompt logprobs
+            record_prompt_logprobs(logits[len(sampling_index) :], sampling.prompt_spans)
+            logits = logits[: len(sampling_index)]
         if sampling_index:
             tokens = self.sampler(logits, sampling).tolist()  # the step's one device-to-host copy
             self.num_downloads += 1

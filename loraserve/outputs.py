@@ -33,6 +33,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    # SamplingParams.prompt_logprobs: per prompt token, token id -> (logprob, rank); None first
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
     @property
     def text(self) -> str:

@@ -44,4 +44,5 @@ def make_output(request: Request) -> RequestOutput:
         finished=request.is_finished,
         adapter_name=request.adapter_name,
         num_cached_tokens=first.num_cached_tokens,
+        prompt_logprobs=list(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None,
     )

@@ -67,6 +67,8 @@ class SamplingBatch:
     any_filter: bool
     min_ps: torch.Tensor | None = None  # [rows] float64, None when no row sets min_p
     adjustments: LogitsAdjustments | None = None  # bias, min_tokens, penalties; None when no row asks
+    # Logits rows after the sampled ones, for prompt logprobs: (sequence, first prompt position, rows)
+    prompt_spans: tuple[tuple[Sequence, int, int], ...] = ()
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -126,3 +128,26 @@ def record_logprobs(logits: torch.Tensor, seqs: list[Sequence], sampled: list[in
         for token, top_value in zip(ids[: seqs[i].params.logprobs or 0], values, strict=False):
             entry.setdefault(token, top_value)
         seqs[i].output_logprobs.append(entry)
+
+
+def record_prompt_logprobs(logits: torch.Tensor, spans: tuple[tuple[Sequence, int, int], ...]) -> None:
+    """Append prompt logprobs: ``logits`` ``[rows, vocab]`` are the rows of prompt positions
+    ``first .. first + count - 1`` of each span's sequence, in order; the row at position ``p``
+    gives prompt token ``p + 1`` its logprob and rank (1 = the likeliest), with the
+    ``prompt_logprobs`` likeliest tokens and their ranks (vLLM's entries)."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [rows, vocab]
+    targets = [t for seq, first, count in spans for t in seq.token_ids[first + 1 : first + 1 + count]]
+    target_ids = torch.tensor(targets, device=logits.device)
+    chosen = logprobs.gather(1, target_ids[:, None])  # [rows, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1  # [rows]
+    num_top = max(seq.params.prompt_logprobs or 0 for seq, _, _ in spans)
+    top_values, top_ids = logprobs.topk(num_top) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    rows = zip(targets, chosen[:, 0].tolist(), ranks.tolist(), top_values.tolist(), top_ids.tolist(), strict=True)
+    for seq, _, count in spans:
+        wanted = seq.params.prompt_logprobs or 0
+        for _ in range(count):
+            target, value, rank, values, ids = next(rows)
+            entry = {target: (value, rank)}
+            for position, (token, top_value) in enumerate(zip(ids[:wanted], values, strict=False)):
+                entry.setdefault(token, (top_value, position + 1))
+            seq.prompt_logprobs.append(entry)

@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # logprobs of every prompt token (and the top ones) after the first
     output_kind: str = "cumulative"
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -44,6 +45,9 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
     skip_special_tokens: bool = True  # leave special tokens' text out of the output text
+    spaces_between_special_tokens: bool = True  # the tokenizer's decode option (fast tokenizers: no effect)
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    bad_words: tuple[str, ...] = ()  # never generated (vLLM's rule: see LLMEngine.bad_words_token_ids)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +56,13 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+            _require(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
+            _require(all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids must be >= 0")
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        object.__setattr__(self, "bad_words", words)
+        _require(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         _require(
@@ -83,6 +94,10 @@ class SamplingParams:
             f"logprobs must be in [0, 20], got {self.logprobs}",
         )
         _require(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+        )
+        _require(
             self.output_kind in OUTPUT_KINDS, f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}"
         )
 
@@ -91,9 +106,20 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def restricts_tokens(self) -> bool:
+        """Whether some tokens are masked out (``allowed_token_ids``, ``bad_words``)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether sampling changes this request's logits before drawing (penalties, bias, ...)."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0.0
+        return (
+            self.has_penalties
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.min_p > 0.0
+            or self.restricts_tokens
+        )
 
     @property
     def is_greedy(self) -> bool:

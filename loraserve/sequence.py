@@ -62,6 +62,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: per prompt position, token id -> (logprob, rank); None for position 0
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] = field(default_factory=lambda: [None])
+    # params.bad_words as token ids (the engine's tokenizer): the last id is banned after the others
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # Incremental detokenization state (see detokenizer.py).
     output_text: str = ""
     prefix_offset: int = 0

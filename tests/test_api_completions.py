@@ -217,8 +217,7 @@ def test_errors_use_the_openai_shape(http: httpx.Client, client: openai.OpenAI) 
     assert assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}), 400)["param"] == "model"
     bad_json = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert_openai_error(bad_json, 400)
-    refused: dict[str, Any] = {"suffix": "y", "use_beam_search": True, "spaces_between_special_tokens": False,
-                               "prompt_logprobs": 1, "guided_choice": ["a"]}  # fmt: skip
+    refused: dict[str, Any] = {"suffix": "y", "use_beam_search": True, "guided_choice": ["a"]}
     for name, value in refused.items():
         body = {"model": MODEL, "prompt": "x", name: value}
         assert name in assert_openai_error(http.post("/v1/completions", json=body), 400)["message"]
@@ -249,6 +248,62 @@ def test_penalties_and_bias_are_honoured_over_http(client: openai.OpenAI) -> Non
     assert penalized != plain
     forced = client.completions.create(**base, logit_bias={"77": 100}).choices[0]  # type: ignore[call-overload]
     assert forced.text and len(set(forced.text)) <= 2  # one token over and over
+
+
+def test_prompt_logprobs_allowed_token_ids_and_bad_words_over_http(
+    http: httpx.Client, client: openai.OpenAI
+) -> None:
+    """vLLM's shapes: ``prompt_logprobs`` per prompt token (None first; token id -> logprob, rank,
+    decoded token) in each completion choice and at the top of a chat response."""
+    body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    entries = reply.json()["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"])
+    for entry in entries[1:]:
+        assert 1 <= len(entry) <= 3
+        ranks = sorted(item["rank"] for item in entry.values())
+        assert ranks[0] >= 1 and all(item["logprob"] <= 0 and isinstance(item["decoded_token"], str)
+                                     for item in entry.values())  # fmt: skip
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0},
+    )
+    assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat.json()["prompt_logprobs"][1:])  # the prompt token alone
+    streamed = http.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and "prompt_logprobs" in streamed.json()["error"]["message"]
+    allowed = client.completions.create(  # type: ignore[call-overload]
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"allowed_token_ids": [44, 1000]}
+    )
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert made_of(allowed.choices[0].text, token_texts(http, [44, 1000]))
+    assert allowed.choices[0].text != plain.choices[0].text
+    first_word = plain.choices[0].text.split()[0]
+    cleaned = client.completions.create(  # type: ignore[call-overload]
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"bad_words": [first_word]}
+    )
+    assert cleaned.choices[0].text != plain.choices[0].text
+    spaced = client.completions.create(  # type: ignore[call-overload]
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"spaces_between_special_tokens": False}
+    )
+    assert spaced.choices[0].text == plain.choices[0].text  # a fast tokenizer: no spaces either way, as in vLLM
+    bad = {"model": MODEL, "prompt": "x", "allowed_token_ids": [10**7]}
+    assert "allowed_token_ids" in assert_openai_error(http.post("/v1/completions", json=bad), 400)["message"]
+
+
+def token_texts(http: httpx.Client, token_ids: list[int]) -> list[str]:
+    return [http.post("/detokenize", json={"tokens": [t]}).json()["prompt"] for t in token_ids]
+
+
+def made_of(text: str, pieces: list[str]) -> bool:
+    """Whether ``text`` is a concatenation of ``pieces`` (each any number of times)."""
+    while text:
+        piece = next((p for p in pieces if p and text.startswith(p)), None)
+        if piece is None:
+            return False
+        text = text[len(piece) :]
+    return True
 
 
 def test_continuous_usage_stats_and_special_tokens(client: openai.OpenAI, server: tuple[Any, LLMEngine]) -> None:
@@ -335,3 +390,84 @@ def test_non_stream_disconnect_aborts(server: tuple[ServerThread, LLMEngine], ht
         httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=1.0))
     values = wait_until_idle(http, server[1], timeout=20)
     assert values[("loraserve_generation_tokens_total", (("model", MODEL),))] - before < 400
+
+
+# Every parameter of the openai client's create methods (openai 3.x): a value that differs from
+# the default, and whether loraserve honours it ("ok") or refuses it with a 400 naming it.
+COMPLETION_PARAMETERS: dict[str, tuple[Any, str]] = {
+    "best_of": (2, "refused"),  # other than n
+    "echo": (True, "ok"),
+    "frequency_penalty": (0.5, "ok"),
+    "logit_bias": ({"77": 5}, "ok"),
+    "logprobs": (2, "ok"),
+    "max_tokens": (3, "ok"),
+    "n": (2, "ok"),
+    "presence_penalty": (0.5, "ok"),
+    "seed": (7, "ok"),
+    "stop": (["."], "ok"),
+    "stream_options": ({"include_usage": True}, "ok"),  # (with stream, checked elsewhere)
+    "suffix": ("!", "refused"),
+    "temperature": (0.7, "ok"),
+    "top_p": (0.9, "ok"),
+    "user": ("someone", "ok"),  # no effect on the output (as in vLLM)
+}
+CHAT_PARAMETERS: dict[str, tuple[Any, str]] = {
+    "audio": ({"voice": "alloy", "format": "wav"}, "refused"),
+    "frequency_penalty": (0.5, "ok"),
+    "function_call": ("auto", "refused"),
+    "functions": ([{"name": "f", "parameters": {}}], "refused"),
+    "logit_bias": ({"77": 5}, "ok"),
+    "logprobs": (True, "ok"),
+    "max_completion_tokens": (3, "ok"),
+    "max_tokens": (3, "ok"),
+    "metadata": ({"k": "v"}, "ok"),  # stored-completion tags: no effect on the output
+    "modalities": (["text", "audio"], "refused"),
+    "moderation": (None, "ok"),  # absent from the request when None
+    "n": (2, "ok"),
+    "parallel_tool_calls": (False, "ok"),  # only matters with tools, which are refused
+    "prediction": ({"type": "content", "content": "Paris"}, "ok"),  # a latency hint: output unchanged
+    "presence_penalty": (0.5, "ok"),
+    "prompt_cache_key": ("k", "ok"),  # caching is by content anyway
+    "prompt_cache_options": (None, "ok"),
+    "prompt_cache_retention": ("24h", "ok"),
+    "reasoning_effort": ("low", "ok"),  # vLLM hands it to the chat template; SmolLM2's ignores it
+    "response_format": ({"type": "json_object"}, "refused"),
+    "safety_identifier": ("someone", "ok"),
+    "seed": (7, "ok"),
+    "service_tier": ("default", "ok"),
+    "stop": (["."], "ok"),
+    "store": (False, "ok"),
+    "stream_options": ({"include_usage": True}, "ok"),
+    "temperature": (0.7, "ok"),
+    "tool_choice": ("required", "refused"),
+    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {}}}], "refused"),
+    "top_logprobs": (2, "ok"),  # with logprobs
+    "top_p": (0.9, "ok"),
+    "user": ("someone", "ok"),
+    "verbosity": ("low", "ok"),
+    "web_search_options": ({}, "refused"),
+}
+
+
+def _check_every_parameter(create: Any, table: dict[str, tuple[Any, str]], base: dict[str, Any]) -> None:
+    import inspect
+
+    transport = {"extra_headers", "extra_query", "extra_body", "timeout", "model", "prompt", "messages", "stream"}
+    exposed = set(inspect.signature(create).parameters) - transport
+    assert exposed == set(table), f"openai's parameters changed: {sorted(exposed ^ set(table))}"
+    for name, (value, expected) in table.items():
+        arguments = {**base, **({"logprobs": True} if name == "top_logprobs" else {}), name: value}
+        if expected == "ok":
+            reply = create(**arguments)
+            assert reply.choices, name
+        else:
+            with pytest.raises(openai.BadRequestError, match=name):
+                create(**arguments)
+
+
+def test_every_openai_client_parameter_is_honoured_or_refused(client: openai.OpenAI) -> None:
+    _check_every_parameter(client.completions.create, COMPLETION_PARAMETERS, {"model": MODEL, "prompt": PROMPT,
+                                                                             "max_tokens": 3})  # fmt: skip
+    messages = [{"role": "user", "content": "Hi"}]
+    _check_every_parameter(client.chat.completions.create, CHAT_PARAMETERS, {"model": MODEL, "messages": messages,
+                                                                             "max_tokens": 3})  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -238,3 +239,73 @@ def test_sampling_parameters_change_the_output_as_vllm_defines_them(llm: LLM) ->
     late = dataclasses.replace(early, min_tokens=5)
     tokens = _tokens(llm, prompt, late)[0]
     assert len(tokens) == 6 and tokens[-1] == min(eos) and min(eos) not in tokens[:5]
+
+
+def test_allowed_token_ids_and_bad_words_match_the_reference() -> None:
+    """Rows limited to their allowed ids; a one-token bad word always banned, a two-token one's
+    last token banned only right after its first (vLLM's rule), as plain loops would do."""
+    from loraserve.logits_adjustments import LogitsAdjustments
+
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(4))
+    limited = Sequence("a", [1, 2], SamplingParams(allowed_token_ids=(3, 7, 19)))
+    worded = Sequence("b", [1, 2], SamplingParams(bad_words=("x",)), bad_words_token_ids=((5,), (8, 9)))
+    other = Sequence("c", [1, 2], SamplingParams(bad_words=("x",)), bad_words_token_ids=((8, 9),))
+    worded.append_token(8)  # ends with the two-token word's first token: its last is banned
+    other.append_token(9)
+    parts = LogitsAdjustments.host_parts([limited, worded, other], frozenset())
+    views = [torch.from_numpy(p.reshape(-1)) for p in parts]
+    got = LogitsAdjustments.from_views(views, [p.shape for p in parts], any_penalty=False).apply(logits)
+    expected = logits.clone()
+    expected[0] = float("-inf")
+    expected[0, [3, 7, 19]] = logits[0, [3, 7, 19]]
+    expected[1, [5, 9]] = float("-inf")
+    expected[2, 5] = logits[2, 5]  # the row without the one-token word keeps token 5 and 9
+    torch.testing.assert_close(got, expected)
+
+
+def test_allowed_token_ids_and_bad_words_change_the_output(llm: LLM) -> None:
+    prompt = ["The capital of France is"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = _tokens(llm, prompt, greedy)[0]
+    allowed = (plain[1], 44, 1000)
+    limited = _tokens(llm, prompt, dataclasses.replace(greedy, allowed_token_ids=allowed))[0]
+    assert set(limited) <= set(allowed) and limited != plain
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, allowed_token_ids=(44, 1000))
+    assert set(_tokens(llm, prompt, seeded)[0]) <= {44, 1000}
+    # a word of the greedy output whose token, as the model emits it, the rule bans
+    words = {token: llm.engine.tokenizer.decode([token]).strip() for token in plain}
+    token, word = next((t, w) for t, w in words.items() if w and (t,) in llm.engine.bad_words_token_ids((w,)))
+    cleaned = _tokens(llm, prompt, dataclasses.replace(greedy, bad_words=(word,)))[0]
+    assert token not in cleaned and cleaned != plain
+    with pytest.raises(RequestError, match="allowed_token_ids"):
+        llm.generate(prompt, dataclasses.replace(greedy, allowed_token_ids=(10**7,)), use_tqdm=False)
+    with pytest.raises(SamplingParamsError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=())
+
+
+def test_prompt_logprobs_match_the_model(tiny_model_dir: Path, tiny_hf_model: Any) -> None:
+    """Each prompt token's logprob and rank, and the top ones, from Hugging Face's logits of the
+    same prompt; with the prompt split into chunks, and again when its blocks are cached (a
+    request for prompt logprobs computes its whole prompt)."""
+    llm = LLM(str(tiny_model_dir), num_pages=256, block_size=4, max_num_batched_tokens=8, kernels="torch")
+    prompt = list(range(40, 63))  # 23 tokens: 3 chunks of at most 8
+    with torch.inference_mode():
+        reference = tiny_hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)  # [23, vocab]
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    for _ in range(2):  # the second run finds the prompt's blocks cached, and recomputes them
+        output = llm.generate([prompt], params, use_tqdm=False)[0]
+        entries = output.prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+        for position in range(1, len(prompt)):
+            row = reference[position - 1]
+            entry = entries[position]
+            assert entry is not None
+            value, rank = entry[prompt[position]]
+            assert value == pytest.approx(row[prompt[position]].item(), abs=1e-4)
+            assert rank == int((row > row[prompt[position]]).sum()) + 1
+            top = row.topk(2)
+            for place, (top_value, token) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True)):
+                assert entry[token][0] == pytest.approx(top_value, abs=1e-4) and entry[token][1] in (place + 1, rank)
+        assert output.num_cached_tokens == 0
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0  # others still hit the cache
