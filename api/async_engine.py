@@ -30,9 +30,17 @@ from typing import Any, Protocol, TypeVar
 
 from loraserve.llm_engine import LLMEngine
 from loraserve.outputs import RequestOutput
+from loraserve.request import make_output
 from loraserve.sampling_params import SamplingParams
 
-from .request_stream import EngineDeadError, EngineStepError, RequestAbortedError, RequestFailedError, RequestStream
+from .request_stream import (
+    EngineDeadError,
+    EngineDrainingError,
+    EngineStepError,
+    RequestAbortedError,
+    RequestFailedError,
+    RequestStream,
+)
 
 __all__ = [
     "AsyncEngine",
@@ -84,11 +92,15 @@ class _Call:
     result: concurrent.futures.Future[Any]
 
 
+class _FinishAll:
+    """End every request in flight now, each with its output so far and finish reason ``abort``."""
+
+
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Call | _Stop
+_Command = _Add | _Abort | _Call | _FinishAll | _Stop
 
 
 class AsyncEngine:
@@ -102,6 +114,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stopped = False
+        self.draining = False  # shutting down: no new requests, the ones in flight run on
         self.num_step_errors = 0
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -136,6 +149,21 @@ class AsyncEngine:
         if ready is not None:
             ready()
         self._run()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not finished (any thread may poll it)."""
+        return len(self._streams)
+
+    def begin_drain(self) -> None:
+        """Take no new requests (they fail with :class:`EngineDrainingError`); the others run on."""
+        self.draining = True
+
+    def finish_all(self) -> None:
+        """End every request in flight at once: each gets its output so far, finished with reason
+        ``abort`` (the end of a drain that ran out of time)."""
+        if self.is_running:
+            self._commands.put(_FinishAll())
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine loop; requests still in flight are aborted and their streams fail.
@@ -256,6 +284,9 @@ class AsyncEngine:
         if isinstance(command, _Add):
             if not command.accepted.set_running_or_notify_cancel():
                 return  # the caller gave up before we got here; its abort follows
+            if self.draining:
+                command.accepted.set_exception(EngineDrainingError("the server is shutting down"))
+                return
             try:
                 args = (command.request_id, command.prompt, command.params, command.adapter_name)
                 if command.cache_salt is None:  # so engines without salts (test fakes) work too
@@ -274,6 +305,16 @@ class AsyncEngine:
             if stream is not None:
                 self._notify("request_ended", command.request_id)
                 stream.deliver(RequestAbortedError(f"request {command.request_id} was aborted"))
+        elif isinstance(command, _FinishAll):
+            streams, self._streams = self._streams, {}
+            for request_id, stream in streams.items():
+                request = self.engine.requests.get(request_id)
+                self.engine.abort_request(request_id)
+                self._notify("request_ended", request_id)
+                if request is None:
+                    stream.deliver(RequestAbortedError(f"request {request_id} was aborted"))
+                else:  # its samples now carry finish reason abort
+                    stream.deliver(make_output(request))
         elif isinstance(command, _Call):
             if not command.result.set_running_or_notify_cancel():
                 return

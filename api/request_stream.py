@@ -17,6 +17,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread is not running (stopped, or never started and cannot start)."""
 
 
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down: it finishes the requests it has and takes no new ones."""
+
+
 class EngineStepError(RuntimeError):
     """An engine step raised; every request in flight at that moment was aborted."""
 

@@ -53,6 +53,8 @@ async def list_models(request: Request) -> ModelList:
 @router.get("/health", tags=["operations"], summary="200 while the model is loaded and the engine loop runs")
 async def health(request: Request) -> JSONResponse:
     state = get_state(request)
+    if state.async_engine.draining:  # a load balancer stops sending requests here
+        return JSONResponse({"status": "draining", "message": "the server is shutting down"}, status_code=503)
     try:
         state.async_engine.start()
     except EngineDeadError as error:

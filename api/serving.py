@@ -17,6 +17,7 @@ from .async_engine import AsyncEngine, EngineDeadError, RequestStream
 from .errors import APIError
 from .metrics import ServerMetrics
 from .openai_protocol import _SamplingFields, unsupported_fields
+from .request_stream import EngineDrainingError
 from .settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,8 @@ def engine_error(error: Exception, model: str, state: ServerState) -> APIError:
     """The HTTP error for an exception from ``add_request``."""
     if isinstance(error, UnknownAdapterError):
         return model_not_found(model, state)
+    if isinstance(error, EngineDrainingError):
+        return APIError(503, "the server is shutting down: it takes no new requests", code="shutting_down")
     if isinstance(error, EngineDeadError):
         return APIError(503, f"the engine is not running: {error}")
     if isinstance(error, RequestError | SamplingParamsError | ValueError):

@@ -54,6 +54,8 @@ def test_fcfs_admission_and_max_num_seqs() -> None:
     assert summary(step(sched)) == [("c", 3), ("d", 2)]
     assert (c.block_ids, d.block_ids) == ([], [])  # finished and freed
     assert sched.num_unfinished == 0
+    last = sched.schedule()  # nothing to run, but the finished rows to release reach the runner once
+    assert not last.is_empty and not last.seqs and sorted(last.released_seq_ids) == sorted([c.seq_id, d.seq_id])
     assert sched.schedule().is_empty
     assert sched.kv_manager.pool.num_free_pages == 64
 

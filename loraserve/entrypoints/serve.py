@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--max-upload-mb", type=int, default=512, help="largest adapter upload or archive content in MiB (default 512)"
     )
     parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or Ctrl-C: seconds to finish the requests in flight (new ones get 503, /health 503) "
+        "before the rest end with finish reason 'abort'; a second signal stops at once (default 30)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level (default info)"
     )
     add_engine_arguments(parser)
@@ -170,6 +178,8 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_upload_mb <= 0:
         raise SystemExit("--max-upload-mb must be positive")
+    if args.shutdown_timeout < 0:
+        raise SystemExit("--shutdown-timeout must be >= 0")
     config = build_engine_config(args)
     engine = LLMEngine(config)
     settings = build_settings(args, engine.model_dir)
@@ -177,7 +187,10 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without --admin-key or --api-key: anyone can change adapters", args.host)
     app = create_app(engine, settings)
     logger.info("serving %s on http://%s:%d (docs at /docs)", settings.model_id, args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    uvicorn_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10
+    )
+    server = uvicorn.Server(uvicorn_config)
     async_engine = app.state.server.async_engine
 
     def serve_http() -> None:
@@ -189,7 +202,19 @@ def run_serve(args: argparse.Namespace) -> int:
     # The engine loop keeps the main thread (it runs there much faster than on a new thread, see
     # AsyncEngine.run_on_this_thread); uvicorn serves from a background thread.
     http = threading.Thread(target=serve_http, name="uvicorn", daemon=True)
-    signal.signal(signal.SIGTERM, _interrupt)
+    drain = threading.Thread(
+        target=_drain, args=(async_engine, server, http, args.shutdown_timeout), name="drain", daemon=True
+    )
+
+    def on_signal(signum: int, frame: object) -> None:
+        if drain.is_alive() or drain.ident is not None:  # the second signal: stop now
+            raise KeyboardInterrupt
+        logger.info("%s: finishing the requests in flight (at most %.0f s)", signal.Signals(signum).name,
+                    args.shutdown_timeout)  # fmt: skip
+        drain.start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         async_engine.run_on_this_thread(ready=http.start)
     except KeyboardInterrupt:
@@ -202,5 +227,19 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+def _drain(async_engine: Any, server: Any, http: threading.Thread, timeout: float) -> None:
+    """Graceful shutdown: refuse new requests, let those in flight finish for up to ``timeout``
+    seconds, end the rest (finish reason ``abort``), let uvicorn send their last bytes, stop."""
+    async_engine.begin_drain()
+    deadline = time.monotonic() + timeout
+    while async_engine.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if async_engine.num_in_flight:
+        logger.warning("%d request(s) still running after %.0f s: ending them", async_engine.num_in_flight, timeout)
+        async_engine.finish_all()
+        end = time.monotonic() + 5
+        while async_engine.num_in_flight and time.monotonic() < end:
+            time.sleep(0.05)
+    server.should_exit = True  # uvicorn closes its sockets once the responses in progress are sent
+    http.join(15)
+    async_engine.shutdown()  # the engine loop on the main thread returns

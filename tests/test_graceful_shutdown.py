@@ -1,0 +1,171 @@
+"""Graceful shutdown of ``loraserve serve`` (a real process, signalled as a process manager does):
+on SIGTERM it refuses new requests (503, ``/health`` 503), finishes the ones in flight, and exits 0;
+past ``--shutdown-timeout`` the rest end with finish reason ``abort``; a second signal stops at once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import _free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _start(model_dir: Path, timeout: float, tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    command = [sys.executable, "-m", "loraserve.entrypoints.cli", "serve", "--model", str(model_dir),
+               "--port", str(port), "--kernels", "torch", "--num-pages", "400", "--max-num-seqs", "16",
+               "--registry", f"dir:{tmp_path / 'registry'}", "--shutdown-timeout", str(timeout),
+               "--log-level", "info"]  # fmt: skip
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 (the process writes it until it exits)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited at start: {(tmp_path / 'server.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    pytest.fail("the server did not start within 120 s")
+
+
+@pytest.fixture
+def stopped_processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    processes: list[subprocess.Popen[bytes]] = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _requests(url: str, model: str, max_tokens: int, first_chunks: threading.Barrier) -> list[dict[str, Any]]:
+    """8 streamed and 8 plain completions at once; each result: finish reason, tokens, status."""
+    results: list[dict[str, Any]] = [{} for _ in range(16)]
+    body = {"model": model, "prompt": "Count with me: one, two,", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
+
+    def streamed(index: int) -> None:
+        chunks, reason = 0, None
+        streaming = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=streaming, timeout=300) as reply:
+            results[index]["status"] = reply.status_code
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                chunks += 1
+                if chunks == 1:
+                    first_chunks.wait(60)
+                if chunk["choices"]:
+                    reason = chunk["choices"][0]["finish_reason"] or reason
+                if chunk.get("usage"):
+                    results[index]["tokens"] = chunk["usage"]["completion_tokens"]
+        results[index].update(finish_reason=reason, chunks=chunks)
+
+    def plain(index: int) -> None:
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        results[index]["status"] = reply.status_code
+        if reply.status_code == 200:
+            answer = reply.json()
+            results[index].update(
+                finish_reason=answer["choices"][0]["finish_reason"], tokens=answer["usage"]["completion_tokens"]
+            )
+
+    threads = [threading.Thread(target=streamed if i < 8 else plain, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    results.append({"threads": threads})
+    return results
+
+
+def _wait_running(url: str, count: int) -> None:
+    """Until the engine runs ``count`` sequences (every request accepted and started)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for line in httpx.get(url + "/metrics").text.splitlines():
+            if line.startswith("loraserve_requests_running ") and float(line.split()[1]) >= count:
+                return
+        time.sleep(0.05)
+    pytest.fail(f"{count} requests did not start")
+
+
+def _model(url: str) -> str:
+    return str(httpx.get(url + "/v1/models").json()["data"][0]["id"])
+
+
+def test_sigterm_finishes_requests_in_flight_then_exits_0(
+    tiny_model_dir: Path, tmp_path: Path, stopped_processes: list[subprocess.Popen[bytes]]
+) -> None:
+    process, url = _start(tiny_model_dir, timeout=60, tmp_path=tmp_path)
+    stopped_processes.append(process)
+    first_chunks = threading.Barrier(9)  # the 8 streams have their first chunk, and this thread
+    results = _requests(url, _model(url), max_tokens=300, first_chunks=first_chunks)
+    threads = results.pop()["threads"]
+    first_chunks.wait(60)
+    _wait_running(url, 16)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    late = httpx.post(url + "/v1/completions", json={"model": _model(url), "prompt": "x", "max_tokens": 2})
+    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+    assert httpx.get(url + "/health").status_code == 503
+    for thread in threads:
+        thread.join(120)
+    assert process.wait(60) == 0
+    assert time.monotonic() - signalled < 60
+    assert all(r["status"] == 200 and r["finish_reason"] == "length" for r in results), results
+    assert all(r["tokens"] == 300 for r in results), results
+
+
+def test_past_the_timeout_the_rest_end_with_finish_reason_abort(
+    tiny_model_dir: Path, tmp_path: Path, stopped_processes: list[subprocess.Popen[bytes]]
+) -> None:
+    process, url = _start(tiny_model_dir, timeout=1, tmp_path=tmp_path)
+    stopped_processes.append(process)
+    first_chunks = threading.Barrier(9)
+    results = _requests(url, _model(url), max_tokens=1900, first_chunks=first_chunks)
+    threads = results.pop()["threads"]
+    first_chunks.wait(60)
+    _wait_running(url, 16)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(120)
+    assert process.wait(60) == 0
+    assert time.monotonic() - signalled < 30
+    assert all(r["status"] == 200 and r["finish_reason"] == "abort" for r in results), results
+    assert all(0 < r["tokens"] < 1900 for r in results), results  # what they had so far
+
+
+def test_a_second_signal_stops_at_once(
+    tiny_model_dir: Path, tmp_path: Path, stopped_processes: list[subprocess.Popen[bytes]]
+) -> None:
+    process, url = _start(tiny_model_dir, timeout=600, tmp_path=tmp_path)
+    stopped_processes.append(process)
+    body = {"model": _model(url), "prompt": "x", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()  # kept: a closed iterator would close the stream (a disconnect)
+        next(lines)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert process.poll() is None  # draining: it waits for the stream (up to 600 s)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+        del lines
+    assert "stopping" in (tmp_path / "server.log").read_text()
