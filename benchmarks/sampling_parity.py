@@ -36,6 +36,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "repetition_penalty 1.2": {"repetition_penalty": 1.2},
     "all three": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
     "min_p 0.05 (greedy: no change)": {"min_p": 0.05},
+    "logit_bias {1000: 4}": {"logit_bias": {"1000": 4}},
+    "bad_words [the, and, one]": {"bad_words": ["the", "and", "one"]},
+    "allowed_token_ids 0..4999": {"allowed_token_ids": list(range(5000))},
 }
 
 
@@ -62,11 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--settings", default=None, help="names to run, separated by ; (default: all)")
     args = parser.parse_args(argv)
+    chosen = SETTINGS if args.settings is None else {"greedy": {}, **{k: SETTINGS[k] for k in args.settings.split(";")}}
     servers = dict(item.split("=", 1) for item in args.url)
     texts: dict[str, dict[str, list[str]]] = {}
     with httpx.Client(timeout=600) as client:
-        for setting, extra in SETTINGS.items():
+        for setting, extra in chosen.items():
             texts[setting] = {
                 name: [complete(client, url, args.model, p, args.max_tokens, extra) for p in PROMPTS]
                 for name, url in servers.items()
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
           + " | ".join(f"{name}: changed vs its greedy" for name in names) + " |")  # fmt: skip
     print("|---|---:|---:|" + "---:|" * len(names))
     rows = []
-    for setting in SETTINGS:
+    for setting in chosen:
         per_server = texts[setting]
         same = sum(len({per_server[n][i] for n in names}) == 1 for i in range(len(PROMPTS)))
         prefix = sum(common_prefix([per_server[n][i] for n in names]) for i in range(len(PROMPTS))) / len(PROMPTS)
