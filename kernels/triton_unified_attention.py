@@ -46,7 +46,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from loraserve.kernels.triton_attention import runs_interpreted
 
 BLOCK_N = 64  # context tokens per online-softmax step, across as many pages as they need
 MIN_BLOCK_M = 16  # tl.dot takes at least 16 rows
@@ -217,6 +216,14 @@ def _merge_splits_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=dims < HEAD_DIM,
     )
+
+
+def runs_interpreted() -> bool:
+    """Whether loraserve's Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when
+    they were imported: CPU tensors, for tests)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_unified_attention_kernel, InterpretedFunction)
 
 
 def block_shape(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
