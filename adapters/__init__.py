@@ -11,7 +11,7 @@ from .errors import (
 from .lora_weights import PROJECTION_NAMES, BaseModelShapes, LoRAAdapter, LoRAModuleWeights
 from .peft_format import CONFIG_FILE, WEIGHTS_FILE, load_adapter, parse_adapter_files, read_adapter_dir
 from .redis_store import RedisStore
-from .registry import AdapterInfo, AdapterRegistry
+from .registry import AdapterInfo, AdapterLimits, AdapterRegistry
 from .store import AdapterStore, LocalDirStore, validate_adapter_name
 from .store_factory import make_store, register_store_scheme
 
@@ -24,6 +24,7 @@ __all__ = [
     "AdapterError",
     "AdapterExistsError",
     "AdapterInfo",
+    "AdapterLimits",
     "AdapterNotFoundError",
     "AdapterRegistry",
     "AdapterStore",

@@ -54,6 +54,19 @@ class AdapterInfo:
         }
 
 
+@dataclass(frozen=True)
+class AdapterLimits:
+    """What an operator lets clients register: the largest rank of any module, and how many
+    adapters the store may hold."""
+
+    max_rank: int = 512
+    max_adapters: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.max_rank < 1 or self.max_adapters < 1:
+            raise ValueError(f"adapter limits must be positive, got rank {self.max_rank}, count {self.max_adapters}")
+
+
 class AdapterRegistry:
     """Adapters for one base model, kept in an :class:`AdapterStore`.
 
@@ -69,9 +82,11 @@ class AdapterRegistry:
         shapes: BaseModelShapes,
         *,
         allowed_roots: Sequence[str | os.PathLike[str]] | None = None,
+        limits: AdapterLimits | None = None,
     ) -> None:
         self.store = store
         self.shapes = shapes
+        self.limits = limits or AdapterLimits()
         self.allowed_roots = None if allowed_roots is None else tuple(Path(r).resolve() for r in allowed_roots)
 
     def register(self, name: str, files: Mapping[str, bytes], *, overwrite: bool = False) -> AdapterInfo:
@@ -83,6 +98,16 @@ class AdapterRegistry:
         """
         validate_adapter_name(name)
         adapter = parse_adapter_files(files, self.shapes, name)
+        if adapter.max_rank > self.limits.max_rank:
+            raise AdapterError(
+                f"adapter {name!r} has rank {adapter.max_rank}, above this server's limit of {self.limits.max_rank} "
+                "(max_lora_rank)"
+            )
+        if len(self.store.names()) >= self.limits.max_adapters and not self.store.contains(name):
+            raise AdapterError(
+                f"this server holds its limit of {self.limits.max_adapters} registered adapters (max_adapters): "
+                "delete one first"
+            )
         self.store.put(name, {CONFIG_FILE: files[CONFIG_FILE], WEIGHTS_FILE: files[WEIGHTS_FILE]}, overwrite=overwrite)
         logger.info("registered adapter %s (digest %s, rank %d)", name, adapter.digest, adapter.max_rank)
         return AdapterInfo.from_adapter(adapter)

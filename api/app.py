@@ -15,6 +15,7 @@ from loraserve.llm_engine import LLMEngine
 from . import routes_adapters, routes_chat, routes_completions, routes_models, routes_tokenize
 from .async_engine import AsyncEngine
 from .errors import install_error_handlers
+from .limits import InFlightLimiter, RequestBodyLimit
 from .metrics import ServerMetrics
 from .serving import ServerState
 from .settings import ServerSettings
@@ -45,7 +46,8 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     """
     metrics = ServerMetrics(settings.model_id)
     async_engine = AsyncEngine(engine, observer=metrics)
-    state = ServerState(engine, async_engine, settings, _api_tokenizer(engine), metrics)
+    limiter = InFlightLimiter(settings.max_requests_per_key)
+    state = ServerState(engine, async_engine, settings, _api_tokenizer(engine), metrics, limiter)
     if settings.adapter_key is None:
         logger.warning("no --admin-key or --api-key: anyone who can reach the server can change adapters")
 
@@ -61,6 +63,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.state.server = state
     app.state.settings = settings
     install_error_handlers(app)
+    app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_body_bytes)
     for module in (routes_completions, routes_chat, routes_tokenize, routes_models, routes_adapters):
         app.include_router(module.router)
     return app

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_N = 64
+MAX_N = 1024  # a ceiling of the schema; the server's own limit is ServerSettings.max_n
 MAX_LOGPROBS = 20
 
 

@@ -16,6 +16,7 @@ from loraserve.sampling_params import SamplingParams
 from .async_engine import RequestStream
 from .auth import require_api_key
 from .errors import APIError
+from .limits import InFlightLimiter
 from .logprobs import chat_logprobs, prompt_logprobs
 from .openai_protocol import (
     ChatChoice,
@@ -29,7 +30,16 @@ from .openai_protocol import (
     ChatResponseMessage,
 )
 from .routes_completions import ERROR_RESPONSES, usage_for
-from .serving import ServerState, get_state, new_id, resolve_adapter, sampling_params, submit
+from .serving import (
+    ServerState,
+    check_request_limits,
+    get_state,
+    limited_max_tokens,
+    new_id,
+    resolve_adapter,
+    sampling_params,
+    submit,
+)
 from .streaming import (
     SSE_DONE,
     ClientDisconnectedError,
@@ -93,16 +103,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     prompt_ids = render_chat_prompt(state, body.messages, body.add_generation_prompt)
-    max_tokens = body.max_completion_tokens or body.max_tokens or state.max_new_tokens(len(prompt_ids))
+    asked = body.max_completion_tokens or body.max_tokens
+    check_request_limits(state, body.n, [len(prompt_ids)], asked)
+    max_tokens = asked or limited_max_tokens(state, state.max_new_tokens(len(prompt_ids)))
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     num_top = body.top_logprobs or 0
     request_id = new_id("chatcmpl")
+    key = InFlightLimiter.key_of(request.headers.get("authorization"))
+    state.in_flight.acquire(key)  # 429 past the limit
     if body.stream:
-        streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model, body.cache_salt)
+        try:
+            streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model, body.cache_salt)
+        except BaseException:
+            state.in_flight.release(key)
+            raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
         stream = _stream(state, request_id, body.model, streams[0], params, num_top, include_usage, continuous)
-        return SSEResponse(stream)
+        return SSEResponse(stream, on_close=lambda: state.in_flight.release(key))
 
     async def complete() -> ChatCompletionResponse:
         streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model, body.cache_salt)
@@ -129,6 +147,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return await cancel_on_disconnect(request, complete())
     except ClientDisconnectedError:
         return Response(status_code=499)
+    finally:
+        state.in_flight.release(key)
 
 
 def _logprobs(

@@ -15,6 +15,7 @@ from loraserve.sampling_params import SamplingParams
 from .async_engine import RequestStream
 from .auth import require_api_key
 from .errors import APIError
+from .limits import InFlightLimiter
 from .logprobs import completion_logprobs, prompt_logprobs
 from .openai_protocol import (
     CompletionChoice,
@@ -24,7 +25,16 @@ from .openai_protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from .serving import ServerState, get_state, new_id, resolve_adapter, sampling_params, submit
+from .serving import (
+    ServerState,
+    check_request_limits,
+    get_state,
+    limited_max_tokens,
+    new_id,
+    resolve_adapter,
+    sampling_params,
+    submit,
+)
 from .streaming import (
     SSE_DONE,
     ClientDisconnectedError,
@@ -80,14 +90,23 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         raise APIError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
-    params = sampling_params(body, body.max_tokens or 16, body.logprobs)
+    lengths = [] if state.settings.max_prompt_tokens is None else [_prompt_length(state, p) for p in prompts]
+    check_request_limits(state, body.n, lengths, body.max_tokens)
+    params = sampling_params(body, body.max_tokens or limited_max_tokens(state, 16), body.logprobs)
     request_id = new_id("cmpl")
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
+    key = InFlightLimiter.key_of(request.headers.get("authorization"))
+    state.in_flight.acquire(key)  # 429 past the limit
     if body.stream:
-        streams = await submit(state, request_id, prompts, params, adapter_name, body.model, body.cache_salt)
+        try:
+            streams = await submit(state, request_id, prompts, params, adapter_name, body.model, body.cache_salt)
+        except BaseException:
+            state.in_flight.release(key)
+            raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        return SSEResponse(_stream(state, request_id, body.model, streams, params, echoes, include_usage, continuous))
+        events = _stream(state, request_id, body.model, streams, params, echoes, include_usage, continuous)
+        return SSEResponse(events, on_close=lambda: state.in_flight.release(key))
 
     async def complete() -> CompletionResponse:
         streams = await submit(state, request_id, prompts, params, adapter_name, body.model, body.cache_salt)
@@ -98,6 +117,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         return await cancel_on_disconnect(request, complete())
     except ClientDisconnectedError:
         return Response(status_code=499)
+    finally:
+        state.in_flight.release(key)
+
+
+def _prompt_length(state: ServerState, prompt: str | list[int]) -> int:
+    return len(prompt) if isinstance(prompt, list) else len(state.tokenizer.encode(prompt))
 
 
 def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:

@@ -15,6 +15,7 @@ from loraserve.sampling_params import SamplingParams, SamplingParamsError
 
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
 from .errors import APIError
+from .limits import InFlightLimiter
 from .metrics import ServerMetrics
 from .openai_protocol import _SamplingFields, unsupported_fields
 from .request_stream import EngineDrainingError
@@ -36,6 +37,7 @@ class ServerState:
     settings: ServerSettings
     tokenizer: Any
     metrics: ServerMetrics
+    in_flight: InFlightLimiter
 
     @property
     def supports_adapters(self) -> bool:
@@ -163,3 +165,31 @@ async def submit(
             raise engine_error(error, model, state) from None
         raise
     return streams
+
+
+def check_request_limits(state: ServerState, n: int, prompt_lengths: list[int], max_tokens: int | None) -> None:
+    """The operator's limits on ``n``, prompt length and ``max_tokens`` (``ServerSettings``): a 400
+    naming the field past one of them."""
+    settings = state.settings
+    if n > settings.max_n:
+        raise APIError(400, f"n={n} is above this server's limit of {settings.max_n} (--max-n)", param="n")
+    limit = settings.max_prompt_tokens
+    if limit is not None and prompt_lengths and max(prompt_lengths) > limit:
+        raise APIError(
+            400,
+            f"the prompt has {max(prompt_lengths)} tokens, above this server's limit of {limit} (--max-prompt-tokens)",
+            param="prompt",
+        )
+    limit = settings.max_output_tokens
+    if limit is not None and max_tokens is not None and max_tokens > limit:
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens} is above this server's limit of {limit} (--max-output-tokens)",
+            param="max_tokens",
+        )
+
+
+def limited_max_tokens(state: ServerState, default: int) -> int:
+    """A default ``max_tokens`` capped by the operator's ``max_output_tokens``."""
+    limit = state.settings.max_output_tokens
+    return default if limit is None else min(default, limit)

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_UPLOAD_MB = 512
+DEFAULT_MAX_REQUEST_BODY_MB = 32
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,12 @@ class ServerSettings:
       empty (the default) disables loading from server paths altogether.
     * ``max_upload_bytes``: the largest adapter upload (request body, and the uncompressed
       content of an archive); bigger ones get 413.
+    * ``max_request_body_bytes``: the largest body of any other request (413).
+    * ``max_n``: the most samples per prompt (``n``); ``max_prompt_tokens`` and
+      ``max_output_tokens``: the longest prompt and ``max_tokens`` a request may ask (None: the
+      model's context length); past them, 400 naming the field.
+    * ``max_requests_per_key``: completion requests in flight per API key (requests without a
+      key share one bucket); past it, 429.
     """
 
     model_id: str
@@ -29,12 +36,22 @@ class ServerSettings:
     admin_key: str | None = None
     allowed_lora_dirs: tuple[str, ...] = field(default_factory=tuple)
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_MB * 2**20
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_MB * 2**20
+    max_n: int = 64
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_requests_per_key: int = 512
 
     def __post_init__(self) -> None:
         if not self.model_id:
             raise ValueError("model_id must be a non-empty string")
-        if self.max_upload_bytes <= 0:
-            raise ValueError(f"max_upload_bytes must be positive, got {self.max_upload_bytes}")
+        for name in ("max_upload_bytes", "max_request_body_bytes", "max_n", "max_requests_per_key"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "max_output_tokens"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be None or positive, got {value}")
         for key_name in ("api_key", "admin_key"):
             value = getattr(self, key_name)
             if value is not None and not value:

@@ -41,6 +41,8 @@ class EngineConfig:
     ``cpu_gemm`` picks the GEMM kernel of the linear layers under the ``cpu`` backend: ``auto``
     (timed per layer shape and row count on this CPU at start, the choice cached per CPU kind),
     or ``panels``, ``onednn`` or ``torch`` for every layer (``models/gemm_choice.py``).
+    ``max_lora_rank`` and ``max_adapters``: the largest adapter rank, and the most adapters, the
+    registry accepts (an operator's limits; there is no rank limit in the design).
     ``enforce_eager``: under the ``triton`` kernels, run decode steps eagerly as they come instead
     of padded to a captured size and replayed as CUDA graphs (``decode_graphs.py``).
     """
@@ -65,6 +67,8 @@ class EngineConfig:
     kernels: str = "auto"
     cpu_gemm: str = "auto"
     enforce_eager: bool = False
+    max_lora_rank: int = 512
+    max_adapters: int = 10_000
 
     def __post_init__(self) -> None:
         _require(
@@ -76,6 +80,8 @@ class EngineConfig:
             f"num_pages must be at least 2, got {self.num_pages}",
         )
         _require(self.memory_budget_mb > 0, f"memory_budget_mb must be positive, got {self.memory_budget_mb}")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be positive, got {self.max_lora_rank}")
+        _require(self.max_adapters >= 1, f"max_adapters must be positive, got {self.max_adapters}")
         _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens > 0,

@@ -13,6 +13,7 @@ import torch
 
 from loraserve.adapters import (
     AdapterInfo,
+    AdapterLimits,
     AdapterNotFoundError,
     AdapterRegistry,
     BaseModelShapes,
@@ -92,7 +93,9 @@ class LLMEngine:
         else:
             registry_spec = config.registry
         self.adapter_registry = AdapterRegistry(
-            make_store(registry_spec), BaseModelShapes.from_hf_config(self.hf_config)
+            make_store(registry_spec),
+            BaseModelShapes.from_hf_config(self.hf_config),
+            limits=AdapterLimits(max_rank=config.max_lora_rank, max_adapters=config.max_adapters),
         )
         self.adapters = AdapterManager(
             self.adapter_registry,

@@ -37,6 +37,8 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--dtype", "dtype", str, f"weights and pool dtype, one of {sorted(DTYPES)} (default float32)"),
     ("--seed", "seed", int, "seed of unseeded sampling (default 0)"),
     ("--num-threads", "num_threads", int, "torch CPU threads (default: torch's choice)"),
+    ("--max-lora-rank", "max_lora_rank", int, "largest adapter rank accepted at registration (default 512)"),
+    ("--max-adapters", "max_adapters", int, "most registered adapters (default 10000)"),
     ("--kernels", "kernels", str, f"kernels, one of {KERNEL_CHOICES} (default auto: C++ on CPU, Triton on CUDA)"),
     (
         "--cpu-gemm",
@@ -98,6 +100,22 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--max-upload-mb", type=int, default=512, help="largest adapter upload or archive content in MiB (default 512)"
     )
     parser.add_argument(
+        "--max-request-body-mb", type=int, default=32, help="largest body of any other request in MiB (default 32)"
+    )
+    parser.add_argument("--max-n", type=int, default=64, help="most samples per prompt, n (default 64)")
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="longest prompt in tokens (default: the context length)"
+    )
+    parser.add_argument(
+        "--max-output-tokens", type=int, default=None, help="largest max_tokens a request may ask (default: no limit)"
+    )
+    parser.add_argument(
+        "--max-requests-per-key",
+        type=int,
+        default=512,
+        help="completion requests in flight per API key, 429 past it; requests without a key share one (default 512)",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -155,6 +173,11 @@ def build_settings(args: argparse.Namespace, model_dir: Path) -> Any:
         admin_key=args.admin_key or None,
         allowed_lora_dirs=tuple(args.allowed_lora_dir),
         max_upload_bytes=args.max_upload_mb * 2**20,
+        max_request_body_bytes=args.max_request_body_mb * 2**20,
+        max_n=args.max_n,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        max_requests_per_key=args.max_requests_per_key,
     )
 
 
@@ -182,7 +205,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--shutdown-timeout must be >= 0")
     config = build_engine_config(args)
     engine = LLMEngine(config)
-    settings = build_settings(args, engine.model_dir)
+    try:
+        settings = build_settings(args, engine.model_dir)
+    except ValueError as error:
+        raise SystemExit(f"bad option: {error}") from None
     if not _is_loopback(args.host) and settings.adapter_key is None:
         logger.warning("serving on %s without --admin-key or --api-key: anyone can change adapters", args.host)
     app = create_app(engine, settings)

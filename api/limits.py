@@ -1,0 +1,123 @@
+"""Limits an operator sets on what clients may send (``ServerSettings``), enforced at the edge.
+
+* ``RequestBodyLimit``: an ASGI middleware that answers 413 (OpenAI error shape) to a request
+  body larger than ``max_request_body_bytes``, whether it announces its length or streams it
+  chunked, before any route parses it. Adapter uploads are exempt: they have their own, larger,
+  limit (``max_upload_bytes``, checked while the upload streams in).
+* ``InFlightLimiter``: completion requests in flight per API key (the bearer token; requests
+  without one share one bucket); past the limit a request gets 429 at once and nothing is queued.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from .errors import APIError, error_body
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+UPLOAD_PATHS = ("/v1/adapters",)  # bodies bounded by max_upload_bytes instead
+
+
+class RequestBodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD") or scope["path"] in UPLOAD_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(send)
+            return
+        # Read the body here (it is small by definition), so a chunked one is bounded too.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # a disconnect: the route sees it
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        body = json.dumps(
+            error_body(
+                f"request body larger than this server's limit of {self.max_bytes} bytes (--max-request-body-mb)",
+                "invalid_request_error",
+                code="request_too_large",
+            )
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class InFlightLimiter:
+    """Counts the completion requests each API key has in flight (any thread)."""
+
+    def __init__(self, max_per_key: int) -> None:
+        self.max_per_key = max_per_key
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key_of(authorization: str | None) -> str:
+        """The bucket of a request: a digest of its bearer token (never the key itself)."""
+        if not authorization:
+            return "anonymous"
+        return hashlib.sha256(authorization.encode()).hexdigest()[:16]
+
+    def acquire(self, key: str) -> None:
+        """Count one more request for ``key``, or raise a 429 ``APIError`` past the limit."""
+        with self._lock:
+            if self._counts[key] >= self.max_per_key:
+                raise APIError(
+                    429,
+                    f"too many requests in flight for this API key (limit {self.max_per_key}, "
+                    "--max-requests-per-key): retry when one finishes",
+                    code="rate_limit_exceeded",
+                )
+            self._counts[key] += 1
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] -= 1
+            if self._counts[key] <= 0:
+                del self._counts[key]
+
+    def in_flight(self, key: str) -> int:
+        with self._lock:
+            return self._counts[key]
