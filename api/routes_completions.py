@@ -91,8 +91,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
     lengths = [] if state.settings.max_prompt_tokens is None else [_prompt_length(state, p) for p in prompts]
-    check_request_limits(state, body.n, lengths, body.max_tokens)
-    params = sampling_params(body, body.max_tokens or limited_max_tokens(state, 16), body.logprobs)
+    asked = body.max_tokens if "max_tokens" in body.model_fields_set else None  # (its default is 16)
+    check_request_limits(state, body.n, lengths, asked)
+    params = sampling_params(body, asked or limited_max_tokens(state, body.max_tokens or 16), body.logprobs)
     request_id = new_id("cmpl")
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
     key = InFlightLimiter.key_of(request.headers.get("authorization"))

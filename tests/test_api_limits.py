@@ -74,6 +74,8 @@ def test_n_prompt_and_output_limits(server: tuple[httpx.Client, LLMEngine]) -> N
     long_chat = {**chat, "messages": [{"role": "user", "content": "word " * 80}]}
     assert error_of(http.post("/v1/chat/completions", json=long_chat), 400)["param"] == "prompt"
     assert http.post("/v1/completions", json={**base, "n": 2}).status_code == 200
+    unasked = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "ignore_eos": True})
+    assert unasked.json()["usage"]["completion_tokens"] == 8  # the default 16, capped at the limit
 
 
 def test_requests_in_flight_per_key(server: tuple[httpx.Client, LLMEngine]) -> None:
