@@ -18,6 +18,8 @@ Exposed names (``model`` is the base model id or the adapter name):
   ``loraserve_adapters_registered``, ``loraserve_engine_step_errors_total``
 * ``loraserve_cpu_gemm_kernel{shape,rows,kernel}``: 1 for the GEMM kernel each linear layer shape runs
   on at each row bucket (``models/gemm_choice.py``; none when the linear layers are not packed)
+* ``loraserve_kernel_fallback{kernel}``: 1 when a compiled kernel runs its fallback (``lora_grouped_gemm``:
+  a torch without MKL; long LoRA segments then run one ATen GEMM pair each)
 * ``loraserve_prompt_tokens_total{model}``, ``loraserve_generation_tokens_total{model}``,
   ``loraserve_prefix_cache_hits_total{model}`` (requests that reused cached prompt tokens),
   ``loraserve_prefix_cache_hit_tokens_total{model}``, ``loraserve_request_success_total{model,finish_reason}``
@@ -97,6 +99,14 @@ class EngineSnapshotCollector(Collector):
             for rows, kernel in by_rows.items():
                 gemm.add_metric([shape, rows, kernel], 1)
         yield gemm
+        fallback = GaugeMetricFamily(
+            "loraserve_kernel_fallback",
+            "1 for each compiled kernel running its slower fallback because a library symbol is missing",
+            labels=["kernel"],
+        )
+        for name in ("lora_grouped_gemm",):
+            fallback.add_metric([name], int(name in snap.kernel_fallbacks))
+        yield fallback
 
 
 def _prefix_cache_metrics(snap: EngineStats) -> Iterator[Metric]:

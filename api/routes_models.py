@@ -64,6 +64,8 @@ async def health(request: Request) -> JSONResponse:
     except EngineDeadError as error:
         return JSONResponse({"status": "error", "message": str(error)}, status_code=503)
     body: dict[str, Any] = {"status": "ok", "model": state.settings.model_id, "kernels": stats.kernels}
+    if stats.kernel_fallbacks:  # compiled kernels on a slower fallback (a library symbol missing)
+        body["kernel_fallbacks"] = list(stats.kernel_fallbacks)
     if stats.cpu_gemm:  # the CPU GEMM kernel of each linear layer shape and row bucket, and how it was chosen
         body["cpu_gemm"] = stats.cpu_gemm
     return JSONResponse(body)

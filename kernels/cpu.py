@@ -216,6 +216,23 @@ def lora_segments(
     module.lora_segments(x.contiguous(), list(outputs), storage, layer, group, bounds, page_tables, meta, scales)
 
 
+def lora_grouped_gemm(enable: bool = True) -> bool:
+    """Whether long LoRA segments run as MKL grouped GEMMs (torch built with MKL); False: one ATen
+    GEMM pair per segment (same results). ``enable=False`` forces that fallback (tests)."""
+    module = load_extension()
+    assert module is not None, "lora_grouped_gemm needs the compiled CPU kernels"
+    return bool(module.lora_grouped_gemm(enable))
+
+
+def fallbacks() -> tuple[str, ...]:
+    """Compiled kernels running a slower fallback because a library symbol is missing (none, or
+    ``lora_grouped_gemm``); empty when the extension is not built."""
+    module = load_extension()
+    if module is None:
+        return ()
+    return () if module.lora_grouped_gemm(True) else ("lora_grouped_gemm",)
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden] float32
     weight: torch.Tensor,  # [hidden]

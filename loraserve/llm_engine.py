@@ -22,6 +22,7 @@ from loraserve.adapters import (
 from loraserve.config import ConfigError, EngineConfig
 from loraserve.detokenizer import Detokenizer
 from loraserve.kernel_backend import select_backend
+from loraserve.kernels import cpu
 from loraserve.kv_cache_manager import KVCacheManager
 from loraserve.lora.residency import AdapterManager
 from loraserve.model_runner import ModelRunner, PageLayout
@@ -63,6 +64,9 @@ class LLMEngine:
         self.hf_config = load_hf_config(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.kernels = select_backend(config.kernels, self.device, config.torch_dtype)
+        self.kernel_fallbacks = cpu.fallbacks() if self.kernels.name == "cpu" else ()
+        for name in self.kernel_fallbacks:
+            logger.warning("compiled kernel %s runs its fallback: a library symbol is missing from torch", name)
         gemm_policy = None
         if self.kernels.pack_linears:
             gemm_policy = GemmPolicy(
@@ -273,6 +277,7 @@ class LLMEngine:
             prefix_cache_hit_rate=float(index.hit_rate) if index is not None else 0.0,
             prefix_cache_blocks=len(index) if index is not None else 0,
             cpu_gemm=self.gemm_plan.as_dict() if self.gemm_plan.choices else {},
+            kernel_fallbacks=self.kernel_fallbacks,
         )
 
     def has_unfinished_requests(self) -> bool:

@@ -32,6 +32,7 @@ class EngineStats:
     prefix_cache_hit_rate: float = 0.0
     prefix_cache_blocks: int = 0
     cpu_gemm: dict[str, object] = field(default_factory=dict)  # GemmPlan.as_dict(); empty when not packed
+    kernel_fallbacks: tuple[str, ...] = ()  # compiled kernels on a slower fallback (a library symbol missing)
 
     @property
     def num_adapter_evictions(self) -> int:

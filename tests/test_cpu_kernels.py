@@ -117,6 +117,38 @@ def test_lora_segments_tiled_and_mkl_paths_on_any_width(hidden: int, outs: tuple
     run_segments(cpu.lora_segments, indices, seed=5, scattered=scattered, layer=1, hidden=hidden, outs=outs)
 
 
+def test_lora_segments_without_mkl_grouped_gemm_give_the_same_results() -> None:
+    """The per-kernel fallback of a torch without MKL (one ATen GEMM pair per long segment),
+    forced here: the MKL path's cases, against the same reference."""
+    assert cpu.lora_grouped_gemm(enable=False) is False
+    try:
+        assert cpu.fallbacks() == () or cpu.fallbacks() == ("lora_grouped_gemm",)
+        indices = [0, 1, 1, 2] + [6] * 33 + [7] * 40 + [-1, 5]
+        for scattered in (False, True):
+            run_segments(cpu.lora_segments, indices, seed=5, scattered=scattered, layer=1, hidden=576,
+                         outs=(192, 17, 1536))  # fmt: skip
+            run_segments(cpu.lora_segments, indices, seed=6, scattered=scattered, layer=0)
+    finally:
+        cpu.lora_grouped_gemm(enable=True)
+
+
+def test_lora_segments_check_page_ids() -> None:
+    """A page id outside the pool, in a segment's table or past its consecutive pages, is refused."""
+    x = torch.zeros(40, HIDDEN)
+    outputs = (torch.zeros(40, 8),)
+    storage = torch.zeros(2, 4, 256)  # [layers, 4 pages, 256 elements]
+    meta = torch.zeros(2, 1, 1, 14, dtype=torch.long)
+    meta[:, :, 0, :6] = torch.tensor([0, 4, 0, 4, 4 * HIDDEN, 8])  # rank 4: A then B^T, 4 * (48 + 8) elements
+    scales = torch.ones(2, 1, 1, 3)
+    for num in (1, 8, 40):  # the row loops, the tiled loops, the grouped GEMMs
+        scattered = torch.tensor([[0, num, 1, 0]])
+        with pytest.raises(RuntimeError, match="page id 9 is outside the pool of 4 pages"):
+            cpu.lora_segments(x, outputs, storage, 0, 0, scattered, torch.tensor([[9, 0]]), meta, scales)
+        consecutive = torch.tensor([[0, num, 0, 3 * 256 + 100]])  # starts late in the last page: runs past it
+        with pytest.raises(RuntimeError, match="consecutive pages run past the pool"):
+            cpu.lora_segments(x, outputs, storage, 0, 0, consecutive, torch.tensor([[3, 4]]), meta, scales)
+
+
 def test_lora_segments_refuse_other_dtypes() -> None:
     x = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
     meta = torch.zeros(1, 1, 1, 14, dtype=torch.long)

@@ -244,6 +244,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
                    const at::Tensor& meta, const at::Tensor& scales);
 std::vector<int64_t> lora_meta_layout();
+bool lora_grouped_gemm(bool enable);
 // linear_panels.cpp
 std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& panels,
                                       const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes,
@@ -261,6 +262,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal paged attention of all the prefill chunks of a step (see kernels/cpu.py)", no_gil());
   m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)", no_gil());
+  m.def("lora_grouped_gemm", &lora_grouped_gemm,
+        "whether long LoRA segments run as MKL grouped GEMMs (enable=False forces the ATen fallback)");
   m.def("lora_meta_layout", &lora_meta_layout, "the segment metadata layout: width, max modules, module base, stride");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)",
         no_gil());

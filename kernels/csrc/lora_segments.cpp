@@ -16,10 +16,13 @@
 #include "lora_tiled.h"
 
 extern "C" {
-// MKL's grouped batch GEMM, exported by libtorch_cpu (LP64: 32-bit ints).
+// MKL's grouped batch GEMM, exported by libtorch_cpu when torch is built with MKL (LP64: 32-bit
+// ints). Weak: a torch without MKL leaves it null, and long segments then run one ATen GEMM pair
+// each instead (lora_grouped_gemm() says which), rather than the whole extension failing to load.
 void cblas_sgemm_batch(int layout, const int* transa, const int* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float** a, const int* lda, const float** b, const int* ldb,
-                       const float* beta, float** c, const int* ldc, int group_count, const int* group_size);
+                       const float* beta, float** c, const int* ldc, int group_count, const int* group_size)
+    __attribute__((weak));
 }
 
 namespace {
@@ -29,6 +32,27 @@ using namespace loraserve_lora;
 constexpr int kRowMajor = 101;
 constexpr int kNoTrans = 111;
 constexpr int kTrans = 112;
+
+bool use_grouped_gemm = true;  // tests turn it off to run the fallback on a torch that has MKL
+
+bool grouped_gemm_available() { return use_grouped_gemm && cblas_sgemm_batch != nullptr; }
+
+// The fallback of one batch of row-major GEMMs: C = alpha * A @ op(B) + beta * C, one ATen call each.
+void gemm_one(int trans_b, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
+              float beta, float* c, int ldc) {
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor lhs = at::from_blob(const_cast<float*>(a), {m, k}, {lda, 1}, options);
+  at::Tensor rhs = trans_b == kTrans ? at::from_blob(const_cast<float*>(b), {n, k}, {ldb, 1}, options).t()
+                                  : at::from_blob(const_cast<float*>(b), {k, n}, {ldb, 1}, options);
+  at::Tensor out = at::from_blob(c, {m, n}, {ldc, 1}, options);
+  if (beta == 0.f) {
+    at::mm_out(out, lhs, rhs);
+    if (alpha != 1.f) out.mul_(alpha);
+  } else {
+    out.mul_(beta).addmm_(lhs, rhs, 1.f, alpha);
+  }
+}
+
 // Segments of at most this many tokens (decode steps over many adapters) are bound by reading
 // the weights: small_segment reads each weight row once for all of the segment's tokens.
 constexpr int64_t kSmallSegment = 2;
@@ -99,7 +123,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
                 "outputs must be contiguous float32 [num_tokens, out_features]");
   }
   const int64_t num_segments = bounds.size(0), in_features = x.size(1), num_outputs = outputs.size();
-  const int64_t page_elems = storage.size(2), max_pages = page_tables.size(1);
+  const int64_t page_elems = storage.size(2), max_pages = page_tables.size(1), num_pages = storage.size(1);
   const int64_t* meta_ptr = meta.data_ptr<int64_t>() + (layer * meta.size(1) + group) * num_segments * kMetaWidth;
   const float* scale_ptr = scales.data_ptr<float>() + (layer * scales.size(1) + group) * num_segments * kMaxModules;
   const int64_t* bound_ptr = bounds.data_ptr<int64_t>();
@@ -146,9 +170,15 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     buffer.layer = layer_ptr;
     buffer.page_elems = page_elems;
     buffer.table = table_ptr + s * max_pages;
-    for (const auto& span : spans) {
-      TORCH_CHECK(span.first + span.second <= max_pages * page_elems, "adapter weights run past its page table");
+    int64_t end = 0;
+    for (const auto& span : spans) end = std::max(end, span.first + span.second);
+    TORCH_CHECK(end <= max_pages * page_elems, "adapter weights run past its page table");
+    for (int64_t p = 0; p < (end + page_elems - 1) / page_elems; ++p) {  // every page read, checked
+      TORCH_CHECK(buffer.table[p] >= 0 && buffer.table[p] < num_pages, "segment ", s, ": page id ", buffer.table[p],
+                  " is outside the pool of ", num_pages, " pages");
     }
+    TORCH_CHECK(bound_ptr[s * 4 + 2] != 0 || bound_ptr[s * 4 + 3] + end <= num_pages * page_elems,
+                "segment ", s, ": its consecutive pages run past the pool");
     if (num <= kSmallSegment) {
       // Row by row through the page table even on consecutive pages: measured 2-3x faster
       // here than the same loops over one flat pointer, and ~2x faster than the tiled loops at
@@ -235,9 +265,16 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     beta.push_back(be); c_ptrs.push_back(c); ldc.push_back(lc); sizes.push_back(1);
   };
   auto run = [&]() {
-    cblas_sgemm_batch(kRowMajor, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(), alpha.data(), a_ptrs.data(),
-                      lda.data(), b_ptrs.data(), ldb.data(), beta.data(), c_ptrs.data(), ldc.data(),
-                      static_cast<int>(sizes.size()), sizes.data());
+    if (grouped_gemm_available()) {
+      cblas_sgemm_batch(kRowMajor, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(), alpha.data(),
+                        a_ptrs.data(), lda.data(), b_ptrs.data(), ldb.data(), beta.data(), c_ptrs.data(), ldc.data(),
+                        static_cast<int>(sizes.size()), sizes.data());
+    } else {
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        gemm_one(tb[i], ms[i], ns[i], ks[i], alpha[i], a_ptrs[i], lda[i], b_ptrs[i], ldb[i], beta[i], c_ptrs[i],
+                 ldc[i]);
+      }
+    }
     ta.clear(); tb.clear(); ms.clear(); ns.clear(); ks.clear(); lda.clear(); ldb.clear(); ldc.clear();
     sizes.clear(); alpha.clear(); beta.clear(); a_ptrs.clear(); b_ptrs.clear(); c_ptrs.clear();
   };
@@ -261,6 +298,13 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     }
   }
   if (!sizes.empty()) run();
+}
+
+// Whether long segments run as MKL grouped GEMMs (false: one ATen GEMM pair each); `enable` false
+// forces the fallback (tests).
+bool lora_grouped_gemm(bool enable) {
+  use_grouped_gemm = enable;
+  return grouped_gemm_available();
 }
 
 // The segment metadata layout these kernels read: {width, max modules, module base, module stride}.
