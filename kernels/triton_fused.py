@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraserve.kernels.page_checks import check_range
 
 RMS_NORM_MAX_BLOCK = 8192  # widest row kept in one tile; wider rows take two passes of this many columns
 SILU_BLOCK = 1024  # columns per program of silu_and_mul
@@ -317,6 +318,7 @@ def rope_write_kv(
     _, _, block_size, num_kv_heads, _ = kv.shape
     if head_dim % 2:
         raise ValueError(f"rope_write_kv needs an even head_dim, got {head_dim}")
+    check_range("rope_write_kv slot_mapping", slot_mapping, -1, kv.shape[0] * kv.shape[2])
     if key.shape != (num_tokens, num_kv_heads, head_dim) or value.shape != key.shape or kv.shape[4] != head_dim:
         raise ValueError(
             f"rope_write_kv: key {tuple(key.shape)} and value {tuple(value.shape)} must be "

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from loraserve.kernels.lora import SegmentMeta
+from loraserve.kernels.page_checks import check_range
 from loraserve.kernels.triton_attention import runs_interpreted
 
 BLOCK_T = 16  # tokens per tile (tl.dot needs at least 16)
@@ -200,6 +201,7 @@ def lora_segments(
     num_segments = bounds.shape[0]
     if num_segments == 0 or max_rows == 0:
         return
+    check_range("lora_segments page_tables", page_tables, 0, weights.shape[0])
     if x.stride(1) != 1 or any(out.stride(1) != 1 for out in outputs) or not weights.is_contiguous():
         raise ValueError("lora_segments needs row-major x, outputs and weights")
     # Triton's interpreter (3.9) multiplies 16-bit dots wrongly: there they run in float32.

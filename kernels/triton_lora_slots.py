@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraserve.kernels.page_checks import check_range
 from loraserve.kernels.triton_lora import (
     META_A_OFFSET,
     META_B_OFFSET,
@@ -143,6 +144,8 @@ def lora_slots(
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return
+    check_range("lora_slots page_tables", page_tables, 0, weights.shape[0])
+    check_range("lora_slots token_slots", token_slots, -1, page_tables.shape[0])
     split = num_splits(outputs)
     padded = (*outputs, *(outputs[0],) * (3 - len(outputs)))  # absent modules: no program runs them
     _lora_slots_kernel[(num_tokens, len(outputs) * split)](

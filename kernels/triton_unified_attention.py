@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraserve.kernels.page_checks import check_range
 
 BLOCK_N = 64  # context tokens per online-softmax step, across as many pages as they need
 MIN_BLOCK_M = 16  # tl.dot takes at least 16 rows
@@ -264,6 +265,8 @@ def unified_attention(
         return out
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
+    check_range("unified_attention block_tables", block_tables, 0, kv.shape[0])
+    check_range("unified_attention seq_lens", seq_lens, 0, block_tables.shape[1] * block_size + 1)
     block_m, block_q = block_shape(num_heads, num_kv_heads)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     # Triton's interpreter (3.9) multiplies 16-bit dots wrongly: there they run in float32.

@@ -17,6 +17,8 @@ import torch
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be on before they are imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The Triton wrappers check every page id and slot they are given (kernels/page_checks.py).
+os.environ.setdefault("LORASERVE_CHECK_PAGE_IDS", "1")
 
 
 @pytest.fixture(scope="session")

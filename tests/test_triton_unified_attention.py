@@ -125,3 +125,22 @@ def test_refuses_bad_arguments() -> None:
         unified.unified_attention(
             query, kv, torch.tensor([0, 2]), torch.tensor([2]), torch.zeros(1, 1), 1.0, num_splits=3
         )
+
+
+def test_page_ids_outside_the_pool_are_refused_in_debug_mode() -> None:
+    """The tests run with LORASERVE_CHECK_PAGE_IDS=1: a bad page id or slot fails before any launch."""
+    from loraserve.kernels import page_checks, triton_fused
+
+    assert page_checks.ENABLED
+    kv, tables = make_paged([5, 9], 2, 16, 8, torch.float32, seed=1)
+    query = torch.zeros(2, 4, 16)
+    bad = tables.clone()
+    bad[1, 0] = kv.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables: .* outside"):
+        unified.unified_attention(query, kv, torch.arange(3), torch.tensor([5, 9]), bad, 1.0)
+    with pytest.raises(ValueError, match=r"seq_lens: .* outside"):
+        unified.unified_attention(query, kv, torch.arange(3), torch.tensor([5, 99]), tables, 1.0)
+    key = torch.zeros(2, 2, 16)
+    cos = torch.ones(2, 16)
+    with pytest.raises(ValueError, match=r"slot_mapping: .* outside"):
+        triton_fused.rope_write_kv(query, key, key.clone(), cos, cos, kv, torch.tensor([0, kv.shape[0] * 8]))

@@ -1,0 +1,25 @@
+"""A debug mode for the Triton kernels: check the page ids and slots a launch will read or write.
+
+The compiled CPU kernels check every page id they read (cheaply, on the host, as they go). A GPU
+kernel cannot without a device-to-host copy per launch, so the Triton wrappers check only when
+``LORASERVE_CHECK_PAGE_IDS=1`` (the tests' conftest sets it): every id in its range, or a
+``ValueError`` naming the argument, before the launch. Off (the default), they cost nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENABLED = os.environ.get("LORASERVE_CHECK_PAGE_IDS") == "1"
+
+
+def check_range(name: str, ids: torch.Tensor, low: int, high: int) -> None:
+    """With the debug mode on: every element of ``ids`` in ``[low, high)``, or a ValueError."""
+    if not ENABLED or ids.numel() == 0:
+        return
+    smallest, largest = int(ids.min()), int(ids.max())
+    if smallest < low or largest >= high:
+        bad = smallest if smallest < low else largest
+        raise ValueError(f"{name}: {bad} is outside [{low}, {high}) (a page id or slot outside the pool)")
