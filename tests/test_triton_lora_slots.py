@@ -79,9 +79,11 @@ def test_float16_close_to_float32_reference() -> None:
     run_segments(fp16, indices, seed=2, scattered=True, layer=1, atol=2e-2, dtype=torch.float16)
 
 
-def test_rank_128_crosses_rank_tiles_and_pages() -> None:
-    """One adapter of rank 128 (eight rank tiles), its rows crossing pages, against a plain product."""
-    hidden, out_features, rank, page_elems = 40, 70, 128, 256
+@pytest.mark.parametrize("rank", [1, 3, 128])
+def test_any_rank_crossing_rank_tiles_and_pages(rank: int) -> None:
+    """One adapter of rank 1, 3 (less than a rank tile) or 128 (eight tiles), its rows crossing
+    pages, against a plain product."""
+    hidden, out_features, page_elems = 40, 70, 256
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(rank, hidden, generator=gen) / hidden**0.5
     bt = torch.randn(rank, out_features, generator=gen) / rank**0.5
