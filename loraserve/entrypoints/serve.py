@@ -116,6 +116,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="completion requests in flight per API key, 429 past it; requests without a key share one (default 512)",
     )
     parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="serve with Ray Serve: 'local' (start Ray here), 'auto' (the cluster this machine joined) or "
+        "HOST:PORT; requests are routed to replicas by adapter (default: one process, no Ray)",
+    )
+    parser.add_argument(
+        "--num-replicas", type=int, default=1, help="engine replicas under --ray-address, one pool each (default 1)"
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -203,6 +212,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--max-upload-mb must be positive")
     if args.shutdown_timeout < 0:
         raise SystemExit("--shutdown-timeout must be >= 0")
+    if args.num_replicas < 1:
+        raise SystemExit("--num-replicas must be at least 1")
+    if args.ray_address:
+        return _run_on_ray(args)
     config = build_engine_config(args)
     engine = LLMEngine(config)
     try:
@@ -269,3 +282,25 @@ def _drain(async_engine: Any, server: Any, http: threading.Thread, timeout: floa
     server.should_exit = True  # uvicorn closes its sockets once the responses in progress are sent
     http.join(15)
     async_engine.shutdown()  # the engine loop on the main thread returns
+
+
+def _run_on_ray(args: argparse.Namespace) -> int:
+    """The same API on Ray Serve (``entrypoints/ray_serve.py``); Ray is imported only here."""
+    import dataclasses
+
+    from loraserve.models.loader import resolve_model_dir
+
+    try:
+        from loraserve.entrypoints.ray_serve import run_ray_serve
+    except ImportError as error:
+        raise SystemExit(f"--ray-address needs Ray Serve: pip install 'loraserve[ray]' ({error})") from None
+    config = build_engine_config(args)  # validated here, before any replica starts
+    model_dir = resolve_model_dir(config.model)
+    settings = dataclasses.asdict(build_settings(args, Path(model_dir)))
+    options = {k: v for k, v in engine_options(args).items()} | {"registry": config.registry}
+    signal.signal(signal.SIGTERM, _interrupt)
+    return run_ray_serve(args, config.model, options, settings)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
