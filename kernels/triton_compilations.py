@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 
 KERNEL_MODULES = (
-    "loraserve.kernels.triton_attention",
     "loraserve.kernels.triton_fused",
     "loraserve.kernels.triton_lora",
     "loraserve.kernels.triton_lora_slots",

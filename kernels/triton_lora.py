@@ -184,6 +184,17 @@ def _expand_kernel(
         tl.store(out_ptr, (old + acc * scale).to(out0_ptr.dtype.element_ty), mask=out_mask)
 
 
+def check_arguments(
+    name: str, x: torch.Tensor, outputs: tuple[torch.Tensor, ...], weights: torch.Tensor, page_tables: torch.Tensor
+) -> None:
+    """What both LoRA kernels need: 1-3 outputs, row-major tensors, page ids inside the pool (debug mode)."""
+    if not 1 <= len(outputs) <= 3:
+        raise ValueError(f"{name} takes 1 to 3 outputs, got {len(outputs)}")
+    if x.stride(1) != 1 or any(out.stride(1) != 1 for out in outputs) or not weights.is_contiguous():
+        raise ValueError(f"{name} needs row-major x, outputs and weights")
+    check_range(f"{name} page_tables", page_tables, 0, weights.shape[0])
+
+
 def lora_segments(
     x: torch.Tensor,  # [num_tokens, in_features]
     outputs: tuple[torch.Tensor, ...],  # 1-3 of [num_tokens, out_features_m], updated in place
@@ -196,14 +207,10 @@ def lora_segments(
     max_rows: int,
 ) -> None:
     """Add every segment's LoRA delta to its rows of ``outputs`` (see the module docstring)."""
-    if not 1 <= len(outputs) <= 3:
-        raise ValueError(f"lora_segments takes 1 to 3 outputs, got {len(outputs)}")
+    check_arguments("lora_segments", x, outputs, weights, page_tables)
     num_segments = bounds.shape[0]
     if num_segments == 0 or max_rows == 0:
         return
-    check_range("lora_segments page_tables", page_tables, 0, weights.shape[0])
-    if x.stride(1) != 1 or any(out.stride(1) != 1 for out in outputs) or not weights.is_contiguous():
-        raise ValueError("lora_segments needs row-major x, outputs and weights")
     # Triton's interpreter (3.9) multiplies 16-bit dots wrongly: there they run in float32.
     dot_fp32 = x.dtype != torch.float32 and runs_interpreted()
     precision = "ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32"

@@ -46,6 +46,7 @@ from loraserve.kernels.triton_lora import (
     META_OUT_FEATURES,
     META_RANK,
     _load_from_pages,
+    check_arguments,
 )
 
 BLOCK_R = 16  # rank rows per step of the rank loop
@@ -137,14 +138,10 @@ def lora_slots(
     scales: torch.Tensor,  # [num_slots, num_modules] float32
 ) -> None:
     """Add each token's adapter delta to ``outputs`` (see the module docstring)."""
-    if not 1 <= len(outputs) <= 3:
-        raise ValueError(f"lora_slots takes 1 to 3 outputs, got {len(outputs)}")
-    if x.stride(1) != 1 or any(out.stride(1) != 1 for out in outputs) or not weights.is_contiguous():
-        raise ValueError("lora_slots needs row-major x, outputs and weights")
+    check_arguments("lora_slots", x, outputs, weights, page_tables)
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return
-    check_range("lora_slots page_tables", page_tables, 0, weights.shape[0])
     check_range("lora_slots token_slots", token_slots, -1, page_tables.shape[0])
     split = num_splits(outputs)
     padded = (*outputs, *(outputs[0],) * (3 - len(outputs)))  # absent modules: no program runs them

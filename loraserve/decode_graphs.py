@@ -163,7 +163,7 @@ class DecodeGraphs:
         if size is None or batch.prefill is not None:
             return None
         with_lora = batch.lora is not None
-        if with_lora and (batch.lora is None or batch.lora.token_slots is None):
+        if batch.lora is not None and batch.lora.token_slots is None:
             return None  # adapters without slots (not expected from the runner): run eagerly
         self.fill(batch, size)
         self.num_steps += 1

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.kernels import cpu
-from loraserve.kernels.paged_attention import paged_prefill_attention_varlen, write_kv
 from loraserve.lora.apply_cpu import CompiledLoRAApplier
 from loraserve.lora.apply_torch import LoRAApplier
 from loraserve.models.llama import LoRAHook, ModelKernels
@@ -68,13 +67,12 @@ def _triton_backend(dtype: torch.dtype) -> KernelBackend:
     if importlib.util.find_spec("triton") is None:
         raise RuntimeError("kernels='triton' needs the triton package (pip install 'loraserve[triton]')")
     # Imported here: triton is optional, and its kernels are compiled (or interpreted) on import.
-    from loraserve.kernels import triton_attention, triton_fused, triton_unified_attention
+    from loraserve.kernels import triton_fused, triton_unified_attention
     from loraserve.lora.apply_triton import TritonLoRAApplier
 
+    # The one-launch attention and the fused RoPE + KV write replace the decode, prefill and
+    # write_kv kernels, so those keep their (unused) torch defaults.
     kernels = ModelKernels(
-        triton_attention.paged_decode_attention,
-        paged_prefill_attention_varlen,
-        write_kv,
         rms_norm=triton_fused.fused_add_rms_norm,
         attention=triton_unified_attention.unified_attention,
         rope_write_kv=triton_fused.rope_write_kv,

@@ -75,3 +75,14 @@ def test_every_option_has_help() -> None:
     serve = add_serve_parser(parser.add_subparsers(dest="command"))
     for action in serve._actions:
         assert action.help, action.option_strings
+
+
+def test_options_that_would_do_nothing_are_refused() -> None:
+    from loraserve.entrypoints.serve import run_serve
+
+    with pytest.raises(SystemExit, match="--num-replicas needs --ray-address"):
+        run_serve(parse("--num-replicas", "2"))
+    with pytest.raises(SystemExit, match="--shutdown-timeout is not supported with --ray-address"):
+        run_serve(parse("--ray-address", "local", "--shutdown-timeout", "5"))
+    with pytest.raises(SystemExit, match="--shutdown-timeout must be >= 0"):
+        run_serve(parse("--shutdown-timeout", "-1"))

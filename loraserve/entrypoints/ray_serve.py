@@ -151,8 +151,9 @@ def run_ray_serve(args: Any, model: str | None, engine_options: dict[str, Any], 
     address = None if args.ray_address == "local" else args.ray_address
     ray.init(address=address, logging_level=logging.WARNING)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(model, engine_options, settings, args.num_replicas), route_prefix="/")
-    logger.info("serving %s with %d replicas on http://%s:%d (Ray Serve)", settings["model_id"], args.num_replicas,
+    num_replicas = args.num_replicas or 1
+    serve.run(build_app(model, engine_options, settings, num_replicas), route_prefix="/")
+    logger.info("serving %s with %d replicas on http://%s:%d (Ray Serve)", settings["model_id"], num_replicas,
                 args.host, args.port)  # fmt: skip
     try:
         while True:

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 API_KEY_ENV = "LORASERVE_API_KEY"
 ADMIN_KEY_ENV = "LORASERVE_ADMIN_KEY"
 
@@ -122,12 +123,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "HOST:PORT; requests are routed to replicas by adapter (default: one process, no Ray)",
     )
     parser.add_argument(
-        "--num-replicas", type=int, default=1, help="engine replicas under --ray-address, one pool each (default 1)"
+        "--num-replicas", type=int, default=None, help="engine replicas under --ray-address, one pool each (default 1)"
     )
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
+        default=None,
         help="on SIGTERM or Ctrl-C: seconds to finish the requests in flight (new ones get 503, /health 503) "
         "before the rest end with finish reason 'abort'; a second signal stops at once (default 30)",
     )
@@ -210,12 +211,18 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_upload_mb <= 0:
         raise SystemExit("--max-upload-mb must be positive")
+    if args.ray_address:
+        if args.shutdown_timeout is not None:  # accepted means honoured: Serve stops at once
+            raise SystemExit("--shutdown-timeout is not supported with --ray-address (Ray Serve stops at once)")
+        if args.num_replicas is not None and args.num_replicas < 1:
+            raise SystemExit("--num-replicas must be at least 1")
+        return _run_on_ray(args)
+    if args.num_replicas is not None:
+        raise SystemExit("--num-replicas needs --ray-address (one process serves one engine)")
+    if args.shutdown_timeout is None:
+        args.shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
     if args.shutdown_timeout < 0:
         raise SystemExit("--shutdown-timeout must be >= 0")
-    if args.num_replicas < 1:
-        raise SystemExit("--num-replicas must be at least 1")
-    if args.ray_address:
-        return _run_on_ray(args)
     config = build_engine_config(args)
     engine = LLMEngine(config)
     try:
@@ -297,7 +304,7 @@ def _run_on_ray(args: argparse.Namespace) -> int:
     config = build_engine_config(args)  # validated here, before any replica starts
     model_dir = resolve_model_dir(config.model)
     settings = dataclasses.asdict(build_settings(args, Path(model_dir)))
-    options = {k: v for k, v in engine_options(args).items()} | {"registry": config.registry}
+    options = engine_options(args) | {"registry": config.registry}
     signal.signal(signal.SIGTERM, _interrupt)
     return run_ray_serve(args, config.model, options, settings)
 
