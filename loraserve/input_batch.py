@@ -1,10 +1,11 @@
 """The runner's state kept across steps (vLLM v1's ``InputBatch``): one row per live sequence.
 
 A row holds what stays fixed for a sequence (its sampling parameters, seed, prompt length),
-written when it joins, and its KV block table in a preallocated array, updated incrementally: a step
-writes only the blocks appended since the last one, and rewrites a row only when the KV cache
-manager gave the sequence a new table (``Sequence.block_table_epoch``: preemption, swap,
-copy-on-write). Rows are released when the scheduler reports the sequence finished or preempted
+written when it joins, and, in preallocated arrays updated incrementally, its token ids (the
+prompt when it joins, then each sampled token as the runner samples it: ``append_sampled``) and
+its KV block table (a step writes only the blocks appended since the last one, and rewrites a
+row only when the KV cache manager gave the sequence a new table, ``Sequence.block_table_epoch``:
+preemption, swap, copy-on-write). Rows are released when the scheduler reports the sequence finished or preempted
 (``ScheduledBatch.released_seq_ids``). ``upload`` sends a step's integers to the device as one
 buffer in one copy (from pinned memory, non-blocking, on CUDA; no copy at all on the CPU).
 """
@@ -20,9 +21,14 @@ from loraserve.sequence import Sequence
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, vocab_size: int, device: torch.device
+    ) -> None:
         self.device = device
         self.vocab_size = vocab_size
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)  # [rows, max_model_len]
+        # Per row, how many leading token ids equal its sequence's (-1: joined, not written yet):
+        self._num_token_ids = np.zeros(max_num_seqs, dtype=np.int64)
         self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
         # Per row, fixed while the sequence lives (gathered by row for the sampled sequences):
         self.seeds = np.zeros(max_num_seqs, dtype=np.int64)
@@ -56,10 +62,16 @@ class InputBatch:
         """The sequence's row, its block table brought up to date."""
         row = self._rows.get(seq.seq_id)
         table = seq.block_ids
-        if row is not None and len(table) == self._num_synced[row] and self._epochs[row] == seq.block_table_epoch:
-            return row  # the common decode step: nothing changed
         if row is None:
             row = self._join(seq)
+        num_tokens = len(seq.token_ids)
+        if self._num_token_ids[row] != num_tokens:  # joined, or a token the runner did not sample (a fork's)
+            if num_tokens > self.token_ids.shape[1]:
+                raise RuntimeError(f"seq {seq.seq_id} has {num_tokens} tokens; rows hold {self.token_ids.shape[1]}")
+            self.token_ids[row, :num_tokens] = seq.token_ids
+            self._num_token_ids[row] = num_tokens
+        if len(table) == self._num_synced[row] and self._epochs[row] == seq.block_table_epoch:
+            return row  # the common decode step: no new block
         if len(table) > self.block_tables.shape[1]:
             raise RuntimeError(f"seq {seq.seq_id} has {len(table)} blocks; rows hold {self.block_tables.shape[1]}")
         synced = self._num_synced[row]
@@ -76,6 +88,8 @@ class InputBatch:
             raise RuntimeError(f"no free input-batch row for seq {seq.seq_id}: more live sequences than rows")
         row = self._rows[seq.seq_id] = self._free_rows.pop()
         self._epochs[row] = -1
+        self._num_synced[row] = 0
+        self._num_token_ids[row] = -1
         params = seq.params
         self.seeds[row] = seq.seed
         self.num_prompt_tokens[row] = seq.num_prompt_tokens
@@ -89,6 +103,21 @@ class InputBatch:
             params.has_penalties or bool(params.logit_bias) or params.min_tokens > 0 or params.restricts_tokens
         )
         return row
+
+    def append_sampled(self, rows: np.ndarray, positions: np.ndarray, tokens: list[int]) -> None:
+        """Write each sampled token at its position (the sequence's length when it was sampled) in
+        its row, as the scheduler will append it: the next step reads its input ids from the rows."""
+        self.token_ids[rows, positions] = tokens
+        extends = self._num_token_ids[rows] == positions  # [n] bool: the token is the row's next
+        self._num_token_ids[rows[extends]] = positions[extends] + 1
+
+    def tokens_match(self, seq: Sequence) -> bool:
+        """Whether the sequence's row holds its token ids (a check for tests)."""
+        row = self._rows.get(seq.seq_id)
+        if row is None:
+            return True
+        n = int(self._num_token_ids[row])
+        return n <= len(seq.token_ids) and self.token_ids[row, :n].tolist() == seq.token_ids[:n]
 
     def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """Send int64 (or float64, sent as its bits) arrays to the device in one copy; return

@@ -7,7 +7,6 @@ head_dim]`` (K then V), and for an adapter, a slice of its flattened weights.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -55,6 +54,17 @@ class PageLayout:
         return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, head_dim)
 
 
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step's inputs as the runner built them from a ``ScheduledBatch``."""
+
+    forward: ForwardBatch
+    sampling: SamplingBatch
+    order: list[int]  # indices into batch.seqs, in the order of the forward's rows
+    sampled_rows: np.ndarray  # [num_sampled] int64: input-batch rows of the sequences that sample
+    sampled_positions: np.ndarray  # [num_sampled] int64: where their new tokens go in those rows
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -89,7 +99,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.lora_hook = make_lora_hook(self.storage)
         max_blocks = min(num_pages, -(-max_model_len // layout.block_size) + 1)
-        self.input_batch = InputBatch(max_num_seqs, max_blocks, self.vocab_size, device)
+        self.input_batch = InputBatch(max_num_seqs, max_blocks, max_model_len, self.vocab_size, device)
         self.adapter_slots: AdapterSlots | None = None
         self.decode_graphs: DecodeGraphs | None = None
         # Multiprocessors the one-launch attention should fill (0: never split contexts).
@@ -131,12 +141,13 @@ class ModelRunner:
         for load in batch.adapter_loads:
             write_adapter_load(self.storage, load)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, SamplingBatch, list[int]]:
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
         """Flatten the batch: decode tokens first, and within each part grouped by adapter.
 
-        Positions, slots and block tables are computed with array ops from the persistent rows;
-        every integer of the step reaches the device in one upload. Also returns how to sample
-        each logits row and the order of ``batch.seqs`` used.
+        Input ids, positions, slots and block tables are computed with array ops from the
+        persistent rows; every integer of the step reaches the device in one upload. Also returns
+        how to sample each logits row, the order of ``batch.seqs`` used, and where the sampled
+        tokens go in the rows.
         """
         order = sorted(
             range(len(batch.seqs)),
@@ -159,12 +170,7 @@ class ModelRunner:
         positions = np.arange(num_tokens) - token_starts[owner] + starts[owner]  # [num_tokens]
         tables = rows_of.block_tables
         slots = tables[rows[owner], positions // block_size] * block_size + positions % block_size
-        decode_ids = [s.token_ids[s.num_computed_tokens] for s in seqs[:num_decode]]
-        prefill_ids = itertools.chain.from_iterable(
-            s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]
-            for s, n in zip(seqs[num_decode:], num_new[num_decode:].tolist(), strict=True)
-        )
-        input_ids = np.fromiter(itertools.chain(decode_ids, prefill_ids), np.int64, num_tokens)
+        input_ids = rows_of.token_ids[rows[owner], positions].astype(np.int64)  # [num_tokens]
         samples = ends == totals  # [n] bool: the sequence reaches its last token, so it samples
         prompt_spans, prompt_rows = self._prompt_logprob_rows(seqs, num_decode, starts, ends, token_starts)
         sampled_rows = rows[samples]
@@ -238,7 +244,7 @@ class ModelRunner:
             adjustments=adjustments,
             prompt_spans=prompt_spans,
         )
-        return forward_batch, sampling, order
+        return PreparedStep(forward_batch, sampling, order, sampled_rows, totals[samples])
 
     @staticmethod
     def _prompt_logprob_rows(
@@ -268,7 +274,8 @@ class ModelRunner:
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not batch.seqs:
             return sampled
-        forward_batch, sampling, order = self.prepare(batch)
+        step = self.prepare(batch)
+        forward_batch, sampling, order = step.forward, step.sampling, step.order
         logits = self.decode_graphs.run(forward_batch) if self.decode_graphs is not None else None
         if logits is None:  # not a decode step a graph takes: eager
             hook = self.lora_hook if forward_batch.lora is not None else None
@@ -280,6 +287,7 @@ class ModelRunner:
         if sampling_index:
             tokens = self.sampler(logits, sampling).tolist()  # the step's one device-to-host copy
             self.num_downloads += 1
+            self.input_batch.append_sampled(step.sampled_rows, step.sampled_positions, tokens)
             record_logprobs(logits, [batch.seqs[i] for i in sampling_index], tokens)
             for i, token in zip(sampling_index, tokens, strict=True):
                 sampled[i] = token

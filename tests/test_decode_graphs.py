@@ -158,7 +158,7 @@ def test_padded_rows_change_no_real_row_and_no_page(tiny_model_dir: Path, adapte
     runner.input_batch.release(batch.released_seq_ids)
     runner.copy_pages(batch)
     with torch.inference_mode():
-        forward_batch, _, _ = runner.prepare(batch)
+        forward_batch = runner.prepare(batch).forward
         assert forward_batch.num_decode_tokens == 3 and forward_batch.lora is not None
         before = runner.storage.clone()
         eager = runner.model(forward_batch, runner.kv_caches, runner.lora_hook)  # [3, vocab]

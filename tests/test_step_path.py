@@ -178,10 +178,17 @@ def test_input_batch_rows_follow_block_tables_incrementally() -> None:
     from loraserve.input_batch import InputBatch
     from loraserve.sequence import Sequence
 
-    rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=4, vocab_size=10, device=torch.device("cpu"))
+    rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=4, max_model_len=8, vocab_size=10, device=torch.device("cpu"))
     a, b = Sequence("a", [1, 2], SamplingParams()), Sequence("b", [3], SamplingParams())
     a.block_ids = [7]
     assert rows.row(a) == 0 and rows.block_tables[0].tolist() == [7, 0, 0, 0]
+    assert rows.token_ids[0, :3].tolist() == [1, 2, 0]  # the prompt, written when it joins
+    rows.append_sampled(np.array([0]), np.array([2]), [5])  # the runner's sampled token
+    a.append_token(5)
+    assert rows.token_ids[0, :3].tolist() == [1, 2, 5] and rows.tokens_match(a)
+    a.append_token(6)  # a token the runner did not write (as a fork's first): synced at the next row()
+    assert not rows.tokens_match(a) or rows.token_ids[0, 3] != 6
+    assert rows.row(a) == 0 and rows.token_ids[0, :4].tolist() == [1, 2, 5, 6]
     a.block_ids.append(9)  # appended: only the new entry is written
     rows.block_tables[0, 0] = -1  # (a marker: an incremental update leaves entry 0 alone)
     assert rows.row(a) == 0 and rows.block_tables[0].tolist() == [-1, 9, 0, 0]
@@ -214,3 +221,30 @@ def test_rows_of_finished_sequences_are_released_across_empty_steps(
         llm.generate(["five"], params, adapters=name, use_tqdm=False)
     llm.generate(["six"], params, use_tqdm=False)
     assert llm.engine.runner.input_batch.num_rows <= 1
+
+
+def test_input_ids_come_from_the_rows_through_forks_preemption_and_prefix_hits(tiny_model_dir: Path) -> None:
+    """Every live sequence's row holds its tokens after every step, while n > 1 forks, a pool too
+    small for all requests preempts, prefixes hit the cache and prompts arrive in chunks; and the
+    outputs equal those of each request run alone."""
+    engine_args = dict(kernels="torch", block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
+    llm = LLM(str(tiny_model_dir), num_pages=20, **engine_args)  # type: ignore[arg-type]
+    engine = llm.engine
+    shared = "the same long prefix of a prompt that several requests share, "
+    prompts = [shared + word for word in ("one", "two", "three", "four")] + ["a short one"]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, n=2 if i == 0 else 1) for i in range(len(prompts))]
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    outputs: dict[str, list[list[int]]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = [c.token_ids for c in out.outputs]
+        for request in engine.requests.values():
+            for seq in request.seqs:
+                assert engine.runner.input_batch.tokens_match(seq), seq.seq_id
+    assert engine.scheduler.num_preemptions > 0  # the pool was small enough to preempt
+    alone = LLM(str(tiny_model_dir), num_pages=256, **engine_args)  # type: ignore[arg-type]
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        expected = [c.token_ids for c in alone.generate([prompt], p, use_tqdm=False)[0].outputs]
+        assert outputs[str(i)] == expected, i

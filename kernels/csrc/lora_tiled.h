@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -71,12 +72,50 @@ inline vecf splat_lanes(float x, std::index_sequence<I...>) {
   return vecf{((void)I, x)...};  // a brace list of kLanes copies: one broadcast, no arithmetic
 }
 inline vecf splatv(float x) { return splat_lanes(x, std::make_index_sequence<kLanes>{}); }
+// Horizontal sum in registers (a shuffle tree): the shrink's dots are short at small hidden sizes,
+// where a sum through memory cost more than the dot itself.
 inline float sumv(vecf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+  const __m256 x = reinterpret_cast<__m256>(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+#else
   float half[kLanes];
   storev(half, v);
   for (int width = kLanes / 2; width > 0; width /= 2)
     for (int i = 0; i < width; ++i) half[i] += half[i + width];
   return half[0];
+#endif
+}
+
+// out[0..2] = the horizontal sums of a, b and c, reduced together (out[3] is scratch): a quarter
+// of the shuffles of three separate sums, which dominated the shrink at small hidden sizes.
+inline void sum4(vecf a, vecf b, vecf c, float* out) {
+#if defined(__AVX512F__)
+  const __m512 va = reinterpret_cast<__m512>(a), vb = reinterpret_cast<__m512>(b), vc = reinterpret_cast<__m512>(c);
+  const __m512 zero = _mm512_setzero_ps();
+  // Per 128-bit lane: ab = [a0+a2, b0+b2, a1+a3, b1+b3], cz likewise, then [sa, sb, sc, 0].
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(va, vb), _mm512_unpackhi_ps(va, vb));
+  const __m512 cz = _mm512_add_ps(_mm512_unpacklo_ps(vc, zero), _mm512_unpackhi_ps(vc, zero));
+  const __m512 lanes = _mm512_add_ps(_mm512_shuffle_ps(ab, cz, 0x44), _mm512_shuffle_ps(ab, cz, 0xEE));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(lanes),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+#elif defined(__AVX__)
+  const __m256 ab = _mm256_hadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b));
+  const __m256 cz = _mm256_hadd_ps(reinterpret_cast<__m256>(c), _mm256_setzero_ps());
+  const __m256 lanes = _mm256_hadd_ps(ab, cz);  // [sa, sb, sc, 0] per 128-bit half
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1)));
+#else
+  out[0] = sumv(a);
+  out[1] = sumv(b);
+  out[2] = sumv(c);
+  out[3] = 0.f;
+#endif
 }
 
 constexpr int kShrinkRows = 3;    // A rows per shrink tile: 3 rows x 4 tokens = 12 accumulators
@@ -110,9 +149,11 @@ void shrink_tile(const float* x, int64_t in, const float* const* a, int num_rows
       acc[2][j] += a2 * xv;
     }
   }
-  for (int i = 0; i < num_rows; ++i) {
-    for (int j = 0; j < TB; ++j) {
-      float dot = sumv(acc[i][j]);
+  for (int j = 0; j < TB; ++j) {
+    float dots[4];
+    sum4(acc[0][j], acc[1][j], acc[2][j], dots);
+    for (int i = 0; i < num_rows; ++i) {
+      float dot = dots[i];
       for (int64_t kk = k; kk < in; ++kk) dot += a[i][kk] * x[j * in + kk];
       v[j * ldv + i] = dot;
     }
