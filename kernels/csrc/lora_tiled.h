@@ -120,7 +120,7 @@ inline void sum4(vecf a, vecf b, vecf c, float* out) {
 
 constexpr int kShrinkRows = 3;    // A rows per shrink tile: 3 rows x 4 tokens = 12 accumulators
 constexpr int kTokenBlock = 4;    // tokens per tile
-constexpr int64_t kShrinkItemRows = 12;  // A rows per shrink work item (4 tiles)
+constexpr int64_t kShrinkItemRows = 48;  // A rows per shrink work item (16 tiles: whole cache lines of v per thread)
 constexpr int64_t kExpandCols = 2 * kLanes;  // output columns per expand tile (two vectors)
 constexpr int64_t kExpandBlock = 512;  // output columns per expand work item (at most)
 constexpr int64_t kRankBlock = 8;     // rank rows streamed together
