@@ -1,18 +1,21 @@
 """LoRA adapters: PEFT parsing and validation, safe upload extraction, stores and the registry."""
 
 from .archive import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_TOTAL_BYTES, extract_adapter_archive
+from .catalog import AdapterCatalog, PollingCatalog
 from .errors import (
     AdapterError,
     AdapterExistsError,
     AdapterNotFoundError,
     AdapterTooLargeError,
     InvalidAdapterNameError,
+    RegistryUnavailableError,
 )
 from .lora_weights import PROJECTION_NAMES, BaseModelShapes, LoRAAdapter, LoRAModuleWeights
 from .peft_format import CONFIG_FILE, WEIGHTS_FILE, load_adapter, parse_adapter_files, read_adapter_dir
+from .redis_catalog import RedisCatalog
 from .redis_store import RedisStore
 from .registry import AdapterInfo, AdapterLimits, AdapterRegistry
-from .store import AdapterStore, LocalDirStore, validate_adapter_name
+from .store import AdapterStore, LocalDirStore, content_digest, validate_adapter_name
 from .store_factory import make_store, register_store_scheme
 
 __all__ = [
@@ -21,6 +24,7 @@ __all__ = [
     "DEFAULT_MAX_TOTAL_BYTES",
     "PROJECTION_NAMES",
     "WEIGHTS_FILE",
+    "AdapterCatalog",
     "AdapterError",
     "AdapterExistsError",
     "AdapterInfo",
@@ -34,7 +38,11 @@ __all__ = [
     "LoRAAdapter",
     "LoRAModuleWeights",
     "LocalDirStore",
+    "PollingCatalog",
+    "RedisCatalog",
     "RedisStore",
+    "RegistryUnavailableError",
+    "content_digest",
     "extract_adapter_archive",
     "load_adapter",
     "make_store",

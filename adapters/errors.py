@@ -6,6 +6,7 @@ subclasses let an HTTP layer pick a status code (check subclasses before the bas
 * :class:`AdapterTooLargeError` -> 413
 * :class:`AdapterNotFoundError` -> 404
 * :class:`AdapterExistsError` -> 409
+* :class:`RegistryUnavailableError` -> 503 (the registry, not the adapter, is the problem)
 * :class:`InvalidAdapterNameError` and plain :class:`AdapterError` -> 400 / 422
 """
 
@@ -30,3 +31,15 @@ class AdapterExistsError(AdapterError):
 
 class AdapterNotFoundError(AdapterError):
     """No adapter with this name is stored."""
+
+
+class RegistryUnavailableError(AdapterError):
+    """The adapter registry (its store: Redis, a shared directory) cannot be reached right now.
+
+    Not the client's fault and worth retrying: HTTP layers answer 503 (check it before the
+    :class:`AdapterError` base class). It is an :class:`AdapterError` so that code failing the
+    requests of one adapter on a bad load (the scheduler) treats it the same way: only the
+    requests that needed the registry fail. The message names the registry.
+    """
+
+    code = "registry_unavailable"

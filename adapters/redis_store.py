@@ -1,99 +1,323 @@
 """An adapter store in Redis, so that every server replica sees the same adapter set.
 
-Layout under ``prefix``: ``{prefix}adapter:{name}`` is a hash of file name -> bytes,
-``{prefix}version:{name}`` a fresh random token per write, and ``{prefix}names`` a set of
-adapter names. They change together in one MULTI/EXEC transaction.
+Layout under ``prefix`` (weights stored once per content digest, names pointing at digests):
+
+* ``{prefix}index``: hash, adapter name -> content digest (:func:`.store.content_digest`, sha256 hex).
+* ``{prefix}blob:{digest}``: hash, the files of that content. Field ``manifest`` is JSON
+  ``[[file name, size, number of chunks], ...]``; field ``{i}:{j}`` is chunk ``j`` of file ``i``.
+  Files are cut into chunks of ``chunk_size`` bytes (64 MiB), so no value nears Redis's limit on
+  one value (512 MiB) and no reply holds more than one chunk.
+* ``{prefix}refs:{digest}``: set of the names that map to the digest; when the last one goes (a
+  delete, or an overwrite with other content), the blob goes with it.
+* ``{prefix}seq``: the number of the last change; ``{prefix}changes``: a pub/sub channel carrying
+  each change (:func:`.redis_catalog.encode_change`) for the replicas' catalogs.
+* ``{prefix}upload:{random}``: a blob being written, renamed to ``blob:{digest}`` by the
+  transaction that publishes it; it expires after an hour if its writer dies first.
+
+Every change of index, refs, blob and seq, and its message, is one WATCH/MULTI/EXEC transaction,
+so readers never see a name pointing at a missing or partial blob; a reader racing a delete finds
+the blob gone and looks again (``get``) or reports the content gone (``get_content``). Reads check
+the digest of what they assembled. Redis errors surface as :class:`RegistryUnavailableError`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import logging
+import re
+import time
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from .errors import AdapterExistsError, AdapterNotFoundError, AdapterTooLargeError
-from .store import AdapterStore, validate_adapter_name, validate_file_names
+from .catalog import AdapterCatalog
+from .errors import AdapterError, AdapterExistsError, AdapterNotFoundError, RegistryUnavailableError
+from .redis_catalog import Change, RedisCatalog, encode_change
+from .store import AdapterStore, content_digest, validate_adapter_name, validate_file_names
 
 logger = logging.getLogger(__name__)
 
-# Redis refuses bulk strings above proto-max-bulk-len, 512 MiB by default.
-MAX_FILE_BYTES = 512 * 1024**2
+CHUNK_BYTES = 64 * 1024**2
+UPLOAD_TTL_S = 3600
+_READ_ATTEMPTS = 50  # a get racing overwrites of its name re-reads; each overwrite takes longer than a read
+_DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
+
+
+class _BlobGone(Exception):
+    """The blob was deleted while being read or published (raced with a delete or an overwrite)."""
 
 
 class RedisStore(AdapterStore):
-    """Adapters in a Redis server shared by several replicas; see the module docstring for the layout."""
+    """Adapters in a Redis server shared by several replicas; see the module docstring for the layout.
 
-    def __init__(self, url: str, prefix: str = "loraserve:", *, client: redis.Redis | None = None) -> None:
+    ``client`` replaces the client built from ``url`` for commands; the catalog (``open_catalog``)
+    always connects to ``url`` itself, with its own reconnection policy.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "loraserve:",
+        *,
+        client: redis.Redis | None = None,
+        chunk_size: int = CHUNK_BYTES,
+    ) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.url = url
         self.prefix = prefix
+        self.chunk_size = chunk_size
+        self.description = f"{_redact(url)} (prefix {prefix!r})"  # in errors a client may see: no password
         # Binary responses: file contents are raw bytes.
-        self._client: redis.Redis = client if client is not None else redis.Redis.from_url(url)
-        self._names_key = f"{prefix}names"
+        self._client: redis.Redis = (
+            client
+            if client is not None
+            else redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=30.0, socket_keepalive=True)
+        )
+        self._index_key = f"{prefix}index"
+        self._seq_key = f"{prefix}seq"
+        self._channel = f"{prefix}changes"
 
     def __repr__(self) -> str:
-        return f"RedisStore({self.url!r}, prefix={self.prefix!r})"
+        return f"RedisStore({_redact(self.url)!r}, prefix={self.prefix!r})"
 
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}adapter:{validate_adapter_name(name)}"
+    def _blob_key(self, digest: str) -> str:
+        return f"{self.prefix}blob:{digest}"
 
-    def _version_key(self, name: str) -> str:
-        return f"{self.prefix}version:{validate_adapter_name(name)}"
+    def _refs_key(self, digest: str) -> str:
+        return f"{self.prefix}refs:{digest}"
 
+    @contextlib.contextmanager
+    def _unavailable_as_error(self) -> Iterator[None]:
+        """Redis errors (unreachable, timing out, loading, out of memory) -> RegistryUnavailableError."""
+        try:
+            yield
+        except redis.RedisError as error:
+            raise RegistryUnavailableError(
+                f"the adapter registry {self.description} is unavailable: {type(error).__name__}: {error}"
+            ) from error
+
+    # ---- writes ---------------------------------------------------------------------
     def put(self, name: str, files: Mapping[str, bytes], *, overwrite: bool = False) -> None:
-        key = self._key(name)
+        validate_adapter_name(name)
         validate_file_names(files)
-        for file_name, content in files.items():
-            if len(content) > MAX_FILE_BYTES:
-                raise AdapterTooLargeError(
-                    f"adapter file {file_name!r} is {len(content)} bytes; Redis stores at most {MAX_FILE_BYTES}"
-                )
-        mapping: dict[str | bytes, Any] = {file_name: bytes(content) for file_name, content in files.items()}
+        contents = {file_name: bytes(content) for file_name, content in files.items()}
+        digest = content_digest(contents)
+        staged: str | None = None
+        with self._unavailable_as_error():
+            try:
+                while True:
+                    # Identical content already stored (another name): nothing to upload.
+                    if staged is None and not self._client.exists(self._blob_key(digest)):
+                        staged = self._stage(contents)
+                    # Any: redis-py types the callable as returning None; value_from_callable returns its value.
+                    publish: Any = functools.partial(
+                        self._publish_put, name=name, digest=digest, staged=staged, overwrite=overwrite
+                    )
+                    try:
+                        seq = self._client.transaction(
+                            publish,
+                            self._index_key,
+                            self._seq_key,
+                            self._blob_key(digest),
+                            self._refs_key(digest),
+                            value_from_callable=True,
+                        )
+                        break
+                    except _BlobGone:  # deleted between our check and the transaction: upload it after all
+                        continue
+            finally:
+                if staged is not None:  # renamed into place, or not needed: gone either way
+                    with contextlib.suppress(redis.RedisError):
+                        self._client.delete(staged)
+        self._notify(name, digest, cast(int, seq))
+        logger.info("stored adapter %s (content %s) in %r", name, digest[:12], self)
 
-        def publish(pipe: Any) -> None:
-            # Runs under WATCH: if another client changes the key before EXEC, redis-py retries.
-            if not overwrite and pipe.exists(key):
-                raise AdapterExistsError(f"adapter {name!r} already exists")
-            pipe.multi()
-            pipe.delete(key)
-            pipe.hset(key, mapping=mapping)
-            pipe.set(self._version_key(name), uuid.uuid4().hex)
-            pipe.sadd(self._names_key, name)
+    def _stage(self, files: Mapping[str, bytes]) -> str:
+        """Write ``files`` as a blob under a temporary key (outside any transaction: it may be large)."""
+        staged = f"{self.prefix}upload:{uuid.uuid4().hex}"
+        manifest = []
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hset(staged, "manifest", "[]")
+        pipe.expire(staged, UPLOAD_TTL_S)
+        for index, (file_name, content) in enumerate(sorted(files.items())):
+            num_chunks = max(1, -(-len(content) // self.chunk_size))
+            manifest.append([file_name, len(content), num_chunks])
+            for chunk in range(num_chunks):
+                # One command per chunk: Redis parses a command at a time, so none nears its limits.
+                pipe.hset(staged, f"{index}:{chunk}", content[chunk * self.chunk_size : (chunk + 1) * self.chunk_size])
+        pipe.hset(staged, "manifest", json.dumps(manifest))
+        pipe.execute()
+        return staged
 
-        self._client.transaction(publish, key)
-        logger.info("stored adapter %s in %r", name, self)
-
-    def get(self, name: str) -> dict[str, bytes]:
-        raw: dict[bytes, bytes] = self._client.hgetall(self._key(name))  # type: ignore[assignment]
-        if not raw:
-            raise AdapterNotFoundError(f"adapter {name!r} not found")
-        return {file_name.decode(): content for file_name, content in sorted(raw.items())}
+    def _publish_put(self, pipe: Any, name: str, digest: str, staged: str | None, overwrite: bool) -> int:
+        """Under WATCH: point ``name`` at ``digest`` (placing the staged blob if it is not stored yet),
+        drop the old content if nothing else references it, and publish the change."""
+        raw_old = pipe.hget(self._index_key, name)
+        old = raw_old.decode() if raw_old is not None else None
+        if old is not None and not overwrite:
+            raise AdapterExistsError(f"adapter {name!r} already exists")
+        blob_stored = bool(pipe.exists(self._blob_key(digest)))
+        if not blob_stored and staged is None:
+            raise _BlobGone
+        drop_old = False
+        if old is not None and old != digest:
+            pipe.watch(self._refs_key(old))
+            drop_old = set(pipe.smembers(self._refs_key(old))) <= {name.encode()}
+        seq = int(pipe.get(self._seq_key) or 0) + 1
+        pipe.multi()
+        if not blob_stored:
+            pipe.rename(staged, self._blob_key(digest))
+            pipe.persist(self._blob_key(digest))
+        pipe.hset(self._index_key, name, digest)
+        pipe.sadd(self._refs_key(digest), name)
+        if old is not None and old != digest:
+            pipe.srem(self._refs_key(old), name)
+            if drop_old:
+                pipe.delete(self._blob_key(old), self._refs_key(old))
+        pipe.set(self._seq_key, seq)
+        pipe.publish(self._channel, encode_change(Change(seq, name, digest)))
+        return seq
 
     def delete(self, name: str) -> None:
-        key = self._key(name)
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(key)
-        pipe.delete(self._version_key(name))
-        pipe.srem(self._names_key, name)
-        num_deleted, _, _ = pipe.execute()
-        if not num_deleted:
-            raise AdapterNotFoundError(f"adapter {name!r} not found")
+        validate_adapter_name(name)
+
+        def unpublish(pipe: Any) -> Any:  # the change's number (Any: see put)
+            raw = pipe.hget(self._index_key, name)
+            if raw is None:
+                raise AdapterNotFoundError(f"adapter {name!r} not found")
+            digest = raw.decode()
+            pipe.watch(self._refs_key(digest))
+            last = set(pipe.smembers(self._refs_key(digest))) <= {name.encode()}
+            seq = int(pipe.get(self._seq_key) or 0) + 1
+            pipe.multi()
+            pipe.hdel(self._index_key, name)
+            pipe.srem(self._refs_key(digest), name)
+            if last:  # no other name has this content: its weights go too
+                pipe.delete(self._blob_key(digest), self._refs_key(digest))
+            pipe.set(self._seq_key, seq)
+            pipe.publish(self._channel, encode_change(Change(seq, name, None)))
+            return seq
+
+        with self._unavailable_as_error():
+            seq = self._client.transaction(unpublish, self._index_key, self._seq_key, value_from_callable=True)
+        self._notify(name, None, cast(int, seq))
+        logger.info("deleted adapter %s from %r", name, self)
+
+    # ---- reads ----------------------------------------------------------------------
+    def get(self, name: str) -> dict[str, bytes]:
+        validate_adapter_name(name)
+        for _ in range(_READ_ATTEMPTS):
+            digest = self.content_key(name)
+            try:
+                return self._read_blob(digest)
+            except _BlobGone:  # the name was rewritten or deleted meanwhile: look again
+                time.sleep(0.001)
+        raise AdapterError(f"adapter {name!r} changed {_READ_ATTEMPTS} times while being read from {self!r}")
+
+    def get_content(self, key: str) -> dict[str, bytes]:
+        if not isinstance(key, str) or _DIGEST_PATTERN.fullmatch(key) is None:
+            raise AdapterNotFoundError(f"no adapter content {key!r} in {self!r}: content keys are sha256 digests")
+        try:
+            return self._read_blob(key)
+        except _BlobGone:
+            raise AdapterNotFoundError(f"adapter content {key[:12]} is no longer stored in {self!r}") from None
+
+    def _read_blob(self, digest: str) -> dict[str, bytes]:
+        """The files of blob ``digest``, checked against it; _BlobGone if it is (or goes) missing."""
+        blob = self._blob_key(digest)
+        with self._unavailable_as_error():
+            raw_manifest = self._client.hget(blob, "manifest")
+            if raw_manifest is None:
+                raise _BlobGone
+            manifest = json.loads(raw_manifest)
+            chunks: list[bytes | None] = []
+            for batch in _batches(manifest, self.chunk_size):
+                chunks += self._client.hmget(blob, batch)  # type: ignore[arg-type]
+        if any(chunk is None for chunk in chunks):
+            raise _BlobGone
+        files: dict[str, bytes] = {}
+        position = 0
+        for file_name, size, count in manifest:
+            files[file_name] = b"".join(chunks[position : position + count])  # type: ignore[arg-type]
+            position += count
+            if len(files[file_name]) != size:
+                raise AdapterError(f"adapter content {digest[:12]} in {self!r} is damaged: {file_name} is truncated")
+        if content_digest(files) != digest:
+            raise AdapterError(f"adapter content {digest[:12]} in {self!r} is damaged: its digest does not match")
+        return files
 
     def names(self) -> list[str]:
-        members: set[bytes] = self._client.smembers(self._names_key)  # type: ignore[assignment]
-        return sorted(member.decode() for member in members)
+        with self._unavailable_as_error():
+            names: list[bytes] = self._client.hkeys(self._index_key)  # type: ignore[assignment]
+        return sorted(name.decode() for name in names)
 
     def contains(self, name: str) -> bool:
-        return bool(self._client.exists(self._key(name)))
+        with self._unavailable_as_error():
+            return bool(self._client.hexists(self._index_key, validate_adapter_name(name)))
 
-    def version(self, name: str) -> str:
-        token = self._client.get(self._version_key(name))
-        if token is None:
+    def content_key(self, name: str) -> str:
+        """The content digest ``name`` maps to."""
+        with self._unavailable_as_error():
+            raw = self._client.hget(self._index_key, validate_adapter_name(name))
+        if raw is None:
             raise AdapterNotFoundError(f"adapter {name!r} not found")
-        return token.decode() if isinstance(token, bytes) else str(token)
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    def index(self) -> dict[str, str]:
+        with self._unavailable_as_error():
+            raw: dict[bytes, bytes] = self._client.hgetall(self._index_key)  # type: ignore[assignment]
+        return {name.decode(): digest.decode() for name, digest in raw.items()}
+
+    def num_blobs(self) -> int:
+        """How many distinct contents are stored (for tests and operators; scans the prefix)."""
+        with self._unavailable_as_error():
+            return sum(1 for _ in self._client.scan_iter(match=f"{self.prefix}blob:*", count=1000))
+
+    # ---- catalog and lifetime ---------------------------------------------------------
+    def open_catalog(self) -> AdapterCatalog:
+        """A started :class:`RedisCatalog`: the index, kept current through pub/sub."""
+        catalog = RedisCatalog(
+            self.url,
+            index_key=self._index_key,
+            seq_key=self._seq_key,
+            channel=self._channel,
+            description=self.description,
+        )
+        return self._track(catalog).start()
 
     def close(self) -> None:
         """Release the connection pool."""
         self._client.close()
+
+
+def _batches(manifest: list[list[Any]], chunk_size: int) -> Iterator[list[str]]:
+    """The blob's chunk fields in order, grouped so that one reply carries at most about
+    ``CHUNK_BYTES`` (a small adapter: one round trip; a big one: never one huge reply)."""
+    batch: list[str] = []
+    batch_bytes = 0
+    for index, (_, size, count) in enumerate(manifest):
+        for chunk in range(count):
+            chunk_bytes = min(chunk_size, size - chunk * chunk_size)
+            if batch and batch_bytes + chunk_bytes > CHUNK_BYTES:
+                yield batch
+                batch, batch_bytes = [], 0
+            batch.append(f"{index}:{chunk}")
+            batch_bytes += chunk_bytes
+    if batch:
+        yield batch
+
+
+def _redact(url: str) -> str:
+    """``url`` without its password (it ends up in logs and in error messages clients see)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")
+    user = netloc[0].partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))

@@ -4,20 +4,28 @@
 either from a spec.
 
 Stores hold opaque files; validating their content is :class:`.registry.AdapterRegistry`'s job.
+A name maps to a *content key* that names immutable content (fetched with ``get_content``); a
+replica follows the name -> key map through a catalog (:mod:`.catalog`, ``open_catalog``) so
+that resolving a name needs no I/O.
 """
 
 from __future__ import annotations
 
 import abc
+import errno
+import hashlib
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
-from collections.abc import Mapping
+import weakref
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 
+from .catalog import AdapterCatalog, PollingCatalog
 from .errors import AdapterError, AdapterExistsError, AdapterNotFoundError, InvalidAdapterNameError
 
 logger = logging.getLogger(__name__)
@@ -48,10 +56,28 @@ def validate_file_names(files: Mapping[str, bytes]) -> None:
             raise TypeError(f"adapter file {file_name!r} must be bytes, got {type(content).__name__}")
 
 
+def content_digest(files: Mapping[str, bytes]) -> str:
+    """sha256 hex of a file set: every (name, length, content) in name order, so equal sets of
+    files give equal digests whatever their order, and no two different sets collide by framing."""
+    hasher = hashlib.sha256()
+    for file_name in sorted(files):
+        content = files[file_name]
+        hasher.update(file_name.encode() + b"\0" + len(content).to_bytes(8, "big"))
+        hasher.update(content)
+    return hasher.hexdigest()
+
+
+_CATALOGS_LOCK = threading.Lock()  # guards every store's set of open catalogs (writes are rare)
+
+
 class AdapterStore(abc.ABC):
-    """Named sets of adapter files. Implementations are safe to use from several processes.
+    """Named sets of adapter files. Implementations are safe to use from several processes and threads.
 
     A reader sees either a complete adapter or none: never a partly written or partly replaced one.
+    Each name maps to a content key (``content_key``) naming immutable content: a rewrite with other
+    files maps the name to another key, and ``get_content`` of a key returns the same files for as
+    long as they are stored. Writes made through a store are passed at once to the catalogs it
+    opened (``open_catalog``): subclasses call ``_notify`` after each completed write for that.
     """
 
     @abc.abstractmethod
@@ -71,15 +97,50 @@ class AdapterStore(abc.ABC):
         """Sorted names of all stored adapters."""
 
     @abc.abstractmethod
-    def version(self, name: str) -> str:
-        """A token that changes whenever ``name`` is written again (cheap; no file contents read).
+    def contains(self, name: str) -> bool:
+        """Whether ``name`` is stored."""
+
+    @abc.abstractmethod
+    def content_key(self, name: str) -> str:
+        """The key of the content ``name`` maps to now (cheap: no file contents read).
 
         Raises :class:`AdapterNotFoundError` if ``name`` is not stored.
         """
 
     @abc.abstractmethod
-    def contains(self, name: str) -> bool:
-        """Whether ``name`` is stored."""
+    def get_content(self, key: str) -> dict[str, bytes]:
+        """The files stored under content key ``key``, complete; :class:`AdapterNotFoundError` if that
+        content is no longer stored (its names were deleted or rewritten)."""
+
+    @abc.abstractmethod
+    def index(self) -> dict[str, str]:
+        """Every stored name -> its content key."""
+
+    def change_token(self) -> Hashable | None:
+        """A cheap value that changes whenever ``index()`` would, or None when the store cannot tell
+        (a polling catalog then re-reads the index on every poll)."""
+        return None
+
+    def open_catalog(self) -> AdapterCatalog:
+        """A started catalog following this store (see :mod:`.catalog`); close it when done.
+
+        This base version polls ``change_token`` and re-reads ``index`` when it moves.
+        """
+        return self._track(PollingCatalog(self.index, self.change_token, repr(self))).start()
+
+    def _track(self, catalog: AdapterCatalog) -> AdapterCatalog:
+        """Pass this store's later writes to ``catalog`` (held weakly)."""
+        with _CATALOGS_LOCK:  # created here, not in __init__, so subclasses need not call super().__init__()
+            catalogs: weakref.WeakSet[AdapterCatalog] = self.__dict__.setdefault("_catalogs", weakref.WeakSet())
+            catalogs.add(catalog)
+        return catalog
+
+    def _notify(self, name: str, key: str | None, seq: int | None = None) -> None:
+        """Tell this store's catalogs that ``name`` now maps to ``key`` (None: deleted)."""
+        with _CATALOGS_LOCK:
+            catalogs = list(self.__dict__.get("_catalogs", ()))
+        for catalog in catalogs:
+            catalog.note(name, key, seq)
 
 
 class LocalDirStore(AdapterStore):
@@ -96,6 +157,10 @@ class LocalDirStore(AdapterStore):
     # Unreferenced versions older than this are left by crashed writers and are removed on start-up;
     # younger ones may belong to a put still in progress in another process.
     _ORPHAN_AGE_S = 3600.0
+
+    # Directory mtimes are as coarse as the kernel's clock tick (and NFS caches them): a change this
+    # recent may share its mtime with a later one, so the change token says "cannot tell".
+    _RACY_MTIME_S = 2.0
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -118,12 +183,14 @@ class LocalDirStore(AdapterStore):
                 shutil.rmtree(version, ignore_errors=True)
                 raise AdapterExistsError(f"adapter {name!r} already exists") from None
             _fsync_dir(self.root)
+            self._notify(name, version.name)
             return
         previous = self._current_version(name)
         temp_link = self.root / f".link-{name}.{uuid.uuid4().hex}"
         os.symlink(target, temp_link)
         os.replace(temp_link, link)  # atomic swap: readers see the old or the new version
         _fsync_dir(self.root)
+        self._notify(name, version.name)
         if previous is not None and previous != version:
             shutil.rmtree(previous, ignore_errors=True)
 
@@ -151,6 +218,7 @@ class LocalDirStore(AdapterStore):
         except FileNotFoundError:
             raise AdapterNotFoundError(f"adapter {name!r} not found") from None
         _fsync_dir(self.root)
+        self._notify(name, None)
         if version is not None:
             shutil.rmtree(version, ignore_errors=True)
 
@@ -164,11 +232,64 @@ class LocalDirStore(AdapterStore):
     def contains(self, name: str) -> bool:
         return (self.root / validate_adapter_name(name)).is_symlink()
 
-    def version(self, name: str) -> str:
+    def content_key(self, name: str) -> str:
+        """The version directory's name (``<name>.<random hex>``)."""
         version = self._current_version(validate_adapter_name(name))
         if version is None:
             raise AdapterNotFoundError(f"adapter {name!r} not found")
         return version.name
+
+    def get_content(self, key: str) -> dict[str, bytes]:
+        match = _VERSION_PATTERN.fullmatch(key) if isinstance(key, str) else None
+        if match is None:
+            raise AdapterNotFoundError(f"no adapter content {key!r} in {self!r}")
+        version = self._versions / key
+        try:
+            files = {path.name: path.read_bytes() for path in sorted(version.iterdir())}
+        except FileNotFoundError:
+            raise AdapterNotFoundError(f"adapter content {key!r} is no longer stored") from None
+        # As in get: writers repoint the link before removing a version, so if the name still points
+        # here, no removal had started while we read and the files are complete.
+        if self._current_version(match["name"]) != version:
+            raise AdapterNotFoundError(f"adapter content {key!r} is no longer stored")
+        return files
+
+    def index(self) -> dict[str, str]:
+        keys: dict[str, str] = {}
+        for entry in self.root.iterdir():
+            if ADAPTER_NAME_PATTERN.fullmatch(entry.name):
+                version = self._current_version(entry.name)
+                if version is not None:
+                    keys[entry.name] = version.name
+        return keys
+
+    def open_catalog(self) -> AdapterCatalog:
+        """A polling catalog whose lookups read the name's link (one ``readlink``, no file contents):
+        a change made by another process is seen at once. The poll keeps the names count and
+        whether the directory is reachable."""
+        catalog = PollingCatalog(self.index, self.change_token, repr(self), probe=self._probe)
+        return self._track(catalog).start()
+
+    def _probe(self, name: str) -> str | None:
+        """The content key of ``name`` now, None if it is not stored; raises OSError if the
+        directory cannot be read (unlike ``_current_version``, which would call that absent)."""
+        if not isinstance(name, str) or ADAPTER_NAME_PATTERN.fullmatch(name) is None:
+            return None  # never a path outside root
+        try:
+            return os.path.basename(os.readlink(self.root / name))
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            if error.errno == errno.EINVAL:  # not a link: not an adapter
+                return None
+            raise
+
+    def change_token(self) -> Hashable | None:
+        """The root directory's inode and mtime (every put and delete changes an entry there)."""
+        stat = os.stat(self.root)
+        if time.time_ns() - stat.st_mtime_ns < self._RACY_MTIME_S * 1e9:
+            return None
+        return (stat.st_ino, stat.st_mtime_ns)
 
     def _current_version(self, name: str) -> Path | None:
         try:
@@ -199,6 +320,10 @@ class LocalDirStore(AdapterStore):
             if version not in referenced and version.stat().st_mtime < cutoff:
                 logger.info("removing unreferenced adapter version %s", version)
                 shutil.rmtree(version, ignore_errors=True)
+
+
+# A version directory's name: the adapter's name, a dot, 32 hex digits (see _write_version).
+_VERSION_PATTERN = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,127})\.[0-9a-f]{32}")
 
 
 def _fsync_dir(path: Path) -> None:

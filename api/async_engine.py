@@ -341,7 +341,7 @@ class AsyncEngine:
                 self._streams.pop(output.request_id, None)
                 self._notify("request_ended", output.request_id)
             if stream is not None:
-                stream.deliver(RequestFailedError(output.error) if output.error else output)
+                stream.deliver(RequestFailedError(output.error, output.error_code) if output.error else output)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from loraserve.adapters import RegistryUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,12 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
+def registry_unavailable(error: RegistryUnavailableError) -> APIError:
+    """503 for a request that needed the adapter registry while it was unreachable (the message
+    names the registry); worth retrying."""
+    return APIError(503, str(error), code=RegistryUnavailableError.code, headers={"Retry-After": "1"})
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable line per problem, and the first offending field (``messages.0.content``)."""
     parts: list[str] = []
@@ -79,11 +86,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Make FastAPI's own errors (validation, 404 routes, 405) and crashes use the OpenAI shape."""
+    """Make FastAPI's own errors (validation, 404 routes, 405), an unreachable adapter registry (503)
+    and crashes use the OpenAI shape."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(RegistryUnavailableError)
+    async def _registry_unavailable(_: Request, exc: RegistryUnavailableError) -> JSONResponse:
+        return error_response(registry_unavailable(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

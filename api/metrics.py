@@ -16,6 +16,8 @@ Exposed names (``model`` is the base model id or the adapter name):
   idle cached KV blocks reclaimed; ``adapter_idle``: idle adapters),
   ``loraserve_adapter_loads_total``, ``loraserve_adapter_evictions_total``,
   ``loraserve_adapters_registered``, ``loraserve_engine_step_errors_total``
+* ``loraserve_registry_up``: 1 while the adapter registry answers and this replica follows its
+  changes, 0 during an outage (resident adapters are still served; the others answer 503)
 * ``loraserve_cpu_gemm_kernel{shape,rows,kernel}``: 1 for the GEMM kernel each linear layer shape runs
   on at each row bucket (``models/gemm_choice.py``; none when the linear layers are not packed)
 * ``loraserve_kernel_fallback{kernel}``: 1 when a compiled kernel runs its fallback (``lora_grouped_gemm``:
@@ -86,6 +88,9 @@ class EngineSnapshotCollector(Collector):
             value=snap.num_adapter_evictions,
         )
         yield GaugeMetricFamily("loraserve_adapters_registered", "Registered adapters", value=snap.num_adapters)
+        yield GaugeMetricFamily(
+            "loraserve_registry_up", "1 while the adapter registry is reachable, 0 if not", value=int(snap.registry_up)
+        )
         yield CounterMetricFamily(
             "loraserve_engine_step_errors", "Engine steps that raised", value=self.num_step_errors
         )

@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from loraserve.adapters import RegistryUnavailableError
+
 from loraserve.outputs import RequestOutput
 
 
@@ -30,7 +32,17 @@ class RequestAbortedError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine could not run the request (``RequestOutput.error``, e.g. its adapter failed to load)."""
+    """The engine could not run the request (``RequestOutput.error``, e.g. its adapter failed to load);
+    ``code`` is ``RequestOutput.error_code`` (``"registry_unavailable"``: retry later)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def status_code(self) -> int:
+        """The HTTP status it answers: 503 when the adapter registry was unreachable, else 500."""
+        return 503 if self.code == RegistryUnavailableError.code else 500
 
 
 class RequestStream:

@@ -1,8 +1,11 @@
 """Adapter management: upload, list, inspect, delete, and the vLLM-compatible load/unload calls.
 
-Every change goes through the engine thread (``AsyncEngine.call``), so the engine sees
-registrations and removals between steps. Removing an adapter stops new requests from using
-it; requests already running on it finish (the engine's contract for ``remove_adapter``).
+Every call runs on a worker thread (``registry_call``), never the engine thread: it waits on the
+registry (Redis), and the engine keeps stepping meanwhile. A change is in this replica's catalog
+when the call returns, so the next request sees it; other replicas see it when the registry's
+message reaches them. Removing an adapter stops new requests from using it; requests already
+running on it finish (the engine's contract for ``remove_adapter``). With the registry
+unreachable, every call here answers 503 naming it.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from loraserve.adapters import (
     AdapterExistsError,
     AdapterNotFoundError,
     AdapterTooLargeError,
+    RegistryUnavailableError,
 )
 
 from .auth import require_admin_key, require_api_key
-from .errors import APIError
+from .errors import APIError, registry_unavailable
 from .openai_protocol import (
     AdapterCard,
     AdapterDeleted,
@@ -31,12 +35,14 @@ from .openai_protocol import (
     UnloadLoRAAdapterRequest,
 )
 from .routes_models import list_adapter_infos
-from .serving import ServerState, UnknownAdapterError, get_state
+from .serving import ServerState, UnknownAdapterError, get_state, registry_call
 from .uploads import read_adapter_upload, read_confined_adapter_dir
 
 router = APIRouter(tags=["adapters"])
 
-_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413)}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 503)
+}
 _UPLOAD_BODY = {
     "requestBody": {
         "required": True,
@@ -83,11 +89,13 @@ def _check_new_name(state: ServerState, name: str) -> None:
         raise APIError(409, f"{name!r} is the base model's id; choose another adapter name", code="adapter_exists")
 
 
-async def _engine_call(state: ServerState, fn: Callable[[Any], Any], name: str) -> Any:
-    """Run an adapter operation on the engine thread, mapping adapter errors to HTTP errors."""
+async def _registry_call(state: ServerState, fn: Callable[[Any], Any], name: str) -> Any:
+    """Run an adapter operation on a worker thread, mapping adapter errors to HTTP errors."""
     _require_adapter_support(state)
     try:
-        return await state.async_engine.call(fn)
+        return await registry_call(state, fn)
+    except RegistryUnavailableError as error:  # before AdapterError, its base class
+        raise registry_unavailable(error) from None
     except AdapterExistsError as error:
         raise APIError(409, f"an adapter named {name!r} already exists: {error}", code="adapter_exists") from None
     except (AdapterNotFoundError, UnknownAdapterError):
@@ -112,7 +120,7 @@ async def upload_adapter(request: Request) -> JSONResponse:
     _require_adapter_support(state)
     upload = await read_adapter_upload(request, state.settings.max_upload_bytes)
     _check_new_name(state, upload.name)
-    info = await _engine_call(state, lambda engine: engine.register_adapter(upload.name, upload.files), upload.name)
+    info = await _registry_call(state, lambda engine: engine.register_adapter(upload.name, upload.files), upload.name)
     return JSONResponse(adapter_card(info).model_dump(), status_code=201)
 
 
@@ -137,7 +145,7 @@ async def list_adapters(request: Request) -> AdapterList:
 )
 async def get_adapter(name: str, request: Request) -> AdapterCard:
     state = get_state(request)
-    return adapter_card(await _engine_call(state, lambda engine: engine.adapter_registry.info(name), name))
+    return adapter_card(await _registry_call(state, lambda engine: engine.adapter_registry.info(name), name))
 
 
 @router.delete(
@@ -149,7 +157,7 @@ async def get_adapter(name: str, request: Request) -> AdapterCard:
 )
 async def delete_adapter(name: str, request: Request) -> AdapterDeleted:
     state = get_state(request)
-    await _engine_call(state, lambda engine: engine.remove_adapter(name), name)
+    await _registry_call(state, lambda engine: engine.remove_adapter(name), name)
     return AdapterDeleted(id=name)
 
 
@@ -168,7 +176,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
     files = await asyncio.to_thread(
         read_confined_adapter_dir, body.lora_path, settings.allowed_lora_dirs, settings.max_upload_bytes
     )
-    await _engine_call(state, lambda engine: engine.register_adapter(body.lora_name, files), body.lora_name)
+    await _registry_call(state, lambda engine: engine.register_adapter(body.lora_name, files), body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -181,5 +189,5 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
 )
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
     state = get_state(request)
-    await _engine_call(state, lambda engine: engine.remove_adapter(body.lora_name), body.lora_name)
+    await _registry_call(state, lambda engine: engine.remove_adapter(body.lora_name), body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -127,7 +127,13 @@ def _prompt_length(state: ServerState, prompt: str | list[int]) -> int:
 
 
 def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:
-    return prompt if isinstance(prompt, str) else str(state.tokenizer.decode(prompt))
+    if isinstance(prompt, str):
+        return prompt
+    vocab = int(state.engine.hf_config.vocab_size)
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:  # the engine refuses them too, but echo decodes them first
+        raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
+    return str(state.tokenizer.decode(prompt))
 
 
 def _response(

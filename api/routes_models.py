@@ -13,16 +13,17 @@ from loraserve.llm_engine import LLMEngine
 from .async_engine import EngineDeadError
 from .auth import require_api_key
 from .openai_protocol import ErrorResponse, ModelCard, ModelList
-from .serving import ServerState, get_state
+from .serving import ServerState, get_state, registry_call
 
 router = APIRouter()
 
 
 async def list_adapter_infos(state: ServerState) -> list[Any]:
-    """The engine's registered adapters (read on the engine thread); empty without adapter support."""
+    """The engine's registered adapters (asked of the registry on a worker thread); empty without
+    adapter support."""
     if not state.supports_adapters:
         return []
-    infos: list[Any] = await state.async_engine.call(lambda engine: list(engine.list_adapters()))
+    infos: list[Any] = await registry_call(state, lambda engine: list(engine.list_adapters()))
     return sorted(infos, key=lambda info: info.name)
 
 
@@ -30,7 +31,7 @@ async def list_adapter_names(state: ServerState) -> list[str]:
     """Registered adapter names (cheap: no adapter is parsed); empty without adapter support."""
     if not state.supports_adapters:
         return []
-    names: list[str] = await state.async_engine.call(lambda engine: list(engine.adapter_registry.names()))
+    names: list[str] = await registry_call(state, lambda engine: list(engine.adapter_registry.names()))
     return sorted(names)
 
 

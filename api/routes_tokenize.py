@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
+from loraserve.adapters import InvalidAdapterNameError, RegistryUnavailableError
 
 from .auth import require_api_key
-from .errors import APIError
+from .errors import APIError, registry_unavailable
 from .openai_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from .routes_chat import render_chat_prompt
 from .routes_completions import ERROR_RESPONSES
-from .serving import ServerState, get_state, model_not_found, resolve_adapter
+from .serving import ServerState, get_state, model_not_found, registry_call, resolve_adapter
 
 router = APIRouter(tags=["inference"])
 
@@ -18,7 +19,15 @@ async def _check_model(state: ServerState, model: str | None) -> None:
     """404 for a ``model`` that is neither the base model nor a registered adapter (adapters share
     the base model's tokenizer, so the answer does not depend on which)."""
     name = None if model is None else resolve_adapter(state, model)
-    if name is not None and not await state.async_engine.call(lambda engine: name in engine.adapter_registry.names()):
+    if name is None:
+        return
+    try:
+        known = await registry_call(state, lambda engine: engine.adapter_registry.contains(name))
+    except InvalidAdapterNameError:  # a name no adapter can have
+        known = False
+    except RegistryUnavailableError as error:
+        raise registry_unavailable(error) from None
+    if not known:
         raise model_not_found(name, state)
 
 

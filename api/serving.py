@@ -3,18 +3,21 @@ parameters, submission of engine requests, and the mapping of engine errors to H
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
+from loraserve.adapters import RegistryUnavailableError
 
 from loraserve.llm_engine import LLMEngine, RequestError, UnknownAdapterError
 from loraserve.sampling_params import SamplingParams, SamplingParamsError
 
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
-from .errors import APIError
+from .errors import APIError, registry_unavailable
 from .limits import InFlightLimiter
 from .metrics import ServerMetrics
 from .openai_protocol import _SamplingFields, unsupported_fields
@@ -23,13 +26,17 @@ from .settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 @dataclass
 class ServerState:
     """Everything a route needs; one per app (``app.state.server``).
 
     ``tokenizer`` is the API's own tokenizer instance (chat templates, token strings for
-    logprobs, echo): the engine's is used only on the engine thread.
+    logprobs, echo): the engine's is used only on the engine thread. Calls to the adapter
+    registry are the one exception to "only the engine thread touches the engine": they wait
+    on the registry, so they run on worker threads (:func:`registry_call`).
     """
 
     engine: LLMEngine
@@ -51,6 +58,13 @@ class ServerState:
         """The largest max_tokens a prompt of this length can ask for."""
         limit = min(int(self.engine.max_model_len), int(getattr(self.engine, "max_seq_tokens", 1 << 62)))
         return max(1, limit - num_prompt_tokens)
+
+
+async def registry_call(state: ServerState, fn: Callable[[Any], T]) -> T:
+    """``fn(engine)`` on a worker thread: adapter registry calls (register, remove, list, describe)
+    may wait on the registry (Redis), and the engine thread must keep stepping meanwhile. Only the
+    engine's registry-facing methods, which are thread-safe, may be called this way."""
+    return await asyncio.to_thread(fn, state.engine)
 
 
 def get_state(request: Request) -> ServerState:
@@ -130,6 +144,8 @@ def engine_error(error: Exception, model: str, state: ServerState) -> APIError:
     """The HTTP error for an exception from ``add_request``."""
     if isinstance(error, UnknownAdapterError):
         return model_not_found(model, state)
+    if isinstance(error, RegistryUnavailableError):  # before ValueError: it is one, but not the client's fault
+        return registry_unavailable(error)
     if isinstance(error, EngineDrainingError):
         return APIError(503, "the server is shutting down: it takes no new requests", code="shutting_down")
     if isinstance(error, EngineDeadError):

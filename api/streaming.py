@@ -42,6 +42,8 @@ def sse_error(error: BaseException) -> str:
     if isinstance(error, APIError):
         return sse_event(error.body())
     status = 503 if isinstance(error, EngineDeadError) else 500
+    if isinstance(error, RequestFailedError):  # 503 when the adapter registry was unreachable
+        status = error.status_code
     message = (
         str(error)
         if isinstance(error, EngineStepError | RequestAbortedError | EngineDeadError | RequestFailedError)
@@ -123,7 +125,7 @@ async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
             if output.finished:
                 finals[index] = output
     except RequestFailedError as error:
-        raise APIError(500, str(error)) from None
+        raise APIError(error.status_code, str(error), code=error.code) from None
     if any(final is None for final in finals):
         raise RequestAbortedError("a request ended without a final output")
     return [final for final in finals if final is not None]

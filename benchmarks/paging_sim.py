@@ -37,14 +37,13 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from loraserve.kv_cache_manager import KVCacheManager
+from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, tokens_at_most
 from loraserve.page_pool import PagePool
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
@@ -90,24 +89,6 @@ def draw_workload(num_requests: int, seed: int, max_len: int) -> list[tuple[int,
     return work
 
 
-class ReservingKVCacheManager(KVCacheManager):
-    """The real manager, asked at admission (and at every step, a no-op then) for room for
-    ``reserve_tokens(seq)`` tokens, so a request holds its whole reservation from its first step."""
-
-    def __init__(self, pool: PagePool, block_size: int, reserve_tokens: Callable[[Sequence], int]) -> None:
-        super().__init__(pool, block_size)
-        self.reserve_tokens = reserve_tokens
-
-    def _ahead(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(num_new_tokens, self.reserve_tokens(seq) - seq.num_computed_tokens)
-
-    def can_admit(self, seq: Sequence, num_new_tokens: int, num_other_pages: int = 0) -> bool:
-        return super().can_admit(seq, self._ahead(seq, num_new_tokens), num_other_pages)
-
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
-        return super().allocate_slots(seq, self._ahead(seq, num_new_tokens))
-
-
 def label(result: dict[str, Any]) -> str:
     if result["policy"] != "paged":
         return str(result["policy"])
@@ -128,7 +109,7 @@ def simulate(
     elif policy == "reserve":
         manager = ReservingKVCacheManager(pool, page, lambda seq: max_len)
     else:  # the exact KV it ends with: every token but the last sampled one
-        manager = ReservingKVCacheManager(pool, page, lambda seq: seq.num_prompt_tokens + seq.params.max_tokens - 1)
+        manager = ReservingKVCacheManager(pool, page, tokens_at_most)
     waste: list[int] = []
 
     def stop_checker(seq: Sequence, token: int) -> Stop | None:

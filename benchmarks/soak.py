@@ -8,7 +8,8 @@ the base model or one of ``--adapters`` uploaded adapters (ranks 8-64), streamed
 of 4-256 random tokens, 4-64 new tokens; ``--cancel`` of them (10 %) are cut by the client at a
 random point (a streamed one after a few chunks, a plain one by a short timeout). Meanwhile an
 admin task uploads a new adapter and deletes an older one every few seconds, while requests use
-them. It reports requests served, errors by kind, p50/p99 latency (TTFT for streams), silent
+them. It reports requests served, errors by kind (a 404 for an adapter the churn deleted after the
+client picked it is the client's race, counted apart as ``raced_deletes``), p50/p99 latency (TTFT for streams), silent
 drops (a stream that ended without a finish reason, or a 200 without its choices, that the client
 did not cut), the server's memory (RSS after a quarter of the run, at the end, and its peak, when
 it started the server), and whether the server came back to idle: nothing running or waiting, every pool
@@ -47,6 +48,16 @@ class Tally:
     tokens: int = 0
     uploads: int = 0
     deletes: int = 0
+    deleted: set[str] = field(default_factory=set)  # adapters the churn task deleted
+    raced_deletes: int = 0  # 404s for an adapter deleted after the client picked it: expected
+
+    def refused(self, model: str, status: int) -> None:
+        """Count a non-200 answer: an error, unless it is the 404 of a request that raced the
+        delete of its adapter (the client picked it, then the churn task deleted it)."""
+        if status == 404 and model in self.deleted:
+            self.raced_deletes += 1
+        else:
+            self.errors[f"http {status}"] += 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,7 +129,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
             finish, chunks = None, 0
             async with client.stream("POST", "/v1/completions", json=body) as reply:
                 if reply.status_code != 200:
-                    tally.errors[f"http {reply.status_code}"] += 1
+                    tally.refused(model, reply.status_code)
                     return
                 async for line in reply.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -146,7 +157,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
                     return
                 raise
             if reply.status_code != 200:
-                tally.errors[f"http {reply.status_code}"] += 1
+                tally.refused(model, reply.status_code)
                 return
             answer = reply.json()
             if not answer.get("choices") or answer["choices"][0].get("finish_reason") is None:
@@ -185,6 +196,7 @@ async def churn(url: str, headers: dict[str, str], model_dir: Path, workdir: Pat
             if len(churned) > 2:  # in use by running requests, maybe: they must finish on it
                 victim = churned[0]
                 models.remove(victim)
+                tally.deleted.add(victim)
                 deleted = await client.delete(f"/v1/adapters/{victim}")
                 tally.deletes += deleted.status_code == 200
                 if deleted.status_code != 200:
@@ -268,6 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "latency_p99_s": round(latencies[int(0.99 * (len(latencies) - 1))], 3) if latencies else None,
             "adapter_uploads": tally.uploads,
             "adapter_deletes": tally.deletes,
+            "raced_deletes": tally.raced_deletes,
             "after": state,
         }
         if process:

@@ -18,6 +18,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 PREEMPTION_MODES = ("recompute", "swap")
+ADAPTER_REGIONS = ("unified", "fixed")  # where resident adapters' pages come from
+KV_ALLOCATIONS = ("paged", "reserve")  # when a request's KV pages are taken
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # see loraserve/kernel_backend.py
 CPU_GEMM_CHOICES = ("auto", "panels", "onednn", "torch")  # "auto" or a GemmKernel (models/packed_linear.py)
 
@@ -43,6 +45,13 @@ class EngineConfig:
     or ``panels``, ``onednn`` or ``torch`` for every layer (``models/gemm_choice.py``).
     ``max_lora_rank`` and ``max_adapters``: the largest adapter rank, and the most adapters, the
     registry accepts (an operator's limits; there is no rank limit in the design).
+    ``adapter_region``: ``unified`` (adapters take pages from the one pool the KV cache uses, any
+    number of them, each as many pages as its ranks need) or ``fixed`` (what vLLM and SGLang do:
+    a separate region of ``max_loras`` slots, each the pages of an adapter of every module at
+    ``max_lora_rank``, kept from the KV cache; at most ``max_loras`` adapters resident at once).
+    ``kv_allocation``: ``paged`` (KV pages taken as tokens arrive) or ``reserve`` (a request takes
+    pages for its prompt plus ``max_tokens`` when it is admitted, as servers without paging do).
+    Both non-default values exist to measure what the defaults buy (``benchmarks.many_adapters``).
     ``enforce_eager``: under the ``triton`` kernels, run decode steps eagerly as they come instead
     of padded to a captured size and replayed as CUDA graphs (``decode_graphs.py``).
     """
@@ -69,6 +78,9 @@ class EngineConfig:
     enforce_eager: bool = False
     max_lora_rank: int = 512
     max_adapters: int = 10_000
+    adapter_region: str = "unified"
+    max_loras: int | None = None
+    kv_allocation: str = "paged"
 
     def __post_init__(self) -> None:
         _require(
@@ -82,6 +94,20 @@ class EngineConfig:
         _require(self.memory_budget_mb > 0, f"memory_budget_mb must be positive, got {self.memory_budget_mb}")
         _require(self.max_lora_rank >= 1, f"max_lora_rank must be positive, got {self.max_lora_rank}")
         _require(self.max_adapters >= 1, f"max_adapters must be positive, got {self.max_adapters}")
+        _require(
+            self.adapter_region in ADAPTER_REGIONS,
+            f"adapter_region must be one of {ADAPTER_REGIONS}, got {self.adapter_region!r}",
+        )
+        _require(
+            (self.max_loras is not None) == (self.adapter_region == "fixed"),
+            f"max_loras sizes the fixed adapter region: give it with adapter_region='fixed' and only then "
+            f"(got adapter_region={self.adapter_region!r}, max_loras={self.max_loras})",
+        )
+        _require(self.max_loras is None or self.max_loras >= 1, f"max_loras must be positive, got {self.max_loras}")
+        _require(
+            self.kv_allocation in KV_ALLOCATIONS,
+            f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}",
+        )
         _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens > 0,

@@ -19,7 +19,7 @@ the copy is returned to the scheduler, which hands it to the runner.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from loraserve.page_pool import PageKind, PagePool
 from loraserve.prefix_cache import PrefixCacheIndex, extend_block_hashes
@@ -221,3 +221,36 @@ def _set_block_ids(seq: Sequence, block_ids: list[int]) -> None:
     seq.block_ids = block_ids
     seq.block_table_epoch += 1
     seq.num_registered_blocks = 0
+
+
+class ReservingKVCacheManager(KVCacheManager):
+    """KV reserved at admission (``kv_allocation="reserve"``): a sequence is admitted only when
+    ``reserve_tokens(seq)`` tokens fit, and takes all their pages in its first step; later steps
+    find their slots already there. The paging it replaces is what the default measures against."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        block_size: int,
+        reserve_tokens: Callable[[Sequence], int],
+        num_watermark_pages: int = 0,
+        host_pool: PagePool | None = None,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        super().__init__(pool, block_size, num_watermark_pages, host_pool, enable_prefix_caching)
+        self.reserve_tokens = reserve_tokens
+
+    def _ahead(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(num_new_tokens, self.reserve_tokens(seq) - seq.num_computed_tokens)
+
+    def can_admit(self, seq: Sequence, num_new_tokens: int, num_other_pages: int = 0) -> bool:
+        return super().can_admit(seq, self._ahead(seq, num_new_tokens), num_other_pages)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        return super().allocate_slots(seq, self._ahead(seq, num_new_tokens))
+
+
+def tokens_at_most(seq: Sequence) -> int:
+    """The most tokens a sequence's KV can hold: its prompt plus ``max_tokens`` (the last sampled
+    token is never written, so one fewer)."""
+    return seq.num_prompt_tokens + seq.params.max_tokens - 1

@@ -23,13 +23,14 @@ from loraserve.config import ConfigError, EngineConfig
 from loraserve.detokenizer import Detokenizer
 from loraserve.kernel_backend import select_backend
 from loraserve.kernels import cpu
-from loraserve.kv_cache_manager import KVCacheManager
+from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, tokens_at_most
+from loraserve.lora.layout import max_rank_pages
 from loraserve.lora.residency import AdapterManager
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.gemm_choice import GemmPolicy
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
 from loraserve.outputs import RequestOutput
-from loraserve.page_pool import PagePool
+from loraserve.page_pool import PageKind, PagePool
 from loraserve.request import Request, make_output
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
@@ -84,12 +85,16 @@ class LLMEngine:
         self.layout = PageLayout.for_model(self.hf_config, config.block_size)
         page_bytes = self.layout.page_bytes(config.torch_dtype)
         num_pages = config.num_pages or max(2, config.memory_budget_mb * 2**20 // page_bytes)
-        self.pool = PagePool(num_pages)
+        shapes = BaseModelShapes.from_hf_config(self.hf_config)
+        self.pool, self.adapter_pool, slot_pages = self._make_pools(config, num_pages, shapes)
         host_pool = PagePool(config.num_swap_pages) if config.num_swap_pages else None
-        num_watermark_pages = int(config.watermark * num_pages)
-        self.kv_manager = KVCacheManager(
-            self.pool, config.block_size, num_watermark_pages, host_pool, config.enable_prefix_caching
-        )
+        num_watermark_pages = int(config.watermark * self.pool.num_pages)
+        kv_options = (num_watermark_pages, host_pool, config.enable_prefix_caching)
+        self.kv_manager: KVCacheManager
+        if config.kv_allocation == "reserve":
+            self.kv_manager = ReservingKVCacheManager(self.pool, config.block_size, tokens_at_most, *kv_options)
+        else:
+            self.kv_manager = KVCacheManager(self.pool, config.block_size, *kv_options)
         self._registry_dir: tempfile.TemporaryDirectory[str] | None = None
         if config.registry is None:
             self._registry_dir = tempfile.TemporaryDirectory(prefix="loraserve-adapters-")
@@ -98,16 +103,17 @@ class LLMEngine:
             registry_spec = config.registry
         self.adapter_registry = AdapterRegistry(
             make_store(registry_spec),
-            BaseModelShapes.from_hf_config(self.hf_config),
+            shapes,
             limits=AdapterLimits(max_rank=config.max_lora_rank, max_adapters=config.max_adapters),
         )
         self.adapters = AdapterManager(
             self.adapter_registry,
-            self.pool,
+            self.adapter_pool,
             self.layout.num_layers,
             self.layout.page_elems,
             config.host_adapter_cache_mb * 2**20,
-            num_watermark_pages,
+            num_watermark_pages if self.adapter_pool is self.pool else 0,
+            pages_per_adapter=slot_pages,
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
@@ -144,6 +150,29 @@ class LLMEngine:
             config.block_size,
             num_pages * page_bytes / 2**20,
         )
+
+    def _make_pools(
+        self, config: EngineConfig, num_pages: int, shapes: BaseModelShapes
+    ) -> tuple[PagePool, PagePool, int | None]:
+        """The KV pool, the pool adapters take pages from, and the pages of an adapter slot.
+
+        Unified: one pool for both, adapters sized by their ranks. Fixed: the last
+        ``max_loras`` slots of the storage's pages form the adapters' own pool.
+        """
+        if config.adapter_region == "unified":
+            pool = PagePool(num_pages)
+            return pool, pool, None
+        assert config.max_loras is not None  # the config requires it with "fixed"
+        slot_pages = max_rank_pages(shapes.module_shapes, config.max_lora_rank, self.layout.page_elems)
+        region = config.max_loras * slot_pages
+        if region >= num_pages:
+            raise ConfigError(
+                f"a fixed adapter region of {config.max_loras} adapters at rank {config.max_lora_rank} needs "
+                f"{region} pages and leaves none of the pool's {num_pages} for the KV cache: lower max_loras or "
+                "max_lora_rank, or give the pool more memory"
+            )
+        kv_pool = PagePool(num_pages - region, range(num_pages - region))
+        return kv_pool, PagePool(region, range(num_pages - region, num_pages)), slot_pages
 
     # ---- requests -------------------------------------------------------------------
     def add_request(
@@ -262,15 +291,16 @@ class LLMEngine:
         index = self.kv_manager.prefix_cache  # None when prefix caching is off
         return EngineStats(
             kernels=self.kernels.name,
-            num_pages=self.pool.num_pages,
-            pages_by_kind=self.pool.num_pages_by_kind(),
-            evictions_by_kind=dict(self.pool.num_evictions),
+            num_pages=self.pool.num_pages + (0 if self.adapter_pool is self.pool else self.adapter_pool.num_pages),
+            pages_by_kind=self._pages_by_kind(),
+            evictions_by_kind=self._evictions_by_kind(),
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             num_swapped=len(self.scheduler.swapped),
             num_preemptions=self.scheduler.num_preemptions,
             num_adapter_loads=self.adapters.num_loads,
-            num_adapters=len(self.adapter_registry.names()),
+            num_adapters=self.adapters.num_registered,  # as the catalog last saw them: no registry call here
+            registry_up=self.adapters.registry_up,
             prefix_cache_enabled=index is not None,
             prefix_cache_queried_tokens=index.num_queried_tokens if index is not None else 0,
             prefix_cache_matched_tokens=index.num_hit_tokens if index is not None else 0,
@@ -279,6 +309,23 @@ class LLMEngine:
             cpu_gemm=self.gemm_plan.as_dict() if self.gemm_plan.choices else {},
             kernel_fallbacks=self.kernel_fallbacks,
         )
+
+    def _pools(self) -> tuple[PagePool, ...]:
+        return (self.pool,) if self.adapter_pool is self.pool else (self.pool, self.adapter_pool)
+
+    def _pages_by_kind(self) -> dict[PageKind, int]:
+        counts = dict.fromkeys(PageKind, 0)
+        for pool in self._pools():
+            for kind, count in pool.num_pages_by_kind().items():
+                counts[kind] += count
+        return counts
+
+    def _evictions_by_kind(self) -> dict[PageKind, int]:
+        counts: dict[PageKind, int] = {}
+        for pool in self._pools():
+            for kind, count in pool.num_evictions.items():
+                counts[kind] = counts.get(kind, 0) + count
+        return counts
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -317,6 +364,7 @@ class LLMEngine:
         request = self.requests.pop(seq.request_id)
         output = make_output(request)
         output.error = error
+        output.error_code = self.adapters.error_code(seq.adapter_name)  # "registry_unavailable": retry later
         return output
 
 

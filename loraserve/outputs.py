@@ -21,7 +21,9 @@ class RequestOutput:
 
     ``text``, ``token_ids`` and ``finish_reason`` are those of the first sample. ``error`` says
     why the engine could not run the request at all (its adapter failed to load); it then
-    comes finished, with finish reason ``abort`` and no tokens.
+    comes finished, with finish reason ``abort`` and no tokens. ``error_code`` classifies it
+    where a caller should act on the kind: ``"registry_unavailable"`` (the adapter registry
+    could not be reached: retry later), else None.
     """
 
     request_id: str
@@ -33,6 +35,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    error_code: str | None = None
     # SamplingParams.prompt_logprobs: per prompt token, token id -> (logprob, rank); None first
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 

@@ -53,15 +53,22 @@ class PagePool:
 
     Freed pages go to the back of the free list. Allocation takes from the front of
     the free list, then evicts least-recently-used idle entries.
+
+    ``page_ids`` makes a pool of a part of the storage's pages instead (the fixed adapter
+    region of ``adapter_region="fixed"`` and the KV pages beside it); ``num_pages`` is then
+    the size of that part.
     """
 
-    def __init__(self, num_pages: int) -> None:
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be positive, got {num_pages}")
+    def __init__(self, num_pages: int, page_ids: range | None = None) -> None:
+        if page_ids is None:
+            page_ids = range(num_pages)
+        if num_pages < 1 or len(page_ids) != num_pages or page_ids.start < 0 or page_ids.step != 1:
+            raise ValueError(f"num_pages must be positive and page_ids a range of that many ids, got {num_pages}")
         self.num_pages = num_pages
-        self._free_page_ids: deque[int] = deque(range(num_pages))
-        self._ref_counts = [0] * num_pages
-        self._kinds: list[PageKind | None] = [None] * num_pages
+        self.page_ids = page_ids
+        self._free_page_ids: deque[int] = deque(page_ids)
+        self._ref_counts = [0] * page_ids.stop  # indexed by page id: ids below the range stay unused
+        self._kinds: list[PageKind | None] = [None] * page_ids.stop
         self._evictable: OrderedDict[Hashable, EvictableEntry] = OrderedDict()
         self._evictable_page_ids: set[int] = set()
         self._num_evictable_pages = 0

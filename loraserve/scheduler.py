@@ -94,6 +94,8 @@ class Scheduler:
     def fit_error(self, num_prompt_tokens: int, max_tokens: int, adapter_id: str | None) -> str | None:
         """Why a request of this size cannot run even alone (None if it can)."""
         adapter_pages = self.adapters.num_pages(adapter_id) if self.adapters and adapter_id else 0
+        if self.adapters is not None and self.adapters.pool is not self.kv_manager.pool:
+            adapter_pages = 0  # a fixed adapter region: its slots never take KV pages
         if num_prompt_tokens + max_tokens + adapter_pages * self.kv_manager.block_size <= self.max_seq_tokens:
             return None
         return (
@@ -193,7 +195,11 @@ class Scheduler:
             seq = self.swapped[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
             pages_after_swap_in = len(seq.block_ids) + self.kv_manager.num_pages_needed(seq, num_new)
-            pages_after_swap_in += self._adapter_pages_to_pin(seq)
+            adapters = self.adapters
+            if adapters is None or adapters.pool is self.kv_manager.pool:  # unified: counted against KV's
+                pages_after_swap_in += self._adapter_pages_to_pin(seq)
+            elif seq.adapter_id is not None and not adapters.can_pin(seq.adapter_id):
+                break
             if not self.kv_manager.pool.can_allocate(pages_after_swap_in, reserve=self.kv_manager.num_watermark_pages):
                 break
             acquired = self._acquire_adapter(seq)
@@ -214,7 +220,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             # Adapter and KV pages are checked together, so a request that cannot start
             # loads (and evicts) nothing.
-            if not self.kv_manager.can_admit(seq, num_new, self._adapter_pages_to_pin(seq)):
+            if not self._can_admit(seq, num_new):
                 if fresh:
                     self.kv_manager.unmatch_prefix(seq)
                 break
@@ -235,6 +241,13 @@ class Scheduler:
         if self.adapters is None or seq.adapter_id is None:
             return 0
         return self.adapters.num_pages_to_pin(seq.adapter_id)
+
+    def _can_admit(self, seq: Sequence, num_new: int) -> bool:
+        if self.adapters is None or seq.adapter_id is None:
+            return self.kv_manager.can_admit(seq, num_new)
+        if self.adapters.pool is self.kv_manager.pool:  # unified: the adapter's pages count against KV's
+            return self.kv_manager.can_admit(seq, num_new, self.adapters.num_pages_to_pin(seq.adapter_id))
+        return self.kv_manager.can_admit(seq, num_new) and self.adapters.can_pin(seq.adapter_id)
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """Pin the sequence's adapter in the pool (loading it); False if it does not fit."""

@@ -25,7 +25,7 @@ class EngineStats:
     num_swapped: int
     num_preemptions: int
     num_adapter_loads: int
-    num_adapters: int
+    num_adapters: int  # registered, as this replica's catalog last saw them
     prefix_cache_enabled: bool = False
     prefix_cache_queried_tokens: int = 0
     prefix_cache_matched_tokens: int = 0
@@ -33,6 +33,7 @@ class EngineStats:
     prefix_cache_blocks: int = 0
     cpu_gemm: dict[str, object] = field(default_factory=dict)  # GemmPlan.as_dict(); empty when not packed
     kernel_fallbacks: tuple[str, ...] = ()  # compiled kernels on a slower fallback (a library symbol missing)
+    registry_up: bool = True  # the adapter registry answers and its changes are followed
 
     @property
     def num_adapter_evictions(self) -> int:

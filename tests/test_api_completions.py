@@ -160,6 +160,11 @@ def test_logprobs_and_stop(client: openai.OpenAI, http: httpx.Client) -> None:
         http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}), 400
     )
     assert "echo" in error["message"]
+    for bad_ids in ([-1], [10**9]):  # echo decodes the prompt before the engine sees it: refused first
+        error = assert_openai_error(
+            http.post("/v1/completions", json={"model": MODEL, "prompt": bad_ids, "echo": True, "max_tokens": 1}), 400
+        )
+        assert "outside the vocabulary" in error["message"] and error["param"] == "prompt"
 
 
 def test_a_token_with_incomplete_text_still_gets_its_chunk(client: openai.OpenAI) -> None:

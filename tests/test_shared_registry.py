@@ -1,7 +1,12 @@
-"""Two engines ("replicas") sharing one Redis registry see the same, current adapters."""
+"""Two engines ("replicas") sharing one Redis registry see the same, current adapters.
+
+A change made through one replica reaches the other's catalog by Redis pub/sub, asynchronously
+(about a millisecond): the test waits for it, at most a second, before using the other replica.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,14 @@ def _run(llm: LLM, adapter: str) -> Any:
     return llm.generate([PROMPT], GREEDY, adapters=adapter, use_tqdm=False)[0]
 
 
+def _wait_in_step(writer: LLM, reader: LLM, name: str) -> None:
+    """Until ``reader``'s catalog maps ``name`` as ``writer``'s does (at most a second)."""
+    deadline = time.monotonic() + 1.0
+    while reader.engine.adapters.source.lookup(name) != writer.engine.adapters.source.lookup(name):
+        assert time.monotonic() < deadline, f"replica b did not see the change of {name!r} within a second"
+        time.sleep(0.001)
+
+
 def test_replicas_share_adapters_and_never_serve_stale_weights(
     tiny_model_dir: Path, adapter_dirs: dict[str, Path], redis_url: str
 ) -> None:
@@ -34,13 +47,15 @@ def test_replicas_share_adapters_and_never_serve_stale_weights(
     replica_a = LLM(str(tiny_model_dir), registry=registry, num_pages=128)
     replica_b = LLM(str(tiny_model_dir), registry=registry, num_pages=128)
     replica_a.add_adapter("shared", adapter_dirs["old"])
-    assert [info.name for info in replica_b.list_adapters()] == ["shared"]
+    assert [info.name for info in replica_b.list_adapters()] == ["shared"]  # asks the registry
+    _wait_in_step(replica_a, replica_b, "shared")
     old_on_b = _run(replica_b, "shared")
     assert _run(replica_b, "shared").num_cached_tokens > 0
     assert old_on_b.token_ids == _run(replica_a, "shared").token_ids
 
     replica_a.remove_adapter("shared")
     replica_a.add_adapter("shared", adapter_dirs["new"])
+    _wait_in_step(replica_a, replica_b, "shared")
     new_on_b = _run(replica_b, "shared")
     assert new_on_b.num_cached_tokens == 0  # the old weights' KV is never reused
     assert new_on_b.token_ids == _run(replica_a, "shared").token_ids
@@ -48,5 +63,6 @@ def test_replicas_share_adapters_and_never_serve_stale_weights(
     assert replica_b.list_adapters()[0].digest == replica_a.list_adapters()[0].digest
 
     replica_a.remove_adapter("shared")
+    _wait_in_step(replica_a, replica_b, "shared")
     with pytest.raises(KeyError, match="not registered"):
         _run(replica_b, "shared")

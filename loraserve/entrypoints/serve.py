@@ -40,6 +40,20 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--num-threads", "num_threads", int, "torch CPU threads (default: torch's choice)"),
     ("--max-lora-rank", "max_lora_rank", int, "largest adapter rank accepted at registration (default 512)"),
     ("--max-adapters", "max_adapters", int, "most registered adapters (default 10000)"),
+    (
+        "--adapter-region",
+        "adapter_region",
+        str,
+        "where adapters' pages come from: unified (the pool the KV cache uses; default) or fixed (a separate "
+        "region of --max-loras slots at --max-lora-rank, as vLLM and SGLang do)",
+    ),
+    ("--max-loras", "max_loras", int, "slots of the fixed adapter region (with --adapter-region fixed only)"),
+    (
+        "--kv-allocation",
+        "kv_allocation",
+        str,
+        "paged (KV pages as tokens arrive; default) or reserve (prompt + max_tokens taken at admission)",
+    ),
     ("--kernels", "kernels", str, f"kernels, one of {KERNEL_CHOICES} (default auto: C++ on CPU, Triton on CUDA)"),
     (
         "--cpu-gemm",

@@ -113,3 +113,10 @@ class AdapterLayout:
                 b_size = slot.rank * slot.out_features
                 buffer[slot.a_offset : slot.a_offset + a_size].copy_(weights.lora_a.reshape(-1))
                 buffer[slot.b_offset : slot.b_offset + b_size].copy_(weights.lora_b.T.reshape(-1))
+
+
+def max_rank_pages(module_shapes: dict[str, tuple[int, int]], rank: int, page_elems: int) -> int:
+    """Pages of an adapter of every projection (``(in, out)`` each) at ``rank``: the size of one
+    slot of a fixed adapter region (``adapter_region="fixed"``)."""
+    layer_elems = sum(rank * (in_features + out_features) for in_features, out_features in module_shapes.values())
+    return max(1, -(-layer_elems // page_elems))

@@ -18,6 +18,14 @@
   asynchronous adapter loading); the engine holds the request back until then. Parsing stays
   on the engine's thread: torch ops on a second thread start a second OpenMP team, which on
   a machine whose cores the engine already fills slowed the steps by a quarter.
+* No registry call runs on the engine thread. Names resolve through the store's catalog
+  (``adapters/catalog.py``): an in-memory name -> content key map that a background thread keeps
+  current (Redis: pub/sub), so a delete or re-registration anywhere reaches every replica
+  without a round trip per request (a directory store's lookup reads the name's link: one
+  system call, as before). Content keys name immutable content, so the key -> digest map here
+  never goes stale; requests already running keep the digest they resolved. With the registry
+  unreachable, adapters in host memory (and so in the pool) keep being served; a request that
+  needs the store fails with ``RegistryUnavailableError`` (HTTP 503).
 """
 
 from __future__ import annotations
@@ -28,12 +36,29 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from loraserve.adapters import AdapterInfo, AdapterRegistry, LoRAAdapter
+from loraserve.adapters import (
+    AdapterError,
+    AdapterInfo,
+    AdapterNotFoundError,
+    AdapterRegistry,
+    LoRAAdapter,
+    RegistryUnavailableError,
+)
+from loraserve.lora.adapter_source import AdapterSource
 from loraserve.lora.batch import AdapterLoad, AdapterPages
 from loraserve.lora.layout import AdapterLayout
 from loraserve.page_pool import PageKind, PagePool
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A read of an adapter's files in flight on the loader thread; the future gives the content
+    key actually read (the name may have moved on meanwhile) and the files."""
+
+    key: str
+    future: Future[tuple[str, Mapping[str, bytes]]]
 
 
 @dataclass
@@ -63,58 +88,68 @@ class AdapterManager:
         page_elems: int,  # elements of one page in one layer
         host_cache_bytes: int,
         num_watermark_pages: int = 0,
+        pages_per_adapter: int | None = None,
     ) -> None:
+        """``pages_per_adapter``: every adapter takes that many pages, whatever its ranks (the
+        slots of a fixed adapter region, ``pool`` then being that region); None: as many as
+        its layout needs (the unified pool)."""
         self.registry = registry
         self.pool = pool
+        self.pages_per_adapter = pages_per_adapter
         self.num_layers, self.page_elems = num_layers, page_elems
         self.host_cache_bytes = host_cache_bytes
         self.num_watermark_pages = num_watermark_pages
-        self._name_to_id: dict[str, tuple[str, str]] = {}  # name -> (store version, digest)
-        self._infos: dict[str, tuple[str, AdapterInfo]] = {}  # name -> (store version, info)
+        self.source = AdapterSource(registry)  # its catalog thread starts now; close() stops it
+        self._key_digests: dict[str, str] = {}  # content key -> parsed digest, while in host memory
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._layouts: dict[str, AdapterLayout] = {}
         self._num_live_seqs: dict[str, int] = {}
         self.resident: dict[str, ResidentAdapter] = {}
         self._loads_to_write: list[AdapterLoad] = []  # taken by the scheduler into its batch
-        # name -> (store version, the read of its files in flight on the loader thread)
-        self._loads: dict[str, tuple[str, Future[Mapping[str, bytes]]]] = {}
+        self._loads: dict[str, _Read] = {}  # name -> the read of its files in flight on the loader thread
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraserve-adapter-load")
+        self._unavailable: set[str] = set()  # names whose last resolve failed for want of the registry
         self.num_loads = 0
         self.num_evictions = 0
 
-    # ---- names ----------------------------------------------------------------------
+    # ---- names (any thread but the engine's: these wait on the registry) ----------------
     def register(self, name: str, files: Mapping[str, bytes], overwrite: bool = False) -> AdapterInfo:
-        info = self.registry.register(name, files, overwrite=overwrite)
-        self._name_to_id.pop(name, None)
-        self._infos.pop(name, None)
-        return info
+        return self.source.register(name, files, overwrite=overwrite)
 
     def register_from_path(self, name: str, path: str, overwrite: bool = False) -> AdapterInfo:
-        info = self.registry.register_from_path(name, path, overwrite=overwrite)
-        self._name_to_id.pop(name, None)
-        self._infos.pop(name, None)
-        return info
+        return self.source.register_from_path(name, path, overwrite=overwrite)
 
     def remove(self, name: str) -> None:
         """Unregister; requests already holding the adapter's digest keep running on it."""
-        self.registry.delete(name)
-        self._name_to_id.pop(name, None)
-        self._infos.pop(name, None)
+        self.source.remove(name)
 
     def info(self, name: str) -> AdapterInfo:
-        """Summary of ``name``, parsed once per stored version."""
-        version = self.registry.store.version(name)
-        cached = self._infos.get(name)
-        if cached is None or cached[0] != version:
-            cached = self._infos[name] = (version, self.registry.info(name))
-        return cached[1]
+        """Summary of ``name``, parsed once per stored content."""
+        return self.source.info(name)
 
+    @property
+    def registry_up(self) -> bool:
+        """Whether the registry answers and this replica follows its changes (the catalog is current)."""
+        return self.source.up
+
+    @property
+    def num_registered(self) -> int:
+        """Registered adapters as this replica last saw them (no I/O)."""
+        return self.source.num_registered
+
+    def error_code(self, name: str | None) -> str | None:
+        """``RegistryUnavailableError.code`` if the last resolve of ``name`` failed for want of the
+        registry (how the engine tells a client to retry later), else None."""
+        return RegistryUnavailableError.code if name in self._unavailable else None
+
+    def close(self) -> None:
+        """Stop following the registry and the loader thread (reads in flight are dropped)."""
+        self.source.close()
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+    # ---- resolving (the engine thread) ------------------------------------------------
     def resolve(self, name: str) -> str:
-        """The content digest of the adapter registered as ``name`` (loaded into host memory).
-
-        The store's cheap version token is checked on every call, so a name re-registered
-        with other weights (by this or another replica sharing the store) is reloaded.
-        """
+        """The content digest of the adapter registered as ``name`` (loaded into host memory)."""
         adapter_id = self.resolve_nowait(name)
         while adapter_id is None:
             self.wait_for_load(name)
@@ -124,37 +159,56 @@ class AdapterManager:
     def resolve_nowait(self, name: str) -> str | None:
         """Like :meth:`resolve`, but None while the adapter's files are being read.
 
-        The first call for an adapter not in host memory starts that read on the loader
-        thread; a later call after it finished parses the files and takes the adapter in.
-        Raises ``AdapterNotFoundError`` at once for a name that is not registered, and the
-        read's or the parse's error (``AdapterError``) if either failed.
+        No I/O: the name goes through the catalog; the first call for an adapter not in host memory
+        starts reading its files on the loader thread; a later call after the read finished parses
+        them and takes the adapter in. Raises ``AdapterNotFoundError`` at once for a name that is
+        not registered, ``RegistryUnavailableError`` at once when the adapter is not in host memory
+        and the registry is unreachable, and the read's or the parse's error (an ``AdapterError``)
+        if either failed.
         """
-        load = self._loads.get(name)
-        if load is not None and not load[1].done():
-            return None  # polled every step while loading: no store round trip (Redis) until it is done
-        version = self.registry.store.version(name)
-        cached = self._name_to_id.get(name)
-        # The host copy must exist while requests need the adapter: its pages may be
-        # evicted before they run, and only the host copy can refill them.
-        if cached is not None and cached[0] == version and cached[1] in self._host:
-            self._host.move_to_end(cached[1])
-            return cached[1]
-        if load is None or load[0] != version:
-            load = self._loads[name] = (version, self._loader.submit(self.registry.store.get, name))
-        if not load[1].done():
-            return None
-        del self._loads[name]
-        adapter = self.registry.parse(name, load[1].result())
-        self._name_to_id[name] = (version, adapter.digest)
-        self._infos.pop(name, None)
+        read = self._loads.get(name)
+        if read is not None and not read.future.done():
+            return None  # polled every step while loading
+        self._unavailable.discard(name)
+        try:
+            return self._resolve(name, read)
+        except RegistryUnavailableError:
+            self._unavailable.add(name)
+            raise
+
+    def _resolve(self, name: str, read: _Read | None) -> str | None:
+        key = self.source.lookup(name)
+        if read is not None:
+            del self._loads[name]
+            if key == read.key:
+                if read.future.cancelled():  # close() dropped it
+                    raise AdapterError(f"reading adapter {name!r} was cancelled: the adapter manager is closed")
+                return self._take_in(name, *read.future.result())  # raises the read's error
+            # Otherwise the name moved on (deleted or re-registered) while its files were read.
+        if key is None:
+            if not self.source.up:
+                raise self.source.unavailable_error(f"adapter {name!r} cannot be looked up")
+            raise AdapterNotFoundError(f"adapter {name!r} not found")
+        digest = self._key_digests.get(key)
+        if digest is not None and digest in self._host:
+            self._host.move_to_end(digest)
+            return digest
+        if not self.source.up:
+            raise self.source.unavailable_error(f"adapter {name!r} is not loaded on this replica")
+        self._loads[name] = _Read(key, self._loader.submit(self.source.read, name, key))
+        return None
+
+    def _take_in(self, name: str, key: str, files: Mapping[str, bytes]) -> str:
+        adapter = self.registry.parse(name, files)
+        self._key_digests[key] = adapter.digest
         self._put_host(adapter)
         return adapter.digest
 
     def wait_for_load(self, name: str, timeout: float | None = None) -> None:
         """Block until the read of ``name`` in flight (if any) is done, or ``timeout`` seconds."""
-        load = self._loads.get(name)
-        if load is not None:
-            wait([load[1]], timeout=timeout)
+        read = self._loads.get(name)
+        if read is not None:
+            wait([read.future], timeout=timeout)
 
     def add_live_seq(self, adapter_id: str) -> None:
         """Count an unfinished sequence on the adapter (its host copy is kept meanwhile)."""
@@ -173,7 +227,13 @@ class AdapterManager:
         return self._layouts[adapter_id]
 
     def num_pages(self, adapter_id: str) -> int:
+        if self.pages_per_adapter is not None:
+            return self.pages_per_adapter
         return self._layouts[adapter_id].num_pages(self.page_elems)
+
+    def can_pin(self, adapter_id: str) -> bool:
+        """Whether pinning the adapter fits its pool now (keeping the watermark free)."""
+        return self.pool.can_allocate(self.num_pages_to_pin(adapter_id), reserve=self.num_watermark_pages)
 
     # ---- host tier ------------------------------------------------------------------
     def _put_host(self, adapter: LoRAAdapter) -> None:
@@ -184,14 +244,18 @@ class AdapterManager:
 
     def _trim_host(self) -> None:
         total = sum(a.num_bytes for a in self._host.values())
+        trimmed = False
         for adapter_id in list(self._host):
             if total <= self.host_cache_bytes:
                 break
             if adapter_id in self._num_live_seqs:
                 continue
             total -= self._host.pop(adapter_id).num_bytes
+            trimmed = True
             if adapter_id not in self.resident:
                 self._layouts.pop(adapter_id, None)
+        if trimmed:  # keys of content no longer in host memory would only be looked up to miss
+            self._key_digests = {key: digest for key, digest in self._key_digests.items() if digest in self._host}
 
     # ---- the pool tier --------------------------------------------------------------
     def num_pages_to_pin(self, adapter_id: str) -> int:
