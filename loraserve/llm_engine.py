@@ -282,6 +282,13 @@ class LLMEngine:
             for seq in request.seqs:  # the first sample also ends the others not forked yet
                 self.scheduler.finish(seq, FinishReason.ABORT)
 
+    def close(self) -> None:
+        """Stop following the registry and reading adapters (the background threads) and remove a
+        private registry directory; the engine serves nothing after this."""
+        self.adapters.close()
+        if self._registry_dir is not None:
+            self._registry_dir.cleanup()
+
     def reset_prefix_cache(self) -> bool:
         """Drop the cached prefix blocks (vLLM's name); False, changing nothing, while requests hold KV."""
         return self.kv_manager.reset_prefix_cache()

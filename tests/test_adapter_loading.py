@@ -97,3 +97,20 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(llm: LLM, adapter_
     assert outputs[1].error is None
     assert outputs[1].outputs[0].finish_reason == "length" and len(outputs[1].token_ids) == 6
     assert not engine.scheduler.loading and not engine.requests
+
+
+def test_close_stops_the_engines_background_threads(tiny_model_dir: Path) -> None:
+    import time
+
+    def catalog_threads() -> int:
+        return sum(t.name == "loraserve-adapter-catalog" and t.is_alive() for t in threading.enumerate())
+
+    before = catalog_threads()
+    llm = LLM(str(tiny_model_dir), kernels="torch", num_pages=64)
+    assert catalog_threads() == before + 1
+    registry_dir = Path(llm.engine._registry_dir.name)  # type: ignore[union-attr]
+    llm.engine.close()
+    deadline = time.monotonic() + 5
+    while catalog_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert catalog_threads() == before and not registry_dir.exists()
