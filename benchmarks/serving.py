@@ -1,10 +1,16 @@
-"""HTTP serving benchmark (issue 6): the CPU-performance workload over an OpenAI-compatible API.
+"""HTTP serving benchmark (issues 6 and 19): a workload over an OpenAI-compatible API.
 
 Sends the workload of ``benchmarks.cpu_perf`` (token-id prompts, greedy, ``ignore_eos``, a fixed
 number of new tokens) to ``POST /v1/completions`` of any server, streaming, with at most
 ``--concurrency`` requests in flight; adapters are addressed by the ``model`` field, so the same
 client measures loraserve and vLLM alike. Phases: ``base`` (every request on the base model)
 and ``lora`` (requests round robin over the adapter ids). See ``benchmarks/CPU_PERF.md``.
+
+With ``--rate`` the requests come instead on S-LoRA's arrival clock (``benchmarks/_arrivals.py``,
+as ``benchmarks.many_adapters``): Poisson at ``--rate`` per second (gamma with ``--cv``; ``inf``:
+all at once), output lengths uniform in [``--min-output``, ``--max-tokens``], request i of the
+``lora`` phase on adapter id ``int(u_i * N)`` with ``u_i ~ power(--alpha)``; each request is sent
+at its arrival time whatever is in flight, and TTFT counts from the arrival time.
 """
 
 from __future__ import annotations
@@ -13,138 +19,20 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import secrets
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
-from tqdm.auto import tqdm
 
+from benchmarks._arrivals import Stream, add_arrival_args, check_arrival_args, make_stream
+from benchmarks._http_client import Phase, complete, run_arrival_phase, run_phase
 from benchmarks._workload import Workload, adapter_name, add_workload_args, check_workload_args, ensure_adapters
-
-
-@dataclass
-class Result:
-    """One request: completion tokens from the final usage chunk, times from the send."""
-
-    tokens: int = 0
-    ttft_s: float | None = None
-    latency_s: float = 0.0
-    error: str | None = None
-    usage_missing: bool = False
-
-
-@dataclass
-class Phase:
-    name: str
-    requests: int
-    ok: int
-    failed: int
-    short: int
-    usage_missing: int
-    tokens: int
-    wall_s: float
-    ttft_p50_s: float | None
-    ttft_p90_s: float | None
-    latency_p50_s: float | None
-    first_error: str | None
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.wall_s
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
-
-
-async def complete(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, stream: bool) -> Result:
-    """One completion. Streamed: the first chunk with a choice marks the first token. Not streamed
-    (one JSON response; no time to first token): the client does almost no work per token."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}  # fmt: skip
-    if not stream:
-        return await complete_whole(client, body)
-    body["stream_options"] = {"include_usage": True}
-    result, chunks, start = Result(), 0, time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = str(chunk["error"])[:300]
-                    return result
-                if chunk.get("choices"):
-                    chunks += 1
-                    result.ttft_s = result.ttft_s or time.perf_counter() - start
-                if chunk.get("usage"):
-                    result.tokens = int(chunk["usage"]["completion_tokens"])
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as error:
-        result.error = f"{type(error).__name__}: {error}"
-        return result
-    result.latency_s = time.perf_counter() - start
-    if not result.tokens:  # the server sent no usage: count streamed chunks instead
-        result.tokens, result.usage_missing = chunks, True
-    return result
-
-
-async def complete_whole(client: httpx.AsyncClient, body: dict[str, Any]) -> Result:
-    result, start = Result(), time.perf_counter()
-    try:
-        response = await client.post("/v1/completions", json=body)
-        if response.status_code != 200:
-            result.error = f"HTTP {response.status_code}: {response.text[:300]!r}"
-            return result
-        result.tokens = int(response.json()["usage"]["completion_tokens"])
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError, TypeError) as error:
-        result.error = f"{type(error).__name__}: {error}"
-        return result
-    result.latency_s = time.perf_counter() - start
-    return result
-
-
-async def run_phase(
-    client: httpx.AsyncClient, name: str, models: list[str], work: Workload, concurrency: int, stream: bool
-) -> Phase:
-    """Every request of the workload, ``models[i]`` for request ``i``, at most ``concurrency`` in flight."""
-    gate = asyncio.Semaphore(concurrency)
-    progress = tqdm(total=len(models), desc=f"{name} (c={concurrency})", unit="req")
-
-    async def one(i: int) -> Result:
-        async with gate:
-            result = await complete(client, models[i], work.prompts[i], work.max_tokens, stream)
-        progress.update(1)
-        return result
-
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(i) for i in range(len(models))))
-    wall = time.perf_counter() - start
-    progress.close()
-    done = [r for r in results if r.error is None]
-    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
-    return Phase(
-        name, len(results), len(done), len(results) - len(done), sum(r.tokens < work.max_tokens for r in done),
-        sum(r.usage_missing for r in done), sum(r.tokens for r in done), wall, percentile(ttfts, 50),
-        percentile(ttfts, 90), percentile([r.latency_s for r in done], 50),
-        next((r.error for r in results if r.error), None),
-    )  # fmt: skip
 
 
 async def discover(client: httpx.AsyncClient, num_adapters: int) -> list[str]:
@@ -184,27 +72,51 @@ def local_loraserve(args: argparse.Namespace, adapters: list[tuple[str, Path]]) 
         yield server.url
 
 
-async def bench(args: argparse.Namespace, url: str, work: Workload) -> tuple[list[str], list[Phase]]:
+async def bench(
+    args: argparse.Namespace, url: str, work: Workload, arrivals: Stream | None
+) -> tuple[list[str], list[Phase]]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    connections = args.concurrency if arrivals is None else max(args.concurrency, len(arrivals))  # open loop: all
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=args.timeout) as client:
         ids = args.model_ids or await discover(client, args.adapters)
         base, adapter_ids = ids[0], ids[1:]
         plans = {"base": [base] * len(work.prompts)}
-        if adapter_ids:
+        if adapter_ids and arrivals is None:
             plans["lora"] = [adapter_ids[a % len(adapter_ids)] for a in work.adapter_of]
+        elif adapter_ids and arrivals is not None:  # S-LoRA's draw: int(u * N) over the adapter ids
+            plans["lora"] = [adapter_ids[a] for a in arrivals.adapters(len(adapter_ids))]
         stream = not args.no_stream
         warm = await asyncio.gather(*(complete(client, m, work.prompts[0][:8], 2, stream) for m in ids))  # warm-up
         if errors := [f"{m}: {r.error}" for m, r in zip(ids, warm, strict=True) if r.error]:
             raise SystemExit("warm-up failed: " + "; ".join(errors))
-        phases = [await run_phase(client, name, plans[name], work, args.concurrency, stream) for name in args.phases]
+        phases = []
+        for name in args.phases:
+            if arrivals is None:
+                phase = run_phase(client, name, plans[name], work.prompts, work.max_tokens, args.concurrency, stream,
+                                  args.slo_ttft)  # fmt: skip
+            else:
+                phase = run_arrival_phase(client, name, plans[name], arrivals, stream, args.slo_ttft)
+            phases.append(await phase)
     return ids, phases
 
 
+def describe_arrivals(args: argparse.Namespace, arrivals: Stream) -> str:
+    process = "Poisson" if args.cv == 1 else f"gamma cv={args.cv}"
+    rate = "all at t=0" if math.isinf(args.rate) else f"{args.rate}/s, {process}"
+    return (
+        f"{len(arrivals)} requests (seed {args.seed}) arriving {rate}, prompts {args.min_prompt}-{args.max_prompt} "
+        f"tokens, outputs {args.min_output}-{args.max_tokens} tokens (uniform, inclusive), greedy, EOS ignored; "
+        f"lora phase: adapter id int(u*N), u ~ power({args.alpha}); open loop"
+    )
+
+
 def report(info: dict[str, Any], args: argparse.Namespace, url: str, ids: list[str], work: Workload,
-           phases: list[Phase]) -> str:  # fmt: skip
+           phases: list[Phase], arrivals: Stream | None = None) -> str:  # fmt: skip
     """Markdown: client machine, server, workload, one row per phase."""
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    fmt = lambda v, scale=1.0, spec=".2f": "-" if v is None else format(v * scale, spec)  # noqa: E731
+    workload = (f"{work.describe(args)}; concurrency {args.concurrency}" if arrivals is None
+                else describe_arrivals(args, arrivals))  # fmt: skip
     lines = [
         f"Client machine: {info['cpu']} ({info['isa']}: {info['cpu_flags']}), {info['usable_cores']} usable of "
         f"{info['logical_cores']} cores; load average {info['load_avg_at_start']} at start, "
@@ -212,17 +124,18 @@ def report(info: dict[str, Any], args: argparse.Namespace, url: str, ids: list[s
         f"Server kernels (its /health): {_server_kernels(info.get('server_health'))}",
         f"Server: {url} ({'loraserve in this process, ' + args.dtype if args.start_loraserve else 'external'}); "
         f"base model {ids[0]!r}, adapters {ids[1:]}",
-        f"Workload: {work.describe(args)}; concurrency {args.concurrency}, "
-        f"{'plain JSON responses (not streamed)' if args.no_stream else 'streamed (SSE)'}",
+        f"Workload: {workload}, {'plain JSON responses (not streamed)' if args.no_stream else 'streamed (SSE)'}",
         "",
-        "| phase | requests | ok | failed | short | gen. tokens | wall s | tok/s | TTFT p50 s | TTFT p90 s "
-        "| latency p50 s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| phase | requests | ok | failed | short | gen. tokens | wall s | tok/s | req/s | TTFT p50 s | TTFT p90 s "
+        f"| TTFT p99 s | TPOT p50 ms | TPOT p99 ms | TTFT < {args.slo_ttft:g} s | latency p50 s |",
+        "|---|" + "---:|" * 15,
     ]
     for p in phases:
         lines.append(
             f"| {p.name} | {p.requests} | {p.ok} | {p.failed} | {p.short} | {p.tokens} | {p.wall_s:.1f} "
-            f"| {p.tok_s:.1f} | {fmt(p.ttft_p50_s)} | {fmt(p.ttft_p90_s)} | {fmt(p.latency_p50_s)} |"
+            f"| {p.tok_s:.1f} | {p.ok / p.wall_s:.3f} | {fmt(p.ttft_p50_s)} | {fmt(p.ttft_p90_s)} "
+            f"| {fmt(p.ttft_p99_s)} | {fmt(p.tpot_p50_s, 1e3, '.0f')} | {fmt(p.tpot_p99_s, 1e3, '.0f')} "
+            f"| {fmt(p.slo_attainment, 1, '.0%')} | {fmt(p.latency_p50_s)} |"
         )
     by_name = {p.name: p for p in phases}
     if "base" in by_name and "lora" in by_name:
@@ -263,15 +176,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument("--max-num-seqs", type=int, default=64, help="max_num_seqs (default 64)")
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype (default float32)")
     group.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    group = parser.add_argument_group("arrivals (S-LoRA's workload; benchmarks/_arrivals.py)")
+    add_arrival_args(group, rate=None)
+    group.add_argument(
+        "--min-output",
+        type=int,
+        default=None,
+        help="with --rate: outputs uniform in [this, --max-tokens] (default: all --max-tokens)",
+    )
     add("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     check_workload_args(parser, args)
+    check_arrival_args(parser, args)
+    args.min_output = args.max_tokens if args.min_output is None else args.min_output
+    if not 1 <= args.min_output <= args.max_tokens:
+        parser.error("need 1 <= --min-output <= --max-tokens")
     if set(args.phases) - {"base", "lora"} or args.concurrency < 1:
         parser.error("--phases takes base and/or lora; --concurrency must be positive")
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     from benchmarks.throughput import machine_info
     from loraserve.models.loader import default_model_dir, load_hf_config
@@ -279,8 +204,13 @@ def main(argv: list[str] | None = None) -> None:
     hf_config = load_hf_config(default_model_dir())
     if args.print_lora_modules:  # writes the adapters first if needed
         print(" ".join(f"{name}={path}" for name, path in ensure_adapters(args, hf_config)))
-        return
+        return None
     work = Workload.make(args, int(hf_config.vocab_size))
+    arrivals = None
+    if args.rate is not None:
+        arrivals = make_stream(args.requests, (args.min_prompt, args.max_prompt + 1),
+                               (args.min_output, args.max_tokens + 1), int(hf_config.vocab_size), rate=args.rate,
+                               cv=args.cv, alpha=args.alpha, seed=args.seed)  # fmt: skip
     info = machine_info()
     with contextlib.ExitStack() as stack:
         url = args.url
@@ -289,16 +219,17 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.suppress(httpx.HTTPError, ValueError):
             info["server_health"] = httpx.get(url.rstrip("/") + "/health", timeout=10).json()
         try:
-            ids, phases = asyncio.run(bench(args, url.rstrip("/"), work))
+            ids, phases = asyncio.run(bench(args, url.rstrip("/"), work, arrivals))
         except httpx.HTTPError as error:
             raise SystemExit(f"{url}: {type(error).__name__}: {error}") from None
     info["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    print(report(info, args, url, ids, work, phases), flush=True)
+    print(report(info, args, url, ids, work, phases, arrivals), flush=True)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "api_key"}
+    payload = {"machine": info, "args": settings, "model_ids": ids,
+               "phases": [{**asdict(p), "tok_s": p.tok_s} for p in phases]}  # fmt: skip
     if args.json:
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "api_key"}
-        payload = {"machine": info, "args": settings, "model_ids": ids,
-                   "phases": [{**asdict(p), "tok_s": p.tok_s} for p in phases]}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return payload
 
 
 if __name__ == "__main__":
