@@ -85,13 +85,6 @@ def engine_options(args: argparse.Namespace, system: str, store_dir: Path) -> di
     return options
 
 
-def running_state(engine: Any) -> tuple[int, int]:
-    """Tokens held in KV by the running sequences, and their distinct adapters (not in
-    ``EngineStats``: read off the scheduler)."""
-    running = engine.scheduler.running
-    return sum(seq.num_computed_tokens for seq in running), len({seq.adapter_id for seq in running})
-
-
 def serve_loraserve(args: argparse.Namespace, stream: Stream, store_dir: Path, num_adapters: int,
                     system: str) -> tuple[RunResult, dict[str, Any]]:  # fmt: skip
     """One engine serving the stream on its arrival clock; also returns the engine's kernel choice."""
@@ -136,10 +129,11 @@ def serve_loraserve(args: argparse.Namespace, stream: Stream, store_dir: Path, n
                 timing.finish, timing.tokens = t, len(output.outputs[0].token_ids)
                 finished += 1
                 progress.update(1)
-        pages = engine.stats().pages_by_kind
-        live, distinct = running_state(engine)
-        util = live / (pages[PageKind.KV] * block_size) if pages[PageKind.KV] else 0.0
-        result.timeline.append([round(t, 4), *(pages[PageKind(k)] for k in KINDS), round(util, 4), distinct])
+        snap = engine.stats()
+        pages = snap.pages_by_kind
+        util = snap.num_kv_tokens / (pages[PageKind.KV] * block_size) if pages[PageKind.KV] else 0.0
+        result.timeline.append([round(t, 4), *(pages[PageKind(k)] for k in KINDS), round(util, 4),
+                                snap.num_running_adapters])  # fmt: skip
     progress.close()
     result.wall_s = max(t.finish or 0.0 for t in result.timings)
     last = engine.stats()

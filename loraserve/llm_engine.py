@@ -296,6 +296,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A snapshot of pages, queues and counters (call on the engine's thread)."""
         index = self.kv_manager.prefix_cache  # None when prefix caching is off
+        running = self.scheduler.running
         return EngineStats(
             kernels=self.kernels.name,
             num_pages=self.pool.num_pages + (0 if self.adapter_pool is self.pool else self.adapter_pool.num_pages),
@@ -315,6 +316,9 @@ class LLMEngine:
             prefix_cache_blocks=len(index) if index is not None else 0,
             cpu_gemm=self.gemm_plan.as_dict() if self.gemm_plan.choices else {},
             kernel_fallbacks=self.kernel_fallbacks,
+            num_kv_tokens=sum(seq.num_computed_tokens for seq in running),
+            num_running_adapters=len({seq.adapter_id for seq in running if seq.adapter_id is not None}),
+            adapter_region_pages=0 if self.adapter_pool is self.pool else self.adapter_pool.num_pages,
         )
 
     def _pools(self) -> tuple[PagePool, ...]:

@@ -34,6 +34,9 @@ class EngineStats:
     cpu_gemm: dict[str, object] = field(default_factory=dict)  # GemmPlan.as_dict(); empty when not packed
     kernel_fallbacks: tuple[str, ...] = ()  # compiled kernels on a slower fallback (a library symbol missing)
     registry_up: bool = True  # the adapter registry answers and its changes are followed
+    num_kv_tokens: int = 0  # tokens whose KV the running sequences hold (KV utilisation: / kv pages' slots)
+    num_running_adapters: int = 0  # distinct adapters among the running sequences
+    adapter_region_pages: int = 0  # pages of a fixed adapter region (adapter_region="fixed"); 0: unified
 
     @property
     def num_adapter_evictions(self) -> int:

@@ -81,6 +81,11 @@ def test_fixed_region_holds_at_most_max_loras_adapters_and_keeps_kv_out(
 
     def watch(engine: Any) -> None:
         seen.append(len(engine.adapters.resident))
+        snap = engine.stats()
+        running = engine.scheduler.running
+        assert snap.adapter_region_pages == 2 * slot
+        assert snap.num_kv_tokens == sum(s.num_computed_tokens for s in running)
+        assert snap.num_running_adapters == len({s.adapter_id for s in running}) <= 2
         kv_pages = {p for r in engine.requests.values() for s in r.seqs for p in s.block_ids}
         assert not kv_pages & set(engine.adapter_pool.page_ids)
         for resident in engine.adapters.resident.values():
