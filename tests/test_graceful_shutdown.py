@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,32 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import _free_port
+from serve_process import start_serve
 
 pytestmark = pytest.mark.slow
 
 
 def _start(model_dir: Path, timeout: float, tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    command = [sys.executable, "-m", "loraserve.entrypoints.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), "--kernels", "torch", "--num-pages", "400", "--max-num-seqs", "16",
-               "--registry", f"dir:{tmp_path / 'registry'}", "--shutdown-timeout", str(timeout),
-               "--log-level", "info"]  # fmt: skip
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 (the process writes it until it exits)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited at start: {(tmp_path / 'server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    pytest.fail("the server did not start within 120 s")
+    return start_serve(model_dir, tmp_path / "server.log", "--num-pages", "400", "--max-num-seqs", "16",
+                       "--registry", f"dir:{tmp_path / 'registry'}", "--shutdown-timeout", str(timeout))  # fmt: skip
 
 
 @pytest.fixture
