@@ -1,20 +1,33 @@
-"""loraserve on Ray Serve (``entrypoints/ray_serve.py``), with a real local Ray instance
-(``ray.init(num_cpus=2)``): two engine replicas (the tiny model) behind the ingress, one shared
-directory registry. The API answers as one process does, streams arrive chunk by chunk, an
-adapter uploaded through the ingress is servable and deleted everywhere, and requests for one
-adapter stay on the replica that holds it (Serve's multiplexed routing)."""
+"""loraserve on Ray Serve (``entrypoints/ray_serve.py``), with real local Ray instances.
+
+First ``loraserve serve --ray-address local`` as a process, signalled as a process manager does:
+SIGTERM drains the replica (the stream in flight finishes, new requests get 503) and it exits 0.
+Then one ``ray.init(num_cpus=2)`` in this process (the module fixture): two engine replicas (the
+tiny model) behind the ingress, one shared directory registry. The API answers as one process does,
+streams arrive chunk by chunk, an adapter uploaded through the ingress is servable and deleted
+everywhere, requests for one adapter stay on the replica that holds it (Serve's multiplexed
+routing; read from the merged ``/metrics``: ``loraserve_adapter_loads_total{replica}``), and a
+replica killed mid-run (``ray.kill`` on its actor) is replaced while no request is lost."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from adapter_factory import make_peft_adapter
+from conftest import _free_port
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -22,12 +35,102 @@ serve = pytest.importorskip("ray.serve")
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 ROUTING_PROPAGATION_S = 5.0
+APP = "default"  # the fixture's serve.run application
+
+
+def _per_replica(url: str, name: str, **labels: str) -> dict[str, float]:
+    """``name{labels}``'s value per replica, from the ingress's merged ``/metrics``."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {
+        sample.labels["replica"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and {k: v for k, v in sample.labels.items() if k != "replica"} == labels
+    }
+
+
+def _wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def _upload(url: str, tiny_hf_model: Any, path: Path, name: str, seed: int) -> None:
+    adapter = make_peft_adapter(tiny_hf_model, path, rank=8, target_modules=["q_proj", "v_proj"], seed=seed)
+    files = [("files", (n, (adapter / n).read_bytes(), "application/octet-stream")) for n in (CONFIG, WEIGHTS)]
+    uploaded = httpx.post(url + "/v1/adapters", data={"name": name}, files=files, timeout=120)
+    assert uploaded.status_code in (200, 201), uploaded.text
+
+
+# ---- the serve command on its own Ray instance (runs first: no other Ray in this process yet) -------
+
+
+def test_sigterm_drains_the_replicas_then_the_command_exits_0(tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    command = [sys.executable, "-m", "loraserve.entrypoints.cli", "serve", "--ray-address", "local",
+               "--num-replicas", "1", "--model", str(tiny_model_dir), "--served-model-name", "base", "--port",
+               str(port), "--kernels", "torch", "--num-pages", "400", "--num-threads", "1", "--registry",
+               f"dir:{tmp_path / 'registry'}", "--shutdown-timeout", "60"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own instance, whatever runs here
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 (the process writes it until it exits)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def serving() -> bool:  # deployed (the log says so once serve.run returned) and answering
+        if process.poll() is not None:
+            pytest.fail(f"the command exited at start: {(tmp_path / 'serve.log').read_text()[-3000:]}")
+        if "serving base with 1 replicas" not in (tmp_path / "serve.log").read_text():
+            return False
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        _wait_for(serving, 180, "the command serving")
+        first_chunk, outcome = threading.Event(), {}
+        body = {"model": "base", "prompt": "Count with me:", "max_tokens": 1000, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
+                for line in reply.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    first_chunk.set()
+                    if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
+                        outcome["finish_reason"] = chunk["choices"][0]["finish_reason"]
+                    if chunk.get("usage"):
+                        outcome["tokens"] = chunk["usage"]["completion_tokens"]
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        assert first_chunk.wait(60)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, 20, "/health 503 (draining)")
+        assert "finish_reason" not in outcome  # the drain began while the stream ran
+        late = httpx.post(url + "/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
+        streamer.join(120)
+        assert outcome == {"finish_reason": "length", "tokens": 1000}
+        assert process.wait(90) == 0
+        assert time.monotonic() - signalled < 90
+        assert "replicas drained (0 request(s) ended early)" in (tmp_path / "serve.log").read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()  # its Ray processes share its fate
+            process.wait()
+
+
+# ---- two replicas in this process's Ray instance ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from conftest import _free_port
-
     from loraserve.entrypoints.ray_serve import build_app
 
     registry = tmp_path_factory.mktemp("ray-registry")
@@ -37,7 +140,7 @@ def url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         options = {"registry": f"dir:{registry}", "kernels": "torch", "num_pages": 200, "num_threads": 1}
         settings = {"model_id": "base"}
-        serve.run(build_app(str(tiny_model_dir), options, settings, num_replicas=2), route_prefix="/")
+        serve.run(build_app(str(tiny_model_dir), options, settings, num_replicas=2), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -60,13 +163,19 @@ def test_the_api_through_the_ingress(url: str) -> None:
     assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=60).json()["data"]] == ["base"]
 
 
+def test_metrics_of_every_replica_through_the_ingress(url: str) -> None:
+    reply = httpx.get(url + "/metrics", timeout=30)
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    up = _per_replica(url, "loraserve_replica_up")
+    assert len(up) == 2 and set(up.values()) == {1.0}, up
+    assert set(_per_replica(url, "loraserve_pool_pages", kind="total")) == set(up)
+    assert reply.text.count("# TYPE loraserve_adapter_loads_total counter") == 1
+
+
 def test_an_adapter_uploaded_once_is_served_and_deleted_everywhere(
     url: str, tiny_hf_model: Any, tmp_path: Path
 ) -> None:
-    path = make_peft_adapter(tiny_hf_model, tmp_path / "a", rank=8, target_modules=["q_proj", "v_proj"], seed=3)
-    files = [("files", (name, (path / name).read_bytes(), "application/octet-stream")) for name in (CONFIG, WEIGHTS)]
-    uploaded = httpx.post(url + "/v1/adapters", data={"name": "shared"}, files=files, timeout=120)
-    assert uploaded.status_code in (200, 201), uploaded.text
+    _upload(url, tiny_hf_model, tmp_path / "a", "shared", seed=3)
     body = {"model": "shared", "prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     base = httpx.post(url + "/v1/completions", json={**body, "model": "base"}, timeout=120).json()
     texts, replicas = set(), set()
@@ -81,6 +190,85 @@ def test_an_adapter_uploaded_once_is_served_and_deleted_everywhere(
         replicas.add(reply.headers["x-loraserve-replica"])
     assert len(texts) == 1 and texts != {base["choices"][0]["text"]}  # the adapter changes the output
     assert len(replicas) == 1  # Serve keeps an adapter's requests on the replica that holds it
+    # loaded once, there only (the counter each replica's API exports, merged by the ingress)
+    (holder,) = replicas
+    loads = _per_replica(url, "loraserve_adapter_loads_total")
+    assert loads == {replica: float(replica == holder) for replica in loads} and len(loads) == 2, loads
     assert httpx.delete(url + "/v1/adapters/shared", timeout=60).status_code == 200
     gone = [httpx.post(url + "/v1/completions", json=body, timeout=120).status_code for _ in range(4)]
     assert gone == [404] * 4
+
+
+def test_a_killed_replica_is_replaced_while_no_request_is_lost(url: str, tiny_hf_model: Any, tmp_path: Path) -> None:
+    from loraserve.entrypoints.ray_serve import replica_actor_name
+
+    _upload(url, tiny_hf_model, tmp_path / "s", "survivor", seed=5)  # registered before the kill
+    short = {"model": "survivor", "prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first = httpx.post(url + "/v1/completions", json=short, timeout=120)
+    assert first.status_code == 200, first.text
+    expected, victim = first.json()["choices"][0]["text"], first.headers["x-loraserve-replica"]
+    before = set(_per_replica(url, "loraserve_replica_up"))
+    assert victim in before and len(before) == 2
+    time.sleep(ROUTING_PROPAGATION_S)  # so the long request below goes to the victim, which holds the adapter
+
+    results: list[Any] = []
+    stop = threading.Event()
+
+    def base_load() -> None:  # short requests one after another, all through the kill
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                try:
+                    reply = client.post(url + "/v1/completions", json={**short, "model": "base"})
+                    results.append(reply.status_code)
+                except httpx.HTTPError as error:  # a hang ends as a timeout here, and fails the test
+                    results.append(repr(error))
+
+    with ThreadPoolExecutor(4) as pool:
+        long = pool.submit(httpx.post, url + "/v1/completions", json={**short, "max_tokens": 1000}, timeout=120)
+        _wait_for(lambda: _per_replica(url, "loraserve_requests_running").get(victim, 0) == 1, 30,
+                  "the long request running on the victim")  # fmt: skip
+        loaders = [pool.submit(base_load) for _ in range(2)]
+        time.sleep(0.5)
+        name = replica_actor_name(APP, "EngineReplica", victim)
+        ray.kill(ray.get_actor(name, namespace="serve"))
+        killed = time.monotonic()
+        after = [httpx.post(url + "/v1/completions", json=short, timeout=60) for _ in range(3)]
+        answered = long.result(timeout=120)
+        time.sleep(1.0)
+        stop.set()
+        for loader in loaders:
+            loader.result(timeout=90)
+    # the request that was running on the killed replica was sent again, to the other one, and finished
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["usage"]["completion_tokens"] == 1000
+    assert answered.headers["x-loraserve-replica"] != victim
+    # the adapter registered before the kill: served by the other replica from the shared registry
+    assert [(r.status_code, r.json()["choices"][0]["text"]) for r in after] == [(200, expected)] * 3
+    assert all(r.headers["x-loraserve-replica"] != victim for r in after)
+    assert results and set(results) == {200}, results  # no request lost, none hung
+    resent = _per_replica_free(url, "loraserve_ingress_resent_requests_total")
+    assert resent >= 1
+    # Serve starts a replacement; then both replicas answer again
+    _wait_for(lambda: len([r for r, v in _per_replica(url, "loraserve_replica_up").items() if v == 1]) == 2, 90,
+              "a replacement replica")  # fmt: skip
+    now = {r for r, v in _per_replica(url, "loraserve_replica_up").items() if v == 1}
+    assert victim not in now
+    print(f"replaced in {time.monotonic() - killed:.1f} s; {len(results)} requests in the kill, {resent:.0f} resent")
+    seen: set[str] = set()
+    body = {**short, "model": "base"}
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(10):
+            replies = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(8)))
+            assert all(r.status_code == 200 for r in replies)
+            seen |= {r.headers["x-loraserve-replica"] for r in replies}
+            if seen == now:
+                break
+    assert seen == now
+
+
+def _per_replica_free(url: str, name: str) -> float:
+    """A sample of the ingress's own (no replica label)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    assert len(values) == 1, (name, values)
+    return values[0]

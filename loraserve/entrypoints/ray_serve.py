@@ -15,31 +15,67 @@ for ``local``), so an adapter uploaded or deleted through any replica is seen by
 and errors are the replicas' own (the same code as one process). Ray is optional: this module is
 imported only with ``--ray-address`` (``pip install 'loraserve[ray]'``).
 
+Faults and operations:
+
+* ``GET /metrics`` on the ingress asks every replica for its own ``/metrics`` (Serve's
+  ``broadcast``) and answers one exposition, every sample labelled ``replica="<id>"``
+  (:func:`merge_replica_metrics`), plus ``loraserve_replica_up{replica}`` (0 for a replica that
+  did not answer within :data:`INGRESS_METRICS_TIMEOUT_S`) and the ingress's own counters.
+* A replica that dies: a request that had not started answering there (every non-streamed one, a
+  stream before its first bytes) is sent to another replica, at most :data:`MAX_ATTEMPTS` times in
+  all; a stream cut in the middle ends with an error event. Serve starts a replacement.
+* Stopping (``run_ray_serve``): the first SIGTERM or SIGINT drains every replica's engine (new
+  requests get 503, those in flight run for up to ``--shutdown-timeout`` seconds, then end with
+  finish reason ``abort``), waits for the ingress to send their last bytes, then stops Serve.
+
 (No ``from __future__ import annotations`` here, and what the ingress calls is defined above it:
 Serve's ingress wrapper takes the module namespace as it is when the class is decorated, so
 FastAPI must see the route's parameter types as objects, and later names would be missing.)
 """
 
-
+import asyncio
 import json
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
+
+from loraserve.entrypoints.fleet_metrics import (
+    each_answer,
+    live_replica_ids,
+    merge_replica_metrics,
+)
 
 logger = logging.getLogger(__name__)
 
+APP_NAME = "loraserve"  # the Serve application ``loraserve serve --ray-address`` deploys
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 MAX_ADAPTERS_PER_REPLICA = 64  # adapter ids Serve remembers per replica for routing (not a pool limit)
+# Serve's default of 5 requests at once per replica would cap an engine that batches dozens of
+# sequences (and the ingress, which only forwards): the engine queues what it cannot run yet.
+REPLICA_MAX_ONGOING_REQUESTS = 256
+INGRESS_MAX_ONGOING_REQUESTS = 4096
+HEALTH_CHECK_PERIOD_S = 2.0  # how soon Serve notices a dead replica and starts another (Serve's default: 10)
+MAX_ATTEMPTS = 3  # sends of one request when the replica it went to dies before answering
+REPLICA_METRICS_TIMEOUT_S = 4.0  # a replica's wait for its own /metrics (its engine thread answers between steps)
+INGRESS_METRICS_TIMEOUT_S = 5.0  # the ingress's wait for each replica's answer
+DRAIN_POLL_S = 0.05
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS,
+    health_check_period_s=HEALTH_CHECK_PERIOD_S,
+)
 class EngineReplica:
     """One engine and loraserve's API on a loopback port of the replica's machine."""
 
@@ -49,7 +85,9 @@ class EngineReplica:
         from loraserve.llm_engine import LLMEngine
 
         engine = LLMEngine(EngineConfig.from_options(model, **engine_options))
-        self.server = ServerThread(create_app(engine, ServerSettings(**settings))).start()
+        app = create_app(engine, ServerSettings(**settings))
+        self.async_engine = app.state.server.async_engine
+        self.server = ServerThread(app).start()
         self.client = httpx.AsyncClient(base_url=self.server.url, timeout=None)
         self.replica_id = serve.get_replica_context().replica_id.unique_id  # answered as X-Loraserve-Replica
 
@@ -78,6 +116,35 @@ class EngineReplica:
             async for chunk in reply.aiter_raw():
                 yield chunk
 
+    async def metrics_text(self) -> tuple[str, str | None]:
+        """This replica's id and its API's ``/metrics`` text (None if its server did not answer in time)."""
+        try:
+            reply = await self.client.get("/metrics", timeout=REPLICA_METRICS_TIMEOUT_S)
+        except httpx.HTTPError as error:
+            logger.warning("replica %s: /metrics did not answer: %s", self.replica_id, error)
+            return self.replica_id, None
+        return self.replica_id, reply.text if reply.status_code == 200 else None
+
+    async def drain(self, timeout_s: float) -> int:
+        """Graceful stop of this engine (as one process does on SIGTERM): new requests get 503 (and
+        ``/health`` 503), those in flight run for up to ``timeout_s`` seconds, the rest then end with
+        finish reason ``abort``. Returns how many were ended that way."""
+        engine = self.async_engine
+        engine.begin_drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while engine.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        cut = engine.num_in_flight
+        if cut:
+            logger.warning("replica %s: %d request(s) still running after %.0f s: ending them", self.replica_id,
+                           cut, timeout_s)  # fmt: skip
+            engine.finish_all()
+            end = loop.time() + 5.0
+            while engine.num_in_flight and loop.time() < end:
+                await asyncio.sleep(DRAIN_POLL_S)
+        return int(cut)
+
     def __del__(self) -> None:
         server = getattr(self, "server", None)
         if server is not None:
@@ -105,17 +172,57 @@ def adapter_and_stream(body: bytes, content_type: str, base_model: str) -> tuple
     return adapter, fields.get("stream") is True
 
 
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_unavailable"}}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
 ingress_app = FastAPI(title="loraserve (Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
 @serve.ingress(ingress_app)
 class Ingress:
-    """Forwards every request to an engine replica, adapter requests by multiplexed model id."""
+    """Forwards every request to an engine replica, adapter requests by multiplexed model id
+    (``route_by_adapter=False``: by load only, for comparison); ``/metrics`` of all replicas."""
 
-    def __init__(self, replicas: DeploymentHandle, base_model: str) -> None:
+    def __init__(self, replicas: DeploymentHandle, base_model: str, route_by_adapter: bool = True) -> None:
         self.replicas = replicas
         self.base_model = base_model
+        self.route_by_adapter = route_by_adapter
+        self.registry = CollectorRegistry()
+        self.in_flight = Gauge("loraserve_ingress_requests_in_flight", "Requests the ingress is forwarding",
+                               registry=self.registry)  # fmt: skip
+        self.resent = Counter(
+            "loraserve_ingress_resent_requests",
+            "Requests sent to another replica because the one they went to died before answering",
+            registry=self.registry,
+        )
+        self.cut = Counter(
+            "loraserve_ingress_streams_cut",
+            "Streams ended with an error event because their replica died",
+            registry=self.registry,
+        )
+        self.num_forwarding = 0
+
+    @ingress_app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Every replica's ``/metrics``, labelled by replica (see :func:`merge_replica_metrics`)."""
+        app_name = serve.get_replica_context().app_name
+        texts: dict[str, str | None] = dict.fromkeys(
+            await asyncio.to_thread(live_replica_ids, app_name, self.replicas.deployment_name)
+        )
+        answers = await each_answer(self.replicas.broadcast("metrics_text"), INGRESS_METRICS_TIMEOUT_S)
+        for answer in answers:
+            if isinstance(answer, tuple):
+                texts[answer[0]] = answer[1]
+        merged = merge_replica_metrics(texts, own=generate_latest(self.registry).decode())
+        return Response(merged, media_type=CONTENT_TYPE_LATEST)
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
     async def forward(self, path: str, request: Request) -> Response:
@@ -123,44 +230,140 @@ class Ingress:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
         adapter, stream = adapter_and_stream(body, request.headers.get("content-type", ""), self.base_model)
-        handle = self.replicas.options(multiplexed_model_id=adapter) if adapter else self.replicas
-        if not stream:
-            status, reply_headers, content = await handle.forward.remote(request.method, target, headers, body)
-            return Response(content=content, status_code=status, headers=reply_headers)
-        chunks: Any = handle.options(stream=True).forward_stream.remote(request.method, target, headers, body)
-        status, reply_headers = await chunks.__anext__()
+        routed = adapter and self.route_by_adapter
+        handle = self.replicas.options(multiplexed_model_id=adapter) if routed else self.replicas
+        self._started()
+        done_here = True
+        try:
+            call = (request.method, target, headers, body)
+            if not stream:
+                return await self._whole(handle, call)
+            reply = await self._stream(handle, call)
+            done_here = not isinstance(reply, StreamingResponse)  # a stream ends when its body is sent
+            return reply
+        finally:
+            if done_here:
+                self._finished()
+
+    async def _whole(self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes]) -> Response:
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                status, reply_headers, content = await handle.forward.remote(*call)
+                return Response(content=content, status_code=status, headers=reply_headers)
+            except RayActorError as error:  # the replica died before answering: nothing was sent yet
+                failure = error
+                if attempt + 1 < MAX_ATTEMPTS:
+                    self.resent.inc()
+        return _error(503, f"no engine replica could answer: {failure}", "replica_unavailable")
+
+    async def _stream(self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes]) -> Response:
+        for attempt in range(MAX_ATTEMPTS):
+            chunks: Any = handle.options(stream=True).forward_stream.remote(*call)
+            try:
+                status, reply_headers = await chunks.__anext__()
+                break
+            except RayActorError as error:  # before the first byte: another replica may take it
+                failure = error
+                if attempt + 1 < MAX_ATTEMPTS:
+                    self.resent.inc()
+        else:
+            return _error(503, f"no engine replica could answer: {failure}", "replica_unavailable")
+        event_stream = reply_headers.get("content-type", "").startswith("text/event-stream")
 
         async def rest() -> AsyncIterator[bytes]:
-            async for chunk in chunks:
-                yield chunk
+            finished = False
+            try:
+                async for chunk in chunks:
+                    yield chunk
+                finished = True
+            except RayActorError as error:
+                finished = True
+                self.cut.inc()
+                if event_stream:
+                    yield _sse_error(f"the engine replica serving this stream died: {error}")
+            finally:
+                if not finished:  # the client left: stop the replica's request too
+                    chunks.cancel()
+                self._finished()
 
         return StreamingResponse(rest(), status_code=status, headers=reply_headers)
 
+    def _started(self) -> None:
+        self.num_forwarding += 1
+        self.in_flight.inc()
 
-def build_app(model: str | None, engine_options: dict[str, Any], settings: dict[str, Any], num_replicas: int) -> Any:
+    def _finished(self) -> None:
+        self.num_forwarding -= 1
+        self.in_flight.dec()
+
+    def num_in_flight(self) -> int:
+        """Requests this ingress is forwarding (a stream until its last byte is handed to Serve's proxy)."""
+        return self.num_forwarding
+
+
+def build_app(model: str | None, engine_options: dict[str, Any], settings: dict[str, Any], num_replicas: int,
+              route_by_adapter: bool = True) -> Any:  # fmt: skip
     """The Serve application: ``num_replicas`` engine replicas behind the ingress."""
     # (serve.deployment turns the classes into Deployments: options/bind are theirs.)
     replicas = EngineReplica.options(num_replicas=num_replicas).bind(model, engine_options, settings)  # type: ignore[attr-defined]
-    return Ingress.bind(replicas, settings["model_id"])  # type: ignore[attr-defined]
+    return Ingress.bind(replicas, settings["model_id"], route_by_adapter)  # type: ignore[attr-defined]
+
+
+def drain(app_name: str, timeout_s: float) -> None:
+    """Every engine replica of ``app_name`` finishes what it runs (see :meth:`EngineReplica.drain`),
+    then the ingress sends the last bytes; afterwards Serve can stop with nothing in flight."""
+    replicas = serve.get_deployment_handle("EngineReplica", app_name=app_name)
+    answers = replicas.broadcast("drain", timeout_s).results(timeout_s=timeout_s + 15.0, return_exceptions=True)
+    cut = sum(answer for answer in answers if isinstance(answer, int))
+    failed = [answer for answer in answers if not isinstance(answer, int)]
+    if failed:
+        logger.warning("%d replica(s) could not drain: %s", len(failed), failed[0])
+    logger.info("replicas drained (%d request(s) ended early)", cut)
+    ingress = serve.get_app_handle(app_name)
+    deadline = time.monotonic() + 15.0
+    while time.monotonic() < deadline:
+        counts = ingress.broadcast("num_in_flight").results(timeout_s=5.0, return_exceptions=True)
+        if not any(isinstance(count, int) and count > 0 for count in counts):
+            break
+        time.sleep(0.1)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def run_ray_serve(args: Any, model: str | None, engine_options: dict[str, Any], settings: dict[str, Any]) -> int:
-    """``loraserve serve --ray-address ...``: start (or join) Ray, deploy, serve until interrupted."""
+    """``loraserve serve --ray-address ...``: start (or join) Ray, deploy, serve until SIGTERM or
+    SIGINT, drain (up to ``args.shutdown_timeout`` seconds; a second signal stops at once), stop."""
     import ray
 
-    address = None if args.ray_address == "local" else args.ray_address
-    ray.init(address=address, logging_level=logging.WARNING)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    num_replicas = args.num_replicas or 1
-    serve.run(build_app(model, engine_options, settings, num_replicas), route_prefix="/")
-    logger.info("serving %s with %d replicas on http://%s:%d (Ray Serve)", settings["model_id"], num_replicas,
-                args.host, args.port)  # fmt: skip
+    ray.init(address=args.ray_address, logging_level=logging.WARNING)  # "local": a new instance, always
+    # Replacing Ray's handlers (SIGTERM: exit at once), before Serve starts: a signal then raises
+    # KeyboardInterrupt here, whatever this thread is doing.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt:
+        num_replicas = args.num_replicas or 1
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            serve.run(build_app(model, engine_options, settings, num_replicas), name=APP_NAME, route_prefix="/")
+        except KeyboardInterrupt:
+            logger.info("interrupted while starting: stopping")
+            return 1
+        logger.info("serving %s with %d replicas on http://%s:%d (Ray Serve)", settings["model_id"], num_replicas,
+                    args.host, args.port)  # fmt: skip
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            logger.info("finishing the requests in flight (at most %.0f s); new ones get 503", args.shutdown_timeout)
+            try:
+                drain(APP_NAME, args.shutdown_timeout)
+            except KeyboardInterrupt:
+                logger.info("second signal: stopping now")
         logger.info("stopping")
     finally:
         serve.shutdown()
         ray.shutdown()
+    logger.info("stopped")
     return 0

@@ -144,7 +144,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="on SIGTERM or Ctrl-C: seconds to finish the requests in flight (new ones get 503, /health 503) "
-        "before the rest end with finish reason 'abort'; a second signal stops at once (default 30)",
+        "before the rest end with finish reason 'abort'; a second signal stops at once; under --ray-address "
+        "every replica drains so before Serve stops (default 30)",
     )
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level (default info)"
@@ -225,18 +226,16 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_upload_mb <= 0:
         raise SystemExit("--max-upload-mb must be positive")
+    if args.shutdown_timeout is None:
+        args.shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
+    if args.shutdown_timeout < 0:
+        raise SystemExit("--shutdown-timeout must be >= 0")
     if args.ray_address:
-        if args.shutdown_timeout is not None:  # accepted means honoured: Serve stops at once
-            raise SystemExit("--shutdown-timeout is not supported with --ray-address (Ray Serve stops at once)")
         if args.num_replicas is not None and args.num_replicas < 1:
             raise SystemExit("--num-replicas must be at least 1")
         return _run_on_ray(args)
     if args.num_replicas is not None:
         raise SystemExit("--num-replicas needs --ray-address (one process serves one engine)")
-    if args.shutdown_timeout is None:
-        args.shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
-    if args.shutdown_timeout < 0:
-        raise SystemExit("--shutdown-timeout must be >= 0")
     config = build_engine_config(args)
     engine = LLMEngine(config)
     try:
@@ -283,6 +282,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
         if http.is_alive():
             http.join(60)
+        engine.close()  # the adapter catalog and loader threads
     logger.info("stopped")
     return 0 if server.started else 1
 
@@ -319,9 +319,4 @@ def _run_on_ray(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(config.model)
     settings = dataclasses.asdict(build_settings(args, Path(model_dir)))
     options = engine_options(args) | {"registry": config.registry}
-    signal.signal(signal.SIGTERM, _interrupt)
-    return run_ray_serve(args, config.model, options, settings)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    return run_ray_serve(args, config.model, options, settings)  # SIGTERM and SIGINT: drain, as here
