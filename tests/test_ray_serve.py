@@ -200,7 +200,7 @@ def test_an_adapter_uploaded_once_is_served_and_deleted_everywhere(
 
 
 def test_a_killed_replica_is_replaced_while_no_request_is_lost(url: str, tiny_hf_model: Any, tmp_path: Path) -> None:
-    from loraserve.entrypoints.ray_serve import replica_actor_name
+    from loraserve.entrypoints.fleet_metrics import replica_actor_name
 
     _upload(url, tiny_hf_model, tmp_path / "s", "survivor", seed=5)  # registered before the kill
     short = {"model": "survivor", "prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
