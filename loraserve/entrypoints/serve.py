@@ -265,9 +265,12 @@ def run_serve(args: argparse.Namespace) -> int:
         target=_drain, args=(async_engine, server, http, args.shutdown_timeout), name="drain", daemon=True
     )
 
+    signalled: list[int] = []  # set before the drain starts: a second signal may land inside start()
+
     def on_signal(signum: int, frame: object) -> None:
-        if drain.is_alive() or drain.ident is not None:  # the second signal: stop now
+        if signalled:  # the second signal: stop now
             raise KeyboardInterrupt
+        signalled.append(signum)
         logger.info("%s: finishing the requests in flight (at most %.0f s)", signal.Signals(signum).name,
                     args.shutdown_timeout)  # fmt: skip
         drain.start()
