@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import tempfile
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,12 +97,9 @@ class LLMEngine:
             self.kv_manager = ReservingKVCacheManager(self.pool, config.block_size, tokens_at_most, *kv_options)
         else:
             self.kv_manager = KVCacheManager(self.pool, config.block_size, *kv_options)
-        self._registry_dir: tempfile.TemporaryDirectory[str] | None = None
-        if config.registry is None:
-            self._registry_dir = tempfile.TemporaryDirectory(prefix="loraserve-adapters-")
-            registry_spec = self._registry_dir.name
-        else:
-            registry_spec = config.registry
+        private_registry = tempfile.mkdtemp(prefix="loraserve-adapters-") if config.registry is None else None
+        registry_spec = private_registry or config.registry
+        self.private_registry_dir = private_registry  # None when config.registry names one
         self.adapter_registry = AdapterRegistry(
             make_store(registry_spec),
             shapes,
@@ -115,6 +114,9 @@ class LLMEngine:
             num_watermark_pages if self.adapter_pool is self.pool else 0,
             pages_per_adapter=slot_pages,
         )
+        # One finalizer for close() and for an engine dropped or alive at exit: the registry's
+        # threads stop before a private registry directory is removed, so they never see it vanish.
+        self._finalizer = weakref.finalize(self, _close_adapters, self.adapters, private_registry)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
         eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
@@ -285,9 +287,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop following the registry and reading adapters (the background threads) and remove a
         private registry directory; the engine serves nothing after this."""
-        self.adapters.close()
-        if self._registry_dir is not None:
-            self._registry_dir.cleanup()
+        self._finalizer()
 
     def reset_prefix_cache(self) -> bool:
         """Drop the cached prefix blocks (vLLM's name); False, changing nothing, while requests hold KV."""
@@ -392,3 +392,9 @@ def _eos_token_ids(model_dir: Any, tokenizer: Any) -> frozenset[int]:
     eos = generation.eos_token_id
     ids.update([eos] if isinstance(eos, int) else list(eos or []))
     return frozenset(ids)
+
+
+def _close_adapters(adapters: AdapterManager, private_registry: str | None) -> None:
+    adapters.close()
+    if private_registry is not None:
+        shutil.rmtree(private_registry, ignore_errors=True)

@@ -108,9 +108,30 @@ def test_close_stops_the_engines_background_threads(tiny_model_dir: Path) -> Non
     before = catalog_threads()
     llm = LLM(str(tiny_model_dir), kernels="torch", num_pages=64)
     assert catalog_threads() == before + 1
-    registry_dir = Path(llm.engine._registry_dir.name)  # type: ignore[union-attr]
+    assert llm.engine.private_registry_dir is not None
+    registry_dir = Path(llm.engine.private_registry_dir)
     llm.engine.close()
     deadline = time.monotonic() + 5
     while catalog_threads() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert catalog_threads() == before and not registry_dir.exists()
+
+
+def test_an_engine_alive_at_exit_stops_its_registry_before_removing_it(tiny_model_dir: Path) -> None:
+    """No 'registry unreachable' warning when a script ends without close(): the catalog thread
+    stops before the private registry directory is removed. A finalizer made before the engine
+    runs after the engine's at exit; its 1 s pause gives a catalog still running (it polls every
+    0.2 s) the time to find its directory gone."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time, weakref; anchor = type('Anchor', (), {})(); weakref.finalize(anchor, time.sleep, 1.0); "
+        "from loraserve import LLM; "
+        f"llm = LLM({str(tiny_model_dir)!r}, kernels='torch', num_pages=64); "
+        "print(llm.engine.private_registry_dir, flush=True)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "unreachable" not in done.stderr, done.stderr
+    assert not Path(done.stdout.strip().splitlines()[-1]).exists()
