@@ -15,6 +15,7 @@ from torch import nn
 
 from loraserve.config import ConfigError, EngineConfig
 from loraserve.models import gemm_choice
+from loraserve.models.cpu_load import DISTURBED_CORES
 from loraserve.models.gemm_choice import GemmPolicy, pack_linears, pick_kernels
 from loraserve.models.packed_linear import ROW_BUCKETS, GemmKernel, PackedLinear, PackedLinearGroup
 
@@ -48,6 +49,27 @@ def _model() -> nn.Module:
     return nn.ModuleDict({"layers": nn.ModuleList(_Block() for _ in range(3)), "lm_head": nn.Linear(32, 100)})
 
 
+class _FixedLoad:
+    """Stands for ``cpu_load.OtherLoad``: reports that other processes kept ``CORES`` CPUs busy."""
+
+    CORES = 0.0
+
+    def __enter__(self) -> _FixedLoad:
+        self.cores = self.CORES
+        self.disturbed = self.cores >= DISTURBED_CORES
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.fixture
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timings count as undisturbed whatever else runs beside the tests."""
+    monkeypatch.setattr(gemm_choice, "OtherLoad", _FixedLoad)
+
+
+@pytest.mark.usefixtures("quiet_machine")
 def test_auto_times_every_shape_and_bucket_then_reads_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -95,6 +117,66 @@ def test_auto_times_every_shape_and_bucket_then_reads_the_cache(
     assert wider.choices["float32 32->100 +bias"] == plan.choices["float32 32->100 +bias"]
 
 
+def test_a_timing_disturbed_by_other_processes_is_used_but_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Busy(_FixedLoad):
+        CORES = 1.0
+
+    monkeypatch.setattr(gemm_choice, "OtherLoad", Busy)
+    monkeypatch.setattr(gemm_choice, "_DISTURBED_CHOICES", {})  # this test's own process memory
+    timed = gemm_choice.time_kernels
+    calls: list[int] = []
+
+    def counting(*args: Any) -> Any:
+        calls.append(1)
+        return timed(*args)
+
+    monkeypatch.setattr(gemm_choice, "time_kernels", counting)
+    policy = GemmPolicy("auto", max_rows=8, cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING):
+        plan = pack_linears(_model(), policy)
+    assert plan.source == "measured" and len(calls) == 2 * 3  # each of the 3 shapes timed twice
+    assert sorted(plan.disturbed) == sorted(plan.choices) and plan.as_dict()["disturbed"] == plan.disturbed
+    assert "GEMM timing of float32 32->48+16 was disturbed (other processes kept 1.0 CPUs busy" in caplog.text
+    assert not (tmp_path / f"{cpu_features.signature()}.json").exists()  # nothing written
+    # a later engine of this process reuses the choice instead of timing again
+    calls.clear()
+    again = pack_linears(_model(), policy)
+    assert calls == [] and again.choices == plan.choices and sorted(again.disturbed) == sorted(plan.disturbed)
+    # the next clean timing (another process, or the machine quiet again) is written
+    monkeypatch.setattr(gemm_choice, "OtherLoad", _FixedLoad)
+    gemm_choice._DISTURBED_CHOICES.clear()
+    clean = pack_linears(_model(), policy)
+    assert clean.source == "measured" and clean.disturbed == [] and len(calls) == 3
+    assert len(json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())) == 3
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+def test_other_load_counts_other_processes_and_not_this_one() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from loraserve.models.cpu_load import OtherLoad
+
+    with OtherLoad() as own:  # this process busy: not counted
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            pass
+    assert own.cores is not None and own.cores < 0.6, own.cores
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # the interpreter started and spins
+        with OtherLoad() as busy:
+            time.sleep(1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy.cores is not None and busy.cores >= 0.6 and busy.disturbed, busy.cores
+
+
+@pytest.mark.usefixtures("quiet_machine")
 def test_a_corrupt_cache_is_timed_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / f"{cpu_features.signature()}.json").write_text("{not json")
     with caplog.at_level(logging.WARNING):

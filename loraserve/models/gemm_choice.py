@@ -10,16 +10,16 @@ buckets where plain ``F.linear`` is faster, ``torch``, which needs no copy.
 
 The choice is written to ``<cache>/cpu_gemm/<cpu signature>.json`` (keyed by the shape, torch's
 thread count and version, and the digest of loraserve's kernel sources), so later starts on the
-same kind of CPU read it instead of timing. ``GemmPolicy.kernel`` forces one kernel everywhere
-(``--cpu-gemm panels|onednn|torch``).
+same kind of CPU read it instead of timing. A timing during which other processes kept the CPUs
+busy (``cpu_load.OtherLoad``) is repeated once; if it is disturbed again its choice serves this
+process (later engines in it reuse it) but is not written, so the next start times it again.
+``GemmPolicy.kernel`` forces one kernel everywhere (``--cpu-gemm panels|onednn|torch``).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +30,9 @@ import torch
 from torch import nn
 
 from loraserve.config import CPU_GEMM_CHOICES
-from loraserve.kernels import cpu, cpu_features
+from loraserve.kernels import cpu_features
+from loraserve.models.cpu_load import OtherLoad
+from loraserve.models.gemm_cache import ChoiceCache, GemmShape
 from loraserve.models.packed_linear import (
     ROW_BUCKETS,
     GemmKernel,
@@ -47,19 +49,11 @@ assert GEMM_CHOICES == CPU_GEMM_CHOICES, "config.CPU_GEMM_CHOICES must list the 
 MAX_TIMED_LAYERS = 8  # layers of one shape timed back to back (their weights exceed the caches)
 TIE_TOLERANCE = 0.03  # timings this close are a tie (noise between passes is about that)
 MIN_PASS_SECONDS = 0.02  # passes are repeated until at least this long in total (and at least 3)
+TIMING_ATTEMPTS = 2  # a timing disturbed by other processes is repeated once
 
-
-@dataclass(frozen=True)
-class GemmShape:
-    in_features: int
-    out_sizes: tuple[int, ...]
-    dtype: torch.dtype
-    bias: bool
-
-    @property
-    def key(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        return f"{dtype} {self.in_features}->{'+'.join(map(str, self.out_sizes))}{' +bias' if self.bias else ''}"
+# Choices timed under load in this process (not cached on disk), by cache key: later engines of
+# the same process reuse them instead of timing again.
+_DISTURBED_CHOICES: dict[str, tuple[GemmKernel, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -94,6 +88,7 @@ class GemmPlan:
     seconds: float = 0.0  # spent timing
     packed_bytes: int = 0  # the packed copies kept beside the model's weights
     num_layers: int = 0
+    disturbed: list[str] = field(default_factory=list)  # shape keys timed while other processes ran
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -101,6 +96,7 @@ class GemmPlan:
             "cpu": cpu_features.summary(),
             "timing_seconds": round(self.seconds, 2),
             "packed_mib": round(self.packed_bytes / 2**20, 1),
+            "disturbed": list(self.disturbed),
             "layers": {
                 key: {str(ROW_BUCKETS[i]): k.value for i, k in enumerate(kernels)}
                 for key, kernels in self.choices.items()
@@ -154,7 +150,7 @@ def pack_linears(model: nn.Module, policy: GemmPolicy) -> GemmPlan:
     plan = GemmPlan()
     if not targets:
         return plan
-    choices, plan.source, plan.seconds = _choose(targets, buckets, policy)
+    choices, plan.source, plan.seconds, plan.disturbed = _choose(targets, buckets, policy)
     for shape, instances in targets.items():
         plan.choices[shape.key] = choices[shape]
         for members, install in instances:
@@ -183,31 +179,52 @@ def _replace_linear(parent: nn.Module, name: str, group: PackedLinearGroup) -> N
 
 def _choose(
     targets: _Targets, buckets: dict[GemmShape, int], policy: GemmPolicy
-) -> tuple[dict[GemmShape, tuple[GemmKernel, ...]], str, float]:
+) -> tuple[dict[GemmShape, tuple[GemmKernel, ...]], str, float, list[str]]:
+    """Per shape its kernels, where they came from, seconds spent timing, and the shape keys
+    whose timing other processes disturbed (used, not cached)."""
     if policy.kernel != "auto":
         forced = GemmKernel(policy.kernel)
         for shape in targets:
             if forced not in kernels_for(shape.dtype):
                 raise ValueError(f"cpu_gemm={forced.value!r} cannot run {shape.dtype} weights on this build")
-        return {shape: (forced,) for shape in targets}, "forced", 0.0
-    cache = _ChoiceCache(policy.cache_dir)
+        return {shape: (forced,) for shape in targets}, "forced", 0.0, []
+    cache = ChoiceCache(policy.cache_dir)
     choices: dict[GemmShape, tuple[GemmKernel, ...]] = {}
     sources: set[str] = set()
+    disturbed: list[str] = []
     seconds = 0.0
     for shape, instances in targets.items():
         cached = cache.get(shape, buckets[shape])
+        earlier = _DISTURBED_CHOICES.get(cache.key(shape)) if policy.cache_dir is not None else None
+        if cached is None and earlier is not None and len(earlier) >= buckets[shape]:
+            cached = earlier[: buckets[shape]]
+            disturbed.append(shape.key)
         if cached is not None:
             choices[shape] = cached
             sources.add("cached")
             continue
         start = time.perf_counter()
         members = [m for m, _ in instances[:MAX_TIMED_LAYERS]]
-        times = time_kernels(members, ROW_BUCKETS[: buckets[shape]], kernels_for(shape.dtype))
+        for _ in range(TIMING_ATTEMPTS):
+            with OtherLoad() as load:
+                times = time_kernels(members, ROW_BUCKETS[: buckets[shape]], kernels_for(shape.dtype))
+            if not load.disturbed:
+                break
         seconds += time.perf_counter() - start
         choices[shape] = pick_kernels(times)
-        cache.put(shape, choices[shape], times)
         sources.add("measured")
-    return choices, sources.pop() if len(sources) == 1 else "mixed", seconds
+        if load.disturbed:
+            logger.warning(
+                "the GEMM timing of %s was disturbed (other processes kept %.1f CPUs busy while it ran): "
+                "its choice serves this process and is timed again at the next start",
+                shape.key,
+                load.cores,
+            )
+            disturbed.append(shape.key)
+            _DISTURBED_CHOICES[cache.key(shape)] = choices[shape]
+        else:
+            cache.put(shape, choices[shape], times)
+    return choices, sources.pop() if len(sources) == 1 else "mixed", seconds, disturbed
 
 
 def time_kernels(
@@ -271,48 +288,3 @@ def pick_kernels(times: dict[GemmKernel, list[float]]) -> tuple[GemmKernel, ...]
     if plain is not None and sum(t / b for t, b in zip(plain, best, strict=True)) <= loss * (1 + TIE_TOLERANCE):
         return (GemmKernel.TORCH,) * num_buckets
     return kernels
-
-
-class _ChoiceCache:
-    """The choices of this CPU kind in one JSON file; unreadable or stale entries are timed again."""
-
-    def __init__(self, directory: Path | None) -> None:
-        self.path = directory / f"{cpu_features.signature()}.json" if directory is not None else None
-        self.entries: dict[str, Any] = {}
-        if self.path is not None and self.path.exists():
-            try:
-                self.entries = json.loads(self.path.read_text())
-            except (OSError, ValueError) as error:
-                logger.warning("ignoring the GEMM choice cache %s: %s", self.path, error)
-
-    @staticmethod
-    def _key(shape: GemmShape) -> str:
-        # a new build of loraserve's kernels (sources changed) or of torch is timed anew
-        build = cpu.source_digest()
-        return f"{shape.key} | threads={torch.get_num_threads()} | torch={torch.__version__} | kernels={build}"
-
-    def get(self, shape: GemmShape, num_buckets: int) -> tuple[GemmKernel, ...] | None:
-        entry = self.entries.get(self._key(shape))
-        if not isinstance(entry, dict):
-            return None
-        try:
-            kernels = tuple(GemmKernel(entry["kernels"][str(rows)]) for rows in ROW_BUCKETS[:num_buckets])
-        except (KeyError, TypeError, ValueError):
-            return None
-        return kernels if set(kernels) <= set(kernels_for(shape.dtype)) else None
-
-    def put(self, shape: GemmShape, kernels: tuple[GemmKernel, ...], times: dict[GemmKernel, list[float]]) -> None:
-        if self.path is None:
-            return
-        self.entries[self._key(shape)] = {
-            "kernels": {str(ROW_BUCKETS[i]): k.value for i, k in enumerate(kernels)},
-            "ms": {k.value: [t * 1e3 for t in ts] for k, ts in times.items()},
-            "cpu": cpu_features.summary(),
-        }
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            scratch = self.path.with_suffix(f".{os.getpid()}.tmp")
-            scratch.write_text(json.dumps(self.entries, indent=1))
-            scratch.replace(self.path)  # atomic: a concurrent start reads the old or the new file
-        except OSError as error:
-            logger.warning("could not write the GEMM choice cache %s: %s", self.path, error)
