@@ -166,8 +166,8 @@ def test_a_group_runs_each_row_bucket_on_its_kernel_and_packs_only_those(monkeyp
     for rows in (1, 3, 5, 16, 30, 200, 5000):  # buckets 1, 4, 4, 16, 16 (log-nearest), 64 (the last), 64
         group(torch.randn(rows, 24))
     assert ran == [kernels[i] for i in (0, 1, 1, 2, 2, 3, 3)]
-    assert [bucket_index(r) for r in (1, 2, 3, 7, 9, 100, 180, 4096)] == [0, 0, 1, 1, 2, 3, 4, 5]  # log midpoints
-    assert ROW_BUCKETS[bucket_index(64)] == 64
+    assert [bucket_index(r) for r in (1, 2, 3, 7, 9, 100, 180, 1448, 1449, 4096)] == [0, 0, 1, 1, 2, 3, 4, 5, 6, 6]
+    assert ROW_BUCKETS[bucket_index(64)] == 64  # (the edges are log midpoints: 1,448 ~ sqrt(1,024 * 2,048))
     with pytest.raises(ValueError, match=r"cannot run torch\.bfloat16"):
         PackedLinearGroup([nn.Linear(8, 8).bfloat16()], (GemmKernel.PANELS,))
 

@@ -33,7 +33,9 @@ from torch import nn
 
 from loraserve.kernels import cpu
 
-ROW_BUCKETS = (1, 4, 16, 64, 256, 1024)  # a call with r rows uses the bucket nearest r on a log scale
+# A call with r rows uses the bucket nearest r on a log scale; 2,048 is the default prefill chunk
+# (max_num_batched_tokens), where the best kernel can differ from 1,024's.
+ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048)
 ONEDNN_ROWS_HINT = 64  # the batch-size hint of oneDNN's weight reorder (the layout serves any row count)
 
 
