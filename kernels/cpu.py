@@ -234,8 +234,8 @@ def fallbacks() -> tuple[str, ...]:
 
 
 def rms_norm(
-    x: torch.Tensor,  # [num_tokens, hidden] float32
-    weight: torch.Tensor,  # [hidden]
+    x: torch.Tensor,  # [num_tokens, hidden] float32 or bfloat16
+    weight: torch.Tensor,  # [hidden], x's dtype
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]: residual += x first, norm of the sum
 ) -> torch.Tensor:  # [num_tokens, hidden]
@@ -257,8 +257,8 @@ def write_kv_(
 
 
 def rope_(
-    x: torch.Tensor,  # [num_tokens, heads, head_dim] float32, contiguous, rotated in place
-    cos: torch.Tensor,  # [num_tokens, head_dim]
+    x: torch.Tensor,  # [num_tokens, heads, head_dim] float32 or bfloat16, contiguous, rotated in place
+    cos: torch.Tensor,  # [num_tokens, head_dim], x's dtype
     sin: torch.Tensor,  # [num_tokens, head_dim]
 ) -> None:
     module = load_extension()

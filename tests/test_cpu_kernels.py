@@ -188,6 +188,40 @@ def test_rope_in_place_equals_apply_rope_bit_for_bit() -> None:
     assert torch.equal(x, expected)
 
 
+def test_rms_norm_bfloat16_rounds_where_the_model_norm_rounds() -> None:
+    """bfloat16 (the residual add, the normalized value and the weight product each rounded, as the
+    model's torch ops round them): equal to the model's norm but where 1 / sqrt and torch's rsqrt
+    differ in the last float32 bit, at most one bfloat16 step apart."""
+    from loraserve.models.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(6)
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.data = torch.randn(576, generator=gen).to(torch.bfloat16)
+    x = (torch.randn(64, 576, generator=gen) * 3).to(torch.bfloat16)
+    residual = torch.randn(64, 576, generator=gen).to(torch.bfloat16)
+    expected_sum = residual.clone().add_(x)
+    expected = norm(x.clone(), residual=residual.clone())
+    out = cpu.rms_norm(x, norm.weight.data, 1e-5, residual)
+    assert out.dtype == torch.bfloat16 and torch.equal(residual, expected_sum)  # the sum, rounded as add_
+    assert (out == expected).float().mean() > 0.99
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=0)
+    torch.testing.assert_close(cpu.rms_norm(x, norm.weight.data, 1e-5).float(), norm(x).float(), rtol=2**-7, atol=0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        cpu.rms_norm(x.half(), norm.weight.data.half(), 1e-5)
+
+
+def test_rope_bfloat16_in_place_equals_the_model_rope_bit_for_bit() -> None:
+    from loraserve.models.llama import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(7)
+    config = type("Config", (), {"head_dim": 64, "hidden_size": 576, "num_attention_heads": 9, "rope_theta": 1e5})()
+    tables = RotaryEmbedding(config)(torch.randint(0, 4000, (23,), generator=gen), torch.bfloat16)
+    x = torch.randn(23, 9, 64, generator=gen).to(torch.bfloat16)
+    expected = tables.apply(x)  # the model's torch ops in bfloat16
+    cpu.rope_(x, tables.cos, tables.sin)
+    assert torch.equal(x, expected)
+
+
 def test_a_killed_build_does_not_block_later_loads(tmp_path: Path) -> None:
     """torch's ``lock`` baton left by a build killed mid-way made every later load wait forever."""
     directory = tmp_path / "torch_extensions" / cpu_features.signature()
