@@ -1,8 +1,8 @@
 """How much CPU time other processes took while this one timed something.
 
 A kernel timing taken while another process runs on the same cores measures the contention, not
-the kernel (on 2 cores, 2 OpenMP threads and one busy neighbour make a 1.5 ms GEMM take 15 ms),
-and a choice made from it would be cached for good. ``OtherLoad`` reads the machine's busy time
+the kernel (OpenMP threads wait for the one that lost its core), and a choice made from it would
+be cached for good. ``OtherLoad`` reads the machine's busy time
 (``/proc/stat``: user, nice, system, irq, softirq and steal, which on a VM is time the host gave to
 others) and this process's CPU time around a block; the difference is what everything else used.
 Where ``/proc/stat`` is missing (not Linux) it reports nothing and nothing counts as disturbed.
