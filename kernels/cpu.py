@@ -62,9 +62,11 @@ widest). float32 only; results differ from ``F.linear`` only by the order of flo
     bias:      [num_panels * 16] float32 or None
     out_sizes: [out_1, ..., out_n];  returns n contiguous tensors [num_rows, out_i]
 
-``rms_norm`` (optionally adding ``residual += x`` in place first) and ``rope_`` (in place)
-are the float32 elementwise parts of a Llama layer fused into one pass each; their
-semantics are those of ``RMSNorm`` and ``apply_rope`` in ``models/llama.py``.
+``rms_norm`` (optionally adding ``residual += x`` in place first), ``rope_`` and
+``silu_and_mul_`` (both in place) are the elementwise parts of a Llama layer fused into one pass
+each, float32 or bfloat16; their semantics are those of ``RMSNorm``, ``apply_rope`` and
+``F.silu(gate, inplace=True).mul_(up)`` in ``models/llama.py``, rounding where those torch ops
+round (RoPE bit for bit; SiLU's exp within a few ulp of torch's).
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` into
 ``~/.cache/loraserve/torch_extensions/<CPU signature>`` on first use (about a minute; the
@@ -94,7 +96,7 @@ from loraserve.kernels import cpu_features
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_kernels.cpp", "lora_segments.cpp", "linear_panels.cpp", "prefill_attention.cpp")
+_SOURCES = ("cpu_kernels.cpp", "elementwise.cpp", "lora_segments.cpp", "linear_panels.cpp", "prefill_attention.cpp")
 _lock = threading.Lock()
 _state: dict[str, ModuleType | str] = {}
 
@@ -264,6 +266,15 @@ def rope_(
     module = load_extension()
     assert module is not None, "rope_ needs the compiled CPU kernels"
     module.rope_(x, cos, sin)
+
+
+def silu_and_mul_(
+    gate: torch.Tensor,  # [num_tokens, width] float32 or bfloat16, columns contiguous; <- silu(gate) * up
+    up: torch.Tensor,  # [num_tokens, width], gate's dtype, columns contiguous
+) -> None:
+    module = load_extension()
+    assert module is not None, "silu_and_mul_ needs the compiled CPU kernels"
+    module.silu_and_mul_(gate, up)
 
 
 PANEL_WIDTH = 16  # output columns per panel (kernels/csrc/linear_panels.cpp)

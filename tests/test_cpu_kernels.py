@@ -222,6 +222,40 @@ def test_rope_bfloat16_in_place_equals_the_model_rope_bit_for_bit() -> None:
     assert torch.equal(x, expected)
 
 
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "views-of-one-output"])
+def test_silu_and_mul_float32_matches_the_torch_ops(strided: bool) -> None:
+    """Within a few float32 ulp of ``F.silu(gate, inplace=True).mul_(up)`` (the exp is a polynomial,
+    not torch's), over values from far below zero (silu -> 0, no NaN) to far above (silu(g) = g);
+    gate and up may be column slices of one [tokens, 2 * width] output (the row stride differs)."""
+    gen = torch.Generator().manual_seed(8)
+    width = 1536 + 5  # not a multiple of any vector width
+    both = torch.randn(37, 2 * width, generator=gen) * 4
+    both[0, :8] = torch.tensor([-200.0, -90.0, -87.5, -20.0, 0.0, 20.0, 89.0, 300.0])
+    gate, up = (both[:, :width], both[:, width:]) if strided else (both[:, :width].clone(), both[:, width:].clone())
+    expected = torch.nn.functional.silu(gate.clone()).mul_(up)
+    cpu.silu_and_mul_(gate, up)
+    assert torch.isfinite(gate).all()
+    torch.testing.assert_close(gate, expected, rtol=4e-7, atol=1e-30)
+    if strided:
+        assert torch.equal(both[:, width:], up)  # up untouched
+
+
+def test_silu_and_mul_bfloat16_rounds_where_the_torch_ops_round() -> None:
+    """bfloat16: silu rounded, then the product rounded, as the two torch ops do; equal to them but
+    where the two float32 exps differ across a bfloat16 rounding boundary (one step apart)."""
+    gen = torch.Generator().manual_seed(9)
+    gate = (torch.randn(64, 1536, generator=gen) * 3).to(torch.bfloat16)
+    up = torch.randn(64, 1536, generator=gen).to(torch.bfloat16)
+    expected = torch.nn.functional.silu(gate.clone()).mul_(up)
+    cpu.silu_and_mul_(gate, up)
+    assert (gate == expected).float().mean() > 0.999
+    torch.testing.assert_close(gate.float(), expected.float(), rtol=2**-7, atol=0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        cpu.silu_and_mul_(gate.half(), up.half())
+    with pytest.raises(RuntimeError, match="columns contiguous"):
+        cpu.silu_and_mul_(gate.t(), up.t())
+
 def test_a_killed_build_does_not_block_later_loads(tmp_path: Path) -> None:
     """torch's ``lock`` baton left by a build killed mid-way made every later load wait forever."""
     directory = tmp_path / "torch_extensions" / cpu_features.signature()

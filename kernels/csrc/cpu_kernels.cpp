@@ -1,5 +1,6 @@
-// Compiled CPU kernels of loraserve: paged decode attention, fused RMSNorm and RoPE, and the
-// module definition (segmented LoRA is in lora_segments.cpp, linear layers in linear_panels.cpp).
+// Compiled CPU kernels of loraserve: paged decode attention, the KV write, and the module
+// definition (segmented LoRA is in lora_segments.cpp, linear layers in linear_panels.cpp, the fused
+// elementwise ops in elementwise.cpp, prefill attention in prefill_attention.cpp).
 // Semantics and argument shapes are documented in kernels/cpu.py; the torch references they are
 // tested against are kernels/paged_attention.py, models/llama.py and F.linear.
 #include <torch/extension.h>
@@ -134,139 +135,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv,
   return out;
 }
 
-// ---- fused elementwise ops of a Llama layer (float32 or bfloat16) ---------------------------
-// RMSNorm as Hugging Face's LlamaRMSNorm computes it (the sum of squares in float32):
-//   out[t] = weight * to_dtype(x[t] * (1 / sqrt(mean(x[t]^2) + eps)))
-// With ``residual``: residual[t] += x[t] first (rounded to the dtype, as torch's add_), and the
-// norm is taken of the sum. In bfloat16 every step rounds where the torch ops round.
-namespace {
-
-// Element access in float for the fused ops: float as it is; bfloat16 through its bits (round to
-// nearest even, as torch rounds; NaN kept a quiet NaN), written so the loops vectorize.
-inline float load_f(float v) { return v; }
-inline float load_f(at::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-template <typename T>
-inline T store_f(float v);
-template <>
-inline float store_f<float>(float v) { return v; }
-template <>
-inline at::BFloat16 store_f<at::BFloat16>(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const uint16_t out = (v != v) ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
-  return at::BFloat16(out, at::BFloat16::from_bits());
-}
-// The value rounded to T and back (a torch op's result in T, read again in float).
-template <typename T>
-inline float round_f(float v) { return load_f(store_f<T>(v)); }
-
-template <typename T>
-void rms_norm_impl(const T* x_ptr, const T* w_ptr, T* sum_ptr, T* out_ptr, int64_t rows, int64_t hidden, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* src = x_ptr + t * hidden;
-      if (sum_ptr != nullptr) {
-        T* acc = sum_ptr + t * hidden;
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) acc[i] = store_f<T>(load_f(acc[i]) + load_f(src[i]));
-        src = acc;
-      }
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < hidden; ++i) squares += load_f(src[i]) * load_f(src[i]);
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
-      T* dst = out_ptr + t * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) {
-        dst[i] = store_f<T>(load_f(w_ptr[i]) * round_f<T>(load_f(src[i]) * inv));
-      }
-    }
-  });
-}
-
-}  // namespace
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& residual) {
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
-              "rms_norm is float32 or bfloat16 only, weight in the same dtype as x");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1),
-              "rms_norm: x [num_tokens, hidden] contiguous, weight [hidden]");
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->scalar_type() == dtype && residual->is_contiguous() && residual->sizes() == x.sizes(),
-                "rms_norm: residual must match x");
-  }
-  at::Tensor out = at::empty_like(x);
-  const float feps = static_cast<float>(eps);
-  if (dtype == at::kFloat) {
-    float* sum_ptr = residual.has_value() ? residual->data_ptr<float>() : nullptr;
-    rms_norm_impl<float>(x.data_ptr<float>(), weight.data_ptr<float>(), sum_ptr, out.data_ptr<float>(), x.size(0),
-                         x.size(1), feps);
-  } else {
-    using bf16 = at::BFloat16;
-    bf16* sum_ptr = residual.has_value() ? residual->data_ptr<bf16>() : nullptr;
-    rms_norm_impl<bf16>(x.data_ptr<bf16>(), weight.data_ptr<bf16>(), sum_ptr, out.data_ptr<bf16>(), x.size(0),
-                        x.size(1), feps);
-  }
-  return out;
-}
-
-// Rotary embedding in place, as apply_rope in models/llama.py (rotate-half form):
-//   x[t, h, i]        = x[t, h, i] * cos[t, i] - x[t, h, i + D/2] * sin[t, i]
-//   x[t, h, i + D/2]  = x[t, h, i + D/2] * cos[t, i + D/2] + x[t, h, i] * sin[t, i + D/2]
-// Each product and the sum are rounded separately (no fused multiply-add), so the result is bit
-// for bit what the torch ops give, float32 or bfloat16 (whose ops round each result too).
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-namespace {
-
-template <typename T>
-void rope_impl(T* x_ptr, const T* c_ptr, const T* s_ptr, int64_t tokens, int64_t heads, int64_t dim) {
-  const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* c = c_ptr + t * dim;
-      const T* s = s_ptr + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* v = x_ptr + (t * heads + h) * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float lo = load_f(v[i]), hi = load_f(v[i + half]);
-          const float lo_cos = round_f<T>(lo * load_f(c[i])), hi_sin = round_f<T>(-hi * load_f(s[i]));
-          const float hi_cos = round_f<T>(hi * load_f(c[i + half])), lo_sin = round_f<T>(lo * load_f(s[i + half]));
-          v[i] = store_f<T>(lo_cos + hi_sin);
-          v[i + half] = store_f<T>(hi_cos + lo_sin);
-        }
-      }
-    }
-  });
-}
-
-}  // namespace
-
-void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && cos.scalar_type() == dtype &&
-                  sin.scalar_type() == dtype,
-              "rope_ is float32 or bfloat16 only, cos and sin in the same dtype as x");
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
-              "rope_: x [num_tokens, heads, head_dim] contiguous, cos/sin [num_tokens, head_dim]");
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
-  TORCH_CHECK(cos.size(0) == tokens && cos.size(1) == dim && sin.sizes() == cos.sizes(), "rope_: cos/sin shape");
-  if (dtype == at::kFloat) {
-    rope_impl<float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, heads, dim);
-  } else {
-    using bf16 = at::BFloat16;
-    rope_impl<bf16>(x.data_ptr<bf16>(), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(), tokens, heads, dim);
-  }
-}
-#pragma GCC pop_options
 
 // kv[slot / B, 0, slot % B] = key[t] and kv[slot / B, 1, slot % B] = value[t] for each token t,
 // as kernels/paged_attention.write_kv: whole rows copied, any dtype.
@@ -296,6 +164,10 @@ void write_kv_(at::Tensor& kv, const at::Tensor& key, const at::Tensor& value, c
   }
 }
 
+// elementwise.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& residual);
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+void silu_and_mul_(at::Tensor& gate, const at::Tensor& up);
 // lora_segments.cpp
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
@@ -325,6 +197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)",
         no_gil());
   m.def("rope_", &rope_, "rotary embedding in place (see kernels/cpu.py)", no_gil());
+  m.def("silu_and_mul_", &silu_and_mul_, "gate <- silu(gate) * up in place (see kernels/cpu.py)", no_gil());
   m.def("write_kv_", &write_kv_, "store K and V rows in their slots (see kernels/cpu.py)", no_gil());
   m.def("linear_panels", &linear_panels, "linear layers on 16-column weight panels (see kernels/cpu.py)", no_gil());
   m.def("linear_panels_variants", &linear_panels_variants, "the panel tilings compiled in, widest first");
