@@ -3,9 +3,9 @@
 * ``torch``: the torch implementations in ``kernels/`` (the references; any device, any dtype).
 * ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention, the
   prefill attention of all a step's prompts in one call, and the KV write (any dtype), fused
-  RMSNorm / RoPE / SiLU-and-mul (float32 and bfloat16), and for float32 also the LoRA segments; the model's float32 and bfloat16
-  linear layers run on the GEMM kernel timed fastest on this CPU for their shape and row count
-  (``models/gemm_choice.py``).
+  RMSNorm / RoPE / SiLU-and-mul (float32 and bfloat16), and for float32 also the LoRA segments;
+  the model's float32 and bfloat16 linear layers run on the GEMM kernel timed fastest on this CPU
+  for their shape and row count (``models/gemm_choice.py``).
 * ``triton``: the Triton kernels (GPU): the paged attention of a whole step, decode and prefill,
   in one launch per layer (``kernels/triton_unified_attention.py``) and LoRA read in place from
   the pool pages (``kernels/triton_lora.py``), RoPE fused with the KV write, residual add fused
