@@ -1,48 +1,48 @@
 // Paged prefill attention for all the prompts (or prompt chunks) of a step in one call; semantics
 // and shapes in kernels/cpu.py (paged_prefill_attention), reference kernels/paged_attention.py.
 //
-// Work items are (sequence, KV head, block of 16 query rows), scheduled dynamically. An item walks
-// the sequence's context 16 positions at a time, as far as its last row may look (causal): the 16
-// keys and values of its KV head are gathered from their pages (any block size, any dtype) into
-// float buffers, keys transposed; then, 4 query vectors (row x head of the group) at a time, 16
-// scores each come out of one 16-lane accumulator over head_dim (4 independent chains, each key
-// row loaded once), and an online-softmax step folds them into the vectors' outputs, 16 columns at
-// a time in registers. Every page id a sequence uses is checked against the pool
-// before any work starts.
+// Work items are (sequence, KV head, block of 64 query rows), scheduled dynamically. An item walks
+// the sequence's context kChunk positions at a time (one vector register: 16 lanes with AVX-512,
+// 8 otherwise), as far as its last row may look (causal): those keys and values of its KV head are
+// gathered from their pages (any block size, any dtype) into float buffers, keys transposed; then,
+// 4 query vectors (row x head of the group) at a time, kChunk scores each come out of one
+// accumulator over head_dim (4 independent chains, each key row loaded once), and an
+// online-softmax step folds them into the vectors' outputs, kChunk columns at a time in registers.
+// Every page id a sequence uses is checked against the pool before any work starts.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "attention_common.h"
 #include "simd16.h"
+#include "simd8.h"
 
 namespace {
 
-using loraserve_simd::f32x16;
-using loraserve_simd::i32x16;
-using loraserve_simd::load16;
-using loraserve_simd::splat16;
-using loraserve_simd::store16;
-constexpr int64_t kChunk = 16;      // context positions per step: one 16-lane score vector
-constexpr int64_t kQueryBlock = 64;  // query rows per work item (the gathered keys and values serve them all)
-constexpr int64_t kVecBlock = 4;     // query vectors whose scores and outputs are computed together
-
-constexpr i32x16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+// Without AVX-512 a 16-lane vector is two registers that GCC moves through the stack at every
+// use (the kernel ran ~8x slower than its arithmetic allows on an AVX2 CPU): there it is 8 lanes.
+#if defined(__AVX512F__)
+using VecF = loraserve_simd::f32x16;
+using VecI = loraserve_simd::i32x16;
+constexpr int64_t kChunk = 16;  // context positions per step: one score vector
+constexpr VecI kLaneIds = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+inline VecF splat_v(float x) { return loraserve_simd::splat16(x); }
 
 #if defined(__clang__)
 #define LORASERVE_SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
 #else
-#define LORASERVE_SHUFFLE16(v, ...) __builtin_shuffle(v, i32x16{__VA_ARGS__})
+#define LORASERVE_SHUFFLE16(v, ...) __builtin_shuffle(v, VecI{__VA_ARGS__})
 #endif
 
-// The largest lane, by a tree of lane swaps (no serial chain through 16 lanes).
-inline float hmax16(f32x16 m) {
-  f32x16 t = LORASERVE_SHUFFLE16(m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+// The largest lane, by a tree of lane swaps (no serial chain through the lanes).
+inline float hmax_v(VecF m) {
+  VecF t = LORASERVE_SHUFFLE16(m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   m = m > t ? m : t;
   t = LORASERVE_SHUFFLE16(m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   m = m > t ? m : t;
@@ -53,9 +53,39 @@ inline float hmax16(f32x16 m) {
   return m[0];
 }
 
-inline f32x16 exp16_nonpositive(f32x16 x) {
-  return loraserve_attention::exp_lanes_nonpositive<f32x16, i32x16>(x, splat16(-87.0f), splat16(12582912.0f));
+inline VecF exp_v(VecF x) {
+  return loraserve_attention::exp_lanes_nonpositive<VecF, VecI>(x, splat_v(-87.0f), splat_v(12582912.0f));
 }
+#else
+using VecF = loraserve_simd::f32x8;
+using VecI = loraserve_simd::i32x8;
+using loraserve_simd::i32x8;  // (LORASERVE_SHUFFLE2 names it)
+constexpr int64_t kChunk = 8;
+constexpr VecI kLaneIds = {0, 1, 2, 3, 4, 5, 6, 7};
+inline VecF splat_v(float x) { return loraserve_simd::splat8(x); }
+
+inline float hmax_v(VecF m) {
+  VecF t = LORASERVE_SHUFFLE2(m, m, 4, 5, 6, 7, 0, 1, 2, 3);
+  m = m > t ? m : t;
+  t = LORASERVE_SHUFFLE2(m, m, 2, 3, 0, 1, 6, 7, 4, 5);
+  m = m > t ? m : t;
+  t = LORASERVE_SHUFFLE2(m, m, 1, 0, 3, 2, 5, 4, 7, 6);
+  m = m > t ? m : t;
+  return m[0];
+}
+
+inline VecF exp_v(VecF x) { return loraserve_attention::exp8_nonpositive(x); }
+#endif
+
+inline VecF load_v(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store_v(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
+
+constexpr int64_t kQueryBlock = 64;  // query rows per work item (the gathered keys and values serve them all)
+constexpr int64_t kVecBlock = 4;     // query vectors whose scores and outputs are computed together
 
 struct WorkItem {
   int64_t seq, kv_head, row0, rows;
@@ -87,7 +117,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
     const int64_t vecs = kQueryBlock * group;  // query vectors of an item: rows x heads of the group
     std::vector<float> keys_t(head_dim * kChunk), values(kChunk * head_dim), q(vecs * head_dim), acc(vecs * head_dim);
     std::vector<float> max_score(vecs);
-    std::vector<f32x16> sums(vecs);
+    std::vector<VecF> sums(vecs);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item_index = 0; item_index < num_items; ++item_index) {
       const WorkItem item = items[item_index];
@@ -101,7 +131,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
         }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(max_score.begin(), max_score.end(), -std::numeric_limits<float>::infinity());
-      std::fill(sums.begin(), sums.end(), splat16(0.f));
+      std::fill(sums.begin(), sums.end(), splat_v(0.f));
       const int64_t num_keys = num_cached + item.row0 + item.rows;  // the last row sees positions < this
       for (int64_t j0 = 0; j0 < num_keys; j0 += kChunk) {
         const int64_t chunk = std::min(kChunk, num_keys - j0);
@@ -127,38 +157,38 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
           // scores of kVecBlock query vectors at once: independent accumulators, each key row loaded once
           const float* qs[kVecBlock];
           for (int64_t b = 0; b < kVecBlock; ++b) qs[b] = q.data() + std::min(v0 + b, v_end - 1) * head_dim;
-          f32x16 scores[kVecBlock];
-          for (int64_t b = 0; b < kVecBlock; ++b) scores[b] = splat16(0.f);
+          VecF scores[kVecBlock];
+          for (int64_t b = 0; b < kVecBlock; ++b) scores[b] = splat_v(0.f);
           for (int64_t d = 0; d < head_dim; ++d) {
-            const f32x16 key = load16(keys_t.data() + d * kChunk);
-            for (int64_t b = 0; b < kVecBlock; ++b) scores[b] += splat16(qs[b][d]) * key;
+            const VecF key = load_v(keys_t.data() + d * kChunk);
+            for (int64_t b = 0; b < kVecBlock; ++b) scores[b] += splat_v(qs[b][d]) * key;
           }
           float p[kVecBlock][kChunk];
           float correction[kVecBlock];
           for (int64_t b = 0; b < nv; ++b) {  // the online-softmax step of each vector
             const int64_t v = v0 + b, i = v / group;
             const int64_t valid = std::min(chunk, num_cached + item.row0 + i + 1 - j0);  // causal: <= own
-            const auto visible_lanes = kLanes < static_cast<int32_t>(valid);
-            const f32x16 masked = visible_lanes ? scores[b] : splat16(-std::numeric_limits<float>::infinity());
-            const float new_max = std::max(max_score[v], hmax16(masked));
+            const auto visible_lanes = kLaneIds < static_cast<int32_t>(valid);
+            const VecF masked = visible_lanes ? scores[b] : splat_v(-std::numeric_limits<float>::infinity());
+            const float new_max = std::max(max_score[v], hmax_v(masked));
             correction[b] = loraserve_attention::exp_nonpositive(max_score[v] - new_max);
-            const f32x16 probs = visible_lanes ? exp16_nonpositive(scores[b] - new_max) : splat16(0.f);
-            store16(p[b], probs);
+            const VecF probs = visible_lanes ? exp_v(scores[b] - new_max) : splat_v(0.f);
+            store_v(p[b], probs);
             sums[v] = sums[v] * correction[b] + probs;  // lane-wise: one horizontal sum at the end
             max_score[v] = new_max;
           }
-          // acc_v = acc_v * correction + p_v @ V, 16 columns of head_dim at a time held in registers
+          // acc_v = acc_v * correction + p_v @ V, kChunk columns of head_dim at a time held in registers
           int64_t d0 = 0;
-          for (; d0 + 16 <= head_dim; d0 += 16) {
-            f32x16 out[kVecBlock];
-            for (int64_t b = 0; b < nv; ++b) out[b] = load16(acc.data() + (v0 + b) * head_dim + d0) * correction[b];
+          for (; d0 + kChunk <= head_dim; d0 += kChunk) {
+            VecF out[kVecBlock];
+            for (int64_t b = 0; b < nv; ++b) out[b] = load_v(acc.data() + (v0 + b) * head_dim + d0) * correction[b];
             for (int64_t jj = 0; jj < chunk; ++jj) {
-              const f32x16 value = load16(values.data() + jj * head_dim + d0);
-              for (int64_t b = 0; b < nv; ++b) out[b] += splat16(p[b][jj]) * value;
+              const VecF value = load_v(values.data() + jj * head_dim + d0);
+              for (int64_t b = 0; b < nv; ++b) out[b] += splat_v(p[b][jj]) * value;
             }
-            for (int64_t b = 0; b < nv; ++b) store16(acc.data() + (v0 + b) * head_dim + d0, out[b]);
+            for (int64_t b = 0; b < nv; ++b) store_v(acc.data() + (v0 + b) * head_dim + d0, out[b]);
           }
-          for (int64_t b = 0; b < nv; ++b) {  // the columns past the last multiple of 16
+          for (int64_t b = 0; b < nv; ++b) {  // the columns past the last multiple of kChunk
             float* a = acc.data() + (v0 + b) * head_dim;
             for (int64_t d = d0; d < head_dim; ++d) {
               float total = a[d] * correction[b];
