@@ -5,8 +5,8 @@
 // the sequence's context kChunk positions at a time (one vector register: 16 lanes with AVX-512,
 // 8 otherwise), as far as its last row may look (causal): those keys and values of its KV head are
 // gathered from their pages (any block size, any dtype) into float buffers, keys transposed; then,
-// 4 query vectors (row x head of the group) at a time, kChunk scores each come out of one
-// accumulator over head_dim (4 independent chains, each key row loaded once), and an
+// 6 query vectors (row x head of the group) at a time, kChunk scores each come out of one
+// accumulator over head_dim (6 independent chains, each key row loaded once), and an
 // online-softmax step folds them into the vectors' outputs, kChunk columns at a time in registers.
 // Every page id a sequence uses is checked against the pool before any work starts.
 #include <torch/extension.h>
@@ -85,7 +85,7 @@ inline VecF load_v(const float* p) {
 inline void store_v(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
 
 constexpr int64_t kQueryBlock = 64;  // query rows per work item (the gathered keys and values serve them all)
-constexpr int64_t kVecBlock = 4;     // query vectors whose scores and outputs are computed together
+constexpr int64_t kVecBlock = 6;     // query vectors whose scores and outputs are computed together
 
 struct WorkItem {
   int64_t seq, kv_head, row0, rows;
@@ -178,7 +178,30 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
             max_score[v] = new_max;
           }
           // acc_v = acc_v * correction + p_v @ V, kChunk columns of head_dim at a time held in registers
+          // (two column vectors per pass where they fit: each broadcast probability feeds two FMAs)
           int64_t d0 = 0;
+          for (; d0 + 2 * kChunk <= head_dim; d0 += 2 * kChunk) {
+            VecF low[kVecBlock], high[kVecBlock];
+            for (int64_t b = 0; b < nv; ++b) {
+              const float* a = acc.data() + (v0 + b) * head_dim + d0;
+              low[b] = load_v(a) * correction[b];
+              high[b] = load_v(a + kChunk) * correction[b];
+            }
+            for (int64_t jj = 0; jj < chunk; ++jj) {
+              const VecF value_low = load_v(values.data() + jj * head_dim + d0);
+              const VecF value_high = load_v(values.data() + jj * head_dim + d0 + kChunk);
+              for (int64_t b = 0; b < nv; ++b) {
+                const VecF weight = splat_v(p[b][jj]);
+                low[b] += weight * value_low;
+                high[b] += weight * value_high;
+              }
+            }
+            for (int64_t b = 0; b < nv; ++b) {
+              float* a = acc.data() + (v0 + b) * head_dim + d0;
+              store_v(a, low[b]);
+              store_v(a + kChunk, high[b]);
+            }
+          }
           for (; d0 + kChunk <= head_dim; d0 += kChunk) {
             VecF out[kVecBlock];
             for (int64_t b = 0; b < nv; ++b) out[b] = load_v(acc.data() + (v0 + b) * head_dim + d0) * correction[b];
