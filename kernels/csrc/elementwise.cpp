@@ -189,12 +189,8 @@ inline u32x8 bf16_bits8(f32x8 v) {  // round to nearest even; NaN a quiet NaN
 }
 inline void store8_f(float* p, f32x8 v) { loraserve_simd::store8(p, v); }
 inline void store8_f(at::BFloat16* p, f32x8 v) {
-  using u16x16 = uint16_t __attribute__((vector_size(32)));
-  u16x16 halves;  // little-endian: element 2i is the low half of 32-bit lane i
-  const u32x8 bits = bf16_bits8(v);
-  std::memcpy(&halves, &bits, sizeof(halves));
-  const u16x8 low = __builtin_shufflevector(halves, halves, 0, 2, 4, 6, 8, 10, 12, 14);
-  std::memcpy(p, &low, sizeof(low));
+  const u16x8 half = __builtin_convertvector(bf16_bits8(v), u16x8);
+  std::memcpy(p, &half, sizeof(half));
 }
 inline f32x8 round8_f(f32x8 v, const float*) { return v; }
 inline f32x8 round8_f(f32x8 v, const at::BFloat16*) {
