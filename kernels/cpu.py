@@ -259,7 +259,7 @@ def write_kv_(
 
 
 def rope_(
-    x: torch.Tensor,  # [num_tokens, heads, head_dim] float32 or bfloat16, contiguous, rotated in place
+    x: torch.Tensor,  # [num_tokens, heads, head_dim] float32 or bfloat16, heads contiguous; rotated in place
     cos: torch.Tensor,  # [num_tokens, head_dim], x's dtype
     sin: torch.Tensor,  # [num_tokens, head_dim]
 ) -> None:

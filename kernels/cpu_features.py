@@ -22,6 +22,7 @@ ISA_FEATURES = (
     "fma",
     "f16c",
     "avx_vnni",
+    "avx_ne_convert",
     "avx512f",
     "avx512dq",
     "avx512cd",
@@ -48,6 +49,12 @@ class CpuInfo:
 
     def has(self, feature: str) -> bool:
         return feature in self.features
+
+    @property
+    def onednn_bfloat16(self) -> bool:
+        """Whether oneDNN can pack and run bfloat16 linear weights here: torch's mkldnn bfloat16
+        path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT and raises on other CPUs."""
+        return self.has("avx_ne_convert") or all(self.has(f) for f in ("avx512bw", "avx512vl", "avx512dq"))
 
     @property
     def vector_isa(self) -> str:

@@ -220,6 +220,12 @@ def test_rope_bfloat16_in_place_equals_the_model_rope_bit_for_bit() -> None:
     expected = tables.apply(x)  # the model's torch ops in bfloat16
     cpu.rope_(x, tables.cos, tables.sin)
     assert torch.equal(x, expected)
+    # q as a column slice of one q/k/v output (the unpacked projections): tokens at a wider stride
+    qkv = torch.randn(23, (9 + 3 + 3) * 64, generator=gen).to(torch.bfloat16)
+    q = qkv[:, : 9 * 64].view(23, 9, 64)
+    expected, rest = tables.apply(q.contiguous()), qkv[:, 9 * 64 :].clone()
+    cpu.rope_(q, tables.cos, tables.sin)
+    assert torch.equal(q, expected) and torch.equal(qkv[:, 9 * 64 :], rest)
 
 
 

@@ -166,8 +166,11 @@ def test_padded_rows_change_no_real_row_and_no_page(tiny_model_dir: Path, adapte
         runner.storage.copy_(before)
         padded = graphs.run(forward_batch)
         assert padded is not None and graphs.padded_size(3) == 4
-        torch.testing.assert_close(padded, eager, rtol=0, atol=1e-5)
-        assert torch.equal(runner.storage, written)  # padding wrote nothing; real rows wrote the same
+        # (a leak of padded rows would differ by O(1); F.linear's kernels for 3 and 4 rows may sum in
+        # different orders: 1.1e-5 seen on an AVX2 EPYC)
+        torch.testing.assert_close(padded, eager, rtol=0, atol=1e-4)
+        assert torch.equal(runner.storage != before, written != before)  # padding wrote no other slot
+        torch.testing.assert_close(runner.storage, written, rtol=0, atol=1e-4)  # real rows wrote the same
         assert not torch.equal(written, before)
 
 

@@ -17,7 +17,7 @@ from loraserve.config import ConfigError, EngineConfig
 from loraserve.models import gemm_choice
 from loraserve.models.cpu_load import DISTURBED_CORES
 from loraserve.models.gemm_choice import GemmPolicy, pack_linears, pick_kernels
-from loraserve.models.packed_linear import ROW_BUCKETS, GemmKernel, PackedLinear, PackedLinearGroup
+from loraserve.models.packed_linear import ROW_BUCKETS, GemmKernel, PackedLinear, PackedLinearGroup, kernels_for
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
 
@@ -221,6 +221,9 @@ def test_bfloat16_weights_run_on_onednn_and_follow_the_float32_model(tiny_model_
     """bfloat16 has no panel kernel; oneDNN (AMX or AVX-512-BF16 where the CPU has them) runs it."""
     from loraserve import LLM, SamplingParams
 
+    if not cpu_features.cpu_info().onednn_bfloat16:
+        pytest.skip("oneDNN's bfloat16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks")
+
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompt = ["1 2 3 4 5 6 7 8 9 10 11 12"]
     llm = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu", dtype="bfloat16", cpu_gemm="onednn")
@@ -231,3 +234,19 @@ def test_bfloat16_weights_run_on_onednn_and_follow_the_float32_model(tiny_model_
     bf16 = llm.generate(prompt, params, use_tqdm=False)[0].token_ids
     fp32 = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu").generate(prompt, params, use_tqdm=False)
     assert len(bf16) == 6 and bf16[:2] == fp32[0].token_ids[:2]  # bfloat16 rounding may part them later
+
+
+def test_bfloat16_where_onednn_cannot_run_it_uses_torch(tiny_model_dir: Path) -> None:
+    """On a CPU without oneDNN's bfloat16 path (AVX2 only) bfloat16 weights run on ``F.linear``, not
+    on a oneDNN reorder that raises; forcing oneDNN is refused by name."""
+    from loraserve import LLM, SamplingParams
+
+    if cpu_features.cpu_info().onednn_bfloat16:
+        pytest.skip("this CPU runs oneDNN's bfloat16 path (the test above covers it)")
+    assert D not in kernels_for(torch.bfloat16)
+    llm = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu", dtype="bfloat16")
+    assert all(set(kernels) == {T} for kernels in llm.engine.gemm_plan.choices.values())
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(["1 2 3 4"], params, use_tqdm=False)[0].token_ids) == 4
+    with pytest.raises(ValueError, match="cpu_gemm='onednn' cannot run"):
+        LLM(str(tiny_model_dir), num_pages=64, kernels="cpu", dtype="bfloat16", cpu_gemm="onednn")

@@ -105,14 +105,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
 namespace {
 
 template <typename T>
-void rope_impl(T* x_ptr, const T* c_ptr, const T* s_ptr, int64_t tokens, int64_t heads, int64_t dim) {
+void rope_impl(T* x_ptr, int64_t token_stride, const T* c_ptr, const T* s_ptr, int64_t tokens, int64_t heads,
+               int64_t dim) {
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = c_ptr + t * dim;
       const T* s = s_ptr + t * dim;
       for (int64_t h = 0; h < heads; ++h) {
-        T* v = x_ptr + (t * heads + h) * dim;
+        T* v = x_ptr + t * token_stride + h * dim;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float lo = load_f(v[i]), hi = load_f(v[i + half]);
@@ -133,15 +134,17 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && cos.scalar_type() == dtype &&
                   sin.scalar_type() == dtype,
               "rope_ is float32 or bfloat16 only, cos and sin in the same dtype as x");
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
-              "rope_: x [num_tokens, heads, head_dim] contiguous, cos/sin [num_tokens, head_dim]");
+  // x may be a slice of a wider output (q or k of one q/k/v GEMM): its tokens at any stride
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "rope_: x [num_tokens, heads, head_dim] with contiguous heads, cos/sin [num_tokens, head_dim]");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   TORCH_CHECK(cos.size(0) == tokens && cos.size(1) == dim && sin.sizes() == cos.sizes(), "rope_: cos/sin shape");
   if (dtype == at::kFloat) {
-    rope_impl<float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, heads, dim);
+    rope_impl<float>(x.data_ptr<float>(), x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, heads, dim);
   } else {
     using bf16 = at::BFloat16;
-    rope_impl<bf16>(x.data_ptr<bf16>(), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(), tokens, heads, dim);
+    rope_impl<bf16>(x.data_ptr<bf16>(), x.stride(0), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(), tokens, heads, dim);
   }
 }
 #pragma GCC pop_options

@@ -120,6 +120,11 @@ def pack_linears(model: nn.Module, policy: GemmPolicy) -> GemmPlan:
     other ``nn.Linear`` child is replaced by a ``PackedLinear``. Leaves the model as it is when
     its weights cannot be packed; packing twice packs nothing more.
     """
+    if policy.kernel not in ("auto", GemmKernel.TORCH.value):  # a forced kernel must run every layer
+        forced = GemmKernel(policy.kernel)
+        for layer in model.modules():
+            if type(layer) is nn.Linear and forced not in kernels_for(layer.weight.dtype):
+                raise ValueError(f"cpu_gemm={forced.value!r} cannot run {layer.weight.dtype} weights on this build")
     targets: _Targets = {}
     buckets: dict[GemmShape, int] = {}
 

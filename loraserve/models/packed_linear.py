@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.kernels import cpu
+from loraserve.kernels import cpu, cpu_features
 
 # A call with r rows uses the bucket nearest r on a log scale; 2,048 is the default prefill chunk
 # (max_num_batched_tokens), where the best kernel can differ from 1,024's.
@@ -60,7 +60,8 @@ def kernels_for(dtype: torch.dtype) -> tuple[GemmKernel, ...]:
     available: list[GemmKernel] = []
     if dtype == torch.float32 and cpu.load_extension() is not None:
         available.append(GemmKernel.PANELS)
-    if dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+    onednn_dtype = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_features.cpu_info().onednn_bfloat16)
+    if onednn_dtype and torch.backends.mkldnn.is_available():
         available.append(GemmKernel.ONEDNN)
     available.append(GemmKernel.TORCH)
     return tuple(available)
