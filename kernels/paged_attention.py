@@ -16,6 +16,7 @@ These functions run on the CPU serving path and are the reference for GPU kernel
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,63 @@ def paged_decode_attention(
         enable_gqa=True,
     )  # [num_seqs, num_heads, 1, head_dim]
     return out.squeeze(2)
+
+
+@dataclass(frozen=True)
+class StepIndex:
+    """One step's index tensors for ``write_kv_indexed`` and ``paged_decode_attention_indexed``,
+    built once (``build``) and used by every layer: the torch path's per-layer work is then the
+    KV write, one gather and one SDPA, with no index arithmetic repeated per layer."""
+
+    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # page [T, 1], K or V [1, 2], offset [T, 1] (int64)
+    decode_rows: torch.Tensor | None  # [2 * num_seqs * max_blocks] int64: K pages of all, then V pages
+    decode_mask: torch.Tensor | None  # [num_seqs, 1, 1, max_blocks * block_size] bool: in the context
+
+    @staticmethod
+    def build(
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        block_size: int,
+        decode_block_tables: torch.Tensor | None = None,  # [num_seqs, max_blocks] int64 (decode-only steps)
+        decode_context_lens: torch.Tensor | None = None,  # [num_seqs] int64
+    ) -> StepIndex:
+        device = slot_mapping.device
+        kinds = torch.arange(2, device=device)[None, :]  # [1, 2]
+        write = ((slot_mapping // block_size)[:, None], kinds, (slot_mapping % block_size)[:, None])
+        if decode_block_tables is None or decode_context_lens is None:
+            return StepIndex(write, None, None)
+        # Row r of kv viewed as [num_pages * 2, B, ...] is page r // 2's K (r even) or V (r odd).
+        rows = (2 * decode_block_tables.reshape(1, -1) + kinds.T).reshape(-1)  # [2 * num_seqs * max_blocks]
+        positions = torch.arange(decode_block_tables.shape[1] * block_size, device=device)  # [L]
+        mask = (positions[None, :] < decode_context_lens[:, None])[:, None, None, :]  # [num_seqs, 1, 1, L]
+        return StepIndex(write, rows, mask)
+
+
+def write_kv_indexed(
+    kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]
+    new_kv: torch.Tensor,  # [num_tokens, 2, num_kv_heads, head_dim]: each token's K and V
+    index: StepIndex,
+) -> None:
+    """``write_kv`` in one op, K and V together, with the step's precomputed slots."""
+    kv.index_put_(index.write, new_kv)
+
+
+def paged_decode_attention_indexed(
+    query: torch.Tensor,  # [num_seqs, num_heads, 1, head_dim]
+    kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]
+    index: StepIndex,  # built with the step's decode block tables and context lengths
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, 1, head_dim]
+    """``paged_decode_attention`` with the step's precomputed gather rows and mask: one gather of
+    K and V pages together, one SDPA."""
+    assert index.decode_rows is not None and index.decode_mask is not None, "no decode tables in this index"
+    num_seqs = query.shape[0]
+    _, _, block_size, num_kv_heads, head_dim = kv.shape
+    pages = kv.reshape(-1, block_size, num_kv_heads, head_dim).index_select(0, index.decode_rows)
+    shape = (2, num_seqs, -1, num_kv_heads, head_dim)  # K and V of each sequence's blocks, in order
+    keys, values = pages.view(shape).transpose(2, 3).unbind(0)  # each [num_seqs, num_kv_heads, L, head_dim]
+    return F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=index.decode_mask, scale=scale, enable_gqa=True
+    )
 
 
 def paged_prefill_attention(

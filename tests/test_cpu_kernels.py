@@ -176,7 +176,7 @@ def test_rms_norm_matches_the_model_norm() -> None:
 
 
 def test_rope_in_place_equals_apply_rope_bit_for_bit() -> None:
-    from loraserve.models.llama import apply_rope
+    from loraserve.models.rope import apply_rope
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(23, 6, 64, generator=gen)
@@ -211,7 +211,7 @@ def test_rms_norm_bfloat16_rounds_where_the_model_norm_rounds() -> None:
 
 
 def test_rope_bfloat16_in_place_equals_the_model_rope_bit_for_bit() -> None:
-    from loraserve.models.llama import RotaryEmbedding
+    from loraserve.models.rope import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(7)
     config = type("Config", (), {"head_dim": 64, "hidden_size": 576, "num_attention_heads": 9, "rope_theta": 1e5})()

@@ -24,8 +24,11 @@ from loraserve.llm_engine import LLMEngine
 
 # Ops of one decoder layer in a decode step of the torch backend without adapters (torch 2.13):
 # 73 before the step-path work (separate q/k/v and gate/up GEMMs, RoPE tables per layer, no-op
-# casts); what it is now.
-TORCH_OPS_PER_LAYER = 62
+# casts, per-layer index arithmetic for the KV write and gather); 62 with fused q/k/v and gate/up;
+# now RoPE runs in place on the q/k/v output (roll, two mul_, add_ over all heads), K and V are
+# written by one index_put_, and the gather rows, mask and slots are built once per step.
+TORCH_OPS_BEFORE = 73
+TORCH_OPS_PER_LAYER = 36
 
 
 class OpCounter(TorchDispatchMode):
@@ -118,7 +121,10 @@ def test_a_decode_step_makes_one_upload_and_one_download(
 def test_torch_ops_per_decoder_layer(tiny_model_dir: Path) -> None:
     ops = ops_of_one_layer(decoding_engine(tiny_model_dir, "torch", {}))
     assert sum(ops.values()) == TORCH_OPS_PER_LAYER, ops.most_common()
+    assert TORCH_OPS_PER_LAYER <= TORCH_OPS_BEFORE // 2  # issue 15's target: at most half
     assert ops["aten.linear.default"] == 4  # qkv, o, gate_up, down
+    assert ops["aten.index_put_.default"] == 1  # K and V together
+    assert ops["aten.index_select.default"] == 1  # the pages of K and V together
 
 
 def ops_of_one_layer(engine: LLMEngine) -> collections.Counter[str]:

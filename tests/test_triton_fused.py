@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from loraserve.kernels.paged_attention import write_kv
 
-from loraserve.models.llama import RMSNorm, apply_rope
+from loraserve.models.llama import RMSNorm
+from loraserve.models.rope import apply_rope
 
 triton_fused = pytest.importorskip("loraserve.kernels.triton_fused")
 

@@ -5,7 +5,7 @@
 // over all of K: per k, two weight vectors (one row of the panel, contiguous) and one broadcast
 // input element per row, 12 FMAs. A panel ([K, 16], at most ~100 KB) stays in L1/L2 while every
 // row block of the input passes over it, so each weight is read from memory once per block of
-// 64 rows; the next panel is prefetched a cache line at a time during those passes.
+// 144 rows; the next panel is prefetched a cache line at a time during those passes.
 //
 // Where the build targets AVX-512 (-march=native on such a CPU; the build is cached per CPU
 // signature), a second tiling runs instead: two panels side by side (32 columns, two 16-lane
@@ -33,7 +33,9 @@ using loraserve_simd::store8;
 
 constexpr int64_t kPanel = 16;     // output columns per panel: two 8-lane vectors
 constexpr int kTileRows = 6;       // 6 x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of 16 registers
-constexpr int64_t kRowBlock = 64;  // input rows whose passes over one panel run back to back
+// Input rows whose passes over one panel run back to back: a multiple of both tilings' rows (6
+// and 12), so only a call's last block has a short tile; each panel is fetched once per block.
+constexpr int64_t kRowBlock = 144;
 
 // One panel's output columns for R rows: c[i, j] = bias[j] + sum_k a[i, k] * panel[k, j].
 // While it runs it prefetches lines first, first + every, ... of `next` (a panel's line is one

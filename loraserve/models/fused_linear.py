@@ -54,9 +54,17 @@ class ConcatLinear(nn.Module):
         self._key = self._key_of(members)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [rows, in] -> each [rows, out_i], views
+        return self.split(self.fused(x))
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, sum(out_i)]
+        """The one GEMM's output, all members' columns side by side."""
         self.refresh()
         assert self._weight is not None
-        return F.linear(x, self._weight, self._bias).split(self.out_sizes, dim=-1)
+        return F.linear(x, self._weight, self._bias)
+
+    def split(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [rows, sum(out_i)] -> each [rows, out_i]
+        """Each member's columns of ``fused`` (views)."""
+        return fused.split(self.out_sizes, dim=-1)
 
     def extra_repr(self) -> str:
         return f"fuses {', '.join(self.names)}"

@@ -15,9 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve.forward_batch import ForwardBatch
-from loraserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_varlen, write_kv
+from loraserve.kernels.paged_attention import (
+    StepIndex,
+    paged_decode_attention,
+    paged_decode_attention_indexed,
+    paged_prefill_attention_varlen,
+    write_kv,
+    write_kv_indexed,
+)
 from loraserve.models.fused_linear import ConcatLinear
 from loraserve.models.packed_linear import PackedLinearGroup
+from loraserve.models.rope import RopeTables, RotaryEmbedding, head_dim
 
 # (input, layer_index, group, outputs, batch): adds the LoRA deltas of one input group
 # ("qkv", "o", "gate_up", "down") to its projections' outputs in place.
@@ -68,6 +76,21 @@ class ModelKernels:
     rope_write_kv: RopeWriteKV | None = None
     silu_and_mul: SiluAndMul | None = None
 
+    @property
+    def is_reference(self) -> bool:
+        """Whether these are the torch references throughout (the ``torch`` backend): the model then
+        rotates q/k/v in place in their GEMM output and indexes the KV pages once per step."""
+        return self == ModelKernels()
+
+
+@dataclass(frozen=True)
+class StepTables:
+    """What every layer reads in one step, computed once before the first: the rotary tables and,
+    on the reference kernels, the step's KV index."""
+
+    rope: RopeTables
+    index: StepIndex | None = None
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, fused: FusedRMSNorm | None = None) -> None:
@@ -90,68 +113,6 @@ class RMSNorm(nn.Module):
         return self.weight * (hidden if dtype == torch.float32 else hidden.to(dtype))
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE with Hugging Face's inverse-frequency rules (default, linear, llama3, yarn, ...)."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type in ("dynamic", "longrope"):
-            raise ValueError(f"rope_type {rope_type!r} depends on the sequence length and is not supported")
-        if rope_type == "default":
-            base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            head_dim = _head_dim(config)
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-            self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 2]
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [num_tokens, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        cos = (emb.cos() * self.attention_scaling).to(dtype)
-        sin = (emb.sin() * self.attention_scaling).to(dtype)
-        half = sin.shape[-1] // 2
-        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign folded in
-        return RopeTables(cos, sin, cos[:, None, :], sin_signed[:, None, :])
-
-
-@dataclass(frozen=True)
-class RopeTables:
-    """One step's rotary tables, computed once for every layer."""
-
-    cos: torch.Tensor  # [num_tokens, head_dim]
-    sin: torch.Tensor  # [num_tokens, head_dim]
-    cos_heads: torch.Tensor  # [num_tokens, 1, head_dim]
-    sin_signed_heads: torch.Tensor  # [num_tokens, 1, head_dim], first half negated
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, heads, head_dim]
-        """``apply_rope(x, cos, sin)`` with the per-step parts precomputed: the halves swapped by one
-        flip, the sign of rotate-half taken from the table (bit for bit the same products and sum)."""
-        num_tokens, heads, head_dim = x.shape
-        swapped = x.view(num_tokens, heads, 2, head_dim // 2).flip(2).view(num_tokens, heads, head_dim)
-        return x * self.cos_heads + swapped * self.sin_signed_heads
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The reference: x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
-
-
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class LlamaAttention(nn.Module):
     fused_groups: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_packed": ("q_proj", "k_proj", "v_proj")}
 
@@ -160,7 +121,7 @@ class LlamaAttention(nn.Module):
         self.layer_index = layer_index
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = head_dim(config)
         self.scale = self.head_dim**-0.5
         bias = bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
@@ -180,11 +141,13 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]
-        rope: RopeTables,
+        tables: StepTables,
         kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]
         batch: ForwardBatch,
         lora: LoRAHook | None,
     ) -> torch.Tensor:
+        if tables.index is not None and isinstance(self.qkv_packed, ConcatLinear):
+            return self._forward_reference(hidden, tables, kv, batch, lora)
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_packed(hidden)
         if lora is not None:
@@ -193,14 +156,49 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.rope_write_kv is not None:
-            self.rope_write_kv(q, k, v, rope.cos, rope.sin, kv, batch.slot_mapping)
+            self.rope_write_kv(q, k, v, tables.rope.cos, tables.rope.sin, kv, batch.slot_mapping)
         else:
             if self.fused_rope is not None:
-                self.fused_rope(q, rope.cos, rope.sin)
-                self.fused_rope(k, rope.cos, rope.sin)
+                self.fused_rope(q, tables.rope.cos, tables.rope.sin)
+                self.fused_rope(k, tables.rope.cos, tables.rope.sin)
             else:
-                q, k = rope.apply(q), rope.apply(k)
+                q, k = tables.rope.apply(q), tables.rope.apply(k)
             self.write_kv(kv, k, v, batch.slot_mapping)
+        return self._project(self._attend(q, k, v, kv, batch), batch, lora)
+
+    def _forward_reference(
+        self, hidden: torch.Tensor, tables: StepTables, kv: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None
+    ) -> torch.Tensor:
+        """The torch references' path: q, k and v stay head views of their one GEMM output, rotated
+        there together; K and V are written in one op, and a decode-only step's attention is one
+        gather and one SDPA over the step's index."""
+        assert isinstance(self.qkv_packed, ConcatLinear) and tables.index is not None
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_packed.fused(hidden)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        if lora is not None:
+            lora(hidden, self.layer_index, "qkv", self.qkv_packed.split(qkv), batch)
+        heads = qkv.view(num_tokens, -1, 1, self.head_dim)  # [num_tokens, num_heads + 2 * num_kv_heads, 1, head_dim]
+        tables.rope.apply_to_qkv_(heads)
+        # q: [num_tokens, num_heads, 1, head_dim]; kv_heads: [num_tokens, 2 * num_kv_heads, 1, head_dim]
+        q, kv_heads = heads.split([self.num_heads, 2 * self.num_kv_heads], dim=1)
+        new_kv = kv_heads.view(num_tokens, 2, self.num_kv_heads, self.head_dim)  # [num_tokens, 2, kv_heads, head_dim]
+        write_kv_indexed(kv, new_kv, tables.index)
+        if tables.index.decode_rows is not None:  # a decode-only step
+            out = paged_decode_attention_indexed(q, kv, tables.index, self.scale)  # [num_tokens, heads, 1, head_dim]
+        else:
+            k, v = new_kv.unbind(1)  # each [num_tokens, num_kv_heads, head_dim]
+            out = self._attend(q.view(num_tokens, self.num_heads, self.head_dim), k, v, kv, batch)
+        return self._project(out.view(num_tokens, self.num_heads * self.head_dim), batch, lora)
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated (already written to kv)
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        num_tokens = q.shape[0]
         decode = (kv, batch.decode_block_tables, batch.decode_context_lens, self.scale)
         prefill = batch.prefill
         num_decode = batch.num_decode_tokens
@@ -220,7 +218,10 @@ class LlamaAttention(nn.Module):
                 out[rows] = prefill_out
             else:
                 out = prefill_out  # [num_tokens, num_heads, head_dim]
-        attn = out.view(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
+        return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _project(self, attn: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
+        """o_proj (and its LoRA) of ``attn`` ``[num_tokens, num_heads * head_dim]``."""
         result = self.o_proj(attn)
         if lora is not None:
             lora(attn, self.layer_index, "o", (result,), batch)
@@ -266,13 +267,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rope: RopeTables,
+        tables: StepTables,
         kv: torch.Tensor,
         batch: ForwardBatch,
         lora: LoRAHook | None,
     ) -> torch.Tensor:
         """``hidden`` is the residual stream; it is updated in place and returned."""
-        attn = self.self_attn(self.input_layernorm(hidden), rope, kv, batch, lora)
+        attn = self.self_attn(self.input_layernorm(hidden), tables, kv, batch, lora)
         normed = self.post_attention_layernorm(attn, residual=hidden)  # hidden += attn
         return hidden.add_(self.mlp(normed, batch, lora))
 
@@ -302,8 +303,16 @@ class LlamaForCausalLM(nn.Module):
         self, batch: ForwardBatch, kv_caches: list[torch.Tensor], lora: LoRAHook | None = None
     ) -> torch.Tensor:  # [num_sampled, vocab]
         hidden = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
-        rope = self.model.rotary_emb(batch.positions, hidden.dtype)
+        tables = self._step_tables(batch, hidden.dtype, block_size=kv_caches[0].shape[2])
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv, batch, lora)
+            hidden = layer(hidden, tables, kv, batch, lora)
         hidden = self.model.norm(hidden[batch.logits_indices])  # [num_sampled, hidden]
         return self.lm_head(hidden).float()
+
+    def _step_tables(self, batch: ForwardBatch, dtype: torch.dtype, block_size: int) -> StepTables:
+        if not self.kernels.is_reference:
+            return StepTables(self.model.rotary_emb(batch.positions, dtype))
+        heads = (self.config.num_attention_heads, self.config.num_key_value_heads)
+        rope = self.model.rotary_emb(batch.positions, dtype, qkv_heads=heads)
+        decode = (batch.decode_block_tables, batch.decode_context_lens) if batch.prefill is None else (None, None)
+        return StepTables(rope, StepIndex.build(batch.slot_mapping, block_size, *decode))
