@@ -1,7 +1,7 @@
 """The CPU GEMM kernels (panels, oneDNN, torch) and the layers on them, against ``F.linear``.
 
-Row counts cover a partial register tile (1, 5, 7 rows), whole tiles and row blocks (6, 64),
-and several row blocks with a ragged end (130); output widths that are not multiples of the
+Row counts cover a partial register tile (1, 5, 7 rows), whole tiles and a whole row block (6,
+64, 144), and several row blocks with a ragged end (301); output widths that are not multiples of the
 16-column panel check the padded last panel; groups check that each output gets exactly its
 own panels. The reference is ``F.linear`` in float64, and the kernel is held to the error
 that ``F.linear`` in float32 makes against it (times 2, plus a little absolute slack): a
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CP
 KERNELS = list(GemmKernel)
 FORCED = GemmPolicy("panels")
 
-ROWS = [0, 1, 5, 6, 7, 64, 130]
+ROWS = [0, 1, 5, 6, 7, 64, 144, 301]
 
 
 def assert_float_close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
