@@ -23,6 +23,7 @@ from loraserve.adapters import (
 )
 from loraserve.config import ConfigError, EngineConfig
 from loraserve.detokenizer import Detokenizer
+from loraserve.host_memory import keep_freed_blocks
 from loraserve.kernel_backend import select_backend
 from loraserve.kernels import cpu
 from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, tokens_at_most
@@ -63,6 +64,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_blocks()  # a step's activations reuse the last step's memory, not fresh pages
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)

@@ -28,15 +28,22 @@ from loraserve.kernels.paged_attention import paged_decode_attention, write_kv
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
 
 
-# float32 with head_dim 32/64/128 and block_size a multiple of 8 runs the register-tiled kernel
-# (csrc/decode_attention_f32.h), the other cases the generic one: both against the reference.
-TILED_CASES = [(8, 2, 128, 16), (4, 2, 64, 8)]
+# float32 with head_dim 16/32/48/64/96/128 and block_size a multiple of 8 runs the register-tiled
+# kernel (csrc/decode_attention_f32.h), the other cases the generic one: both against the reference.
+TILED_CASES = [(8, 2, 128, 16), (4, 2, 64, 8), (4, 2, 16, 16), (6, 3, 48, 8), (4, 1, 96, 16)]
 
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     ATTENTION_CASES + TILED_CASES,
-    ids=[*ATTENTION_IDS, "tiled-head-dim-128", "tiled-block-8"],
+    ids=[
+        *ATTENTION_IDS,
+        "tiled-head-dim-128",
+        "tiled-block-8",
+        "tiled-head-dim-16",
+        "tiled-head-dim-48",
+        "tiled-96-mqa",
+    ],
 )
 def test_decode_attention_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
     query, kv, tables, context_lens, scale = decode_case(num_heads, num_kv_heads, head_dim, block_size)
@@ -228,7 +235,6 @@ def test_rope_bfloat16_in_place_equals_the_model_rope_bit_for_bit() -> None:
     assert torch.equal(q, expected) and torch.equal(qkv[:, 9 * 64 :], rest)
 
 
-
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "views-of-one-output"])
 def test_silu_and_mul_float32_matches_the_torch_ops(strided: bool) -> None:
     """Within a few float32 ulp of ``F.silu(gate, inplace=True).mul_(up)`` (the exp is a polynomial,
@@ -261,6 +267,7 @@ def test_silu_and_mul_bfloat16_rounds_where_the_torch_ops_round() -> None:
         cpu.silu_and_mul_(gate.half(), up.half())
     with pytest.raises(RuntimeError, match="columns contiguous"):
         cpu.silu_and_mul_(gate.t(), up.t())
+
 
 def test_a_killed_build_does_not_block_later_loads(tmp_path: Path) -> None:
     """torch's ``lock`` baton left by a build killed mid-way made every later load wait forever."""

@@ -124,9 +124,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv,
   at::Tensor out = at::empty_like(query);
   const int64_t head_dim = query.size(2);
   if (query.scalar_type() == at::kFloat && loraserve_attention::can_tile(head_dim, kv.size(2))) {
-    if (head_dim == 32) loraserve_attention::decode_attention_tiled<4>(query, kv, block_tables, context_lens, scale, out);
-    if (head_dim == 64) loraserve_attention::decode_attention_tiled<8>(query, kv, block_tables, context_lens, scale, out);
-    if (head_dim == 128) loraserve_attention::decode_attention_tiled<16>(query, kv, block_tables, context_lens, scale, out);
+    using loraserve_attention::decode_attention_tiled;
+    switch (head_dim) {  // the head dims can_tile accepts, head_dim / 8 vectors each
+      case 16: decode_attention_tiled<2>(query, kv, block_tables, context_lens, scale, out); break;
+      case 32: decode_attention_tiled<4>(query, kv, block_tables, context_lens, scale, out); break;
+      case 48: decode_attention_tiled<6>(query, kv, block_tables, context_lens, scale, out); break;
+      case 64: decode_attention_tiled<8>(query, kv, block_tables, context_lens, scale, out); break;
+      case 96: decode_attention_tiled<12>(query, kv, block_tables, context_lens, scale, out); break;
+      default: decode_attention_tiled<16>(query, kv, block_tables, context_lens, scale, out); break;
+    }
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {

@@ -39,7 +39,8 @@ using loraserve_simd::splat8;
 using loraserve_simd::store8;
 
 inline bool can_tile(int64_t head_dim, int64_t block_size) {
-  return block_size % 8 == 0 && (head_dim == 32 || head_dim == 64 || head_dim == 128);
+  return block_size % 8 == 0 &&
+         (head_dim == 16 || head_dim == 32 || head_dim == 48 || head_dim == 64 || head_dim == 96 || head_dim == 128);
 }
 
 // Prefetches a page a few cache lines per call, so the misses overlap the current page's work.
