@@ -117,10 +117,11 @@ def test_lora_segments_skewed_sizes(indices: list[int]) -> None:
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
 @pytest.mark.parametrize("hidden, outs", [(37, (29, 5, 70)), (576, (192, 17, 1536))], ids=["odd", "wide"])
 def test_lora_segments_tiled_and_mkl_paths_on_any_width(hidden: int, outs: tuple[int, ...], scattered: bool) -> None:
-    """Segments of 1-5 tokens (every token-block remainder), 32 (the largest tiled one) and 33
-    (MKL), on widths that are not multiples of the vector width (scalar tails) and wide ones
-    (several expand work items per module)."""
+    """Segments of 1-9 and 13 tokens (every remainder of the 4- and 8-token blocks: AVX-512 builds
+    tile 8 tokens, AVX2 builds 4), 32 (the largest tiled one) and 33 (MKL), on widths that are not
+    multiples of the vector width (scalar tails) and wide ones (several expand work items per module)."""
     indices = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1, 5] + [6] * 32 + [7] * 33
+    indices += [8] * 6 + [9] * 7 + [10] * 8 + [11] * 9 + [1] * 13
     run_segments(cpu.lora_segments, indices, seed=5, scattered=scattered, layer=1, hidden=hidden, outs=outs)
 
 
