@@ -53,7 +53,7 @@ ones as two grouped MKL GEMM calls (all shrinks, then all expands). float32 only
 weights packed once by ``pack_panels``: each ``W_i`` (``[out_i, in_features]``) padded with zero
 rows to a multiple of 16 and cut into panels ``panel[p][k][j] = W_i[16 * p + j, k]``, the
 panels of all the ``W_i`` one after another (bias likewise padded and concatenated). Register
-tiles of 6 rows x 16 columns run over all of ``in_features`` (with AVX-512: 12 rows x 2 panels);
+tiles of 6 rows x 16 columns run over all of ``in_features`` (with AVX-512: 6 rows x 4 panels);
 threads split the panels. ``variant`` picks a tiling of ``linear_panels_variants()`` ("" = the
 widest). float32 only; results differ from ``F.linear`` only by the order of float additions.
 
