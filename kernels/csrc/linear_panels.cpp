@@ -11,7 +11,8 @@
 // signature), a second tiling runs instead: four panels side by side (64 columns, four 16-lane
 // registers) for 6 rows, 24 accumulators of the 32 registers, so each broadcast input element
 // feeds four FMAs and each k step loads 4 weight vectors and 6 broadcasts for 24 FMAs (two panels
-// for 12 rows load 14 for 24: measured 11-25 % slower at 64-2,048 rows on a Zen 4). A thread's
+// for 12 rows, the tiling before, load 14 for 24 and measured slower from 16 rows up: see
+// benchmarks/RESULTS.md, 2026-12-02, EPYC Zen 4). A thread's
 // last 1-3 panels run as two- and one-panel tiles of 12 rows. linear_panels_variants() names the
 // tilings compiled in.
 #include <torch/extension.h>

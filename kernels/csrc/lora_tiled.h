@@ -118,7 +118,7 @@ inline void sum4(vecf a, vecf b, vecf c, float* out) {
 #endif
 }
 
-constexpr int kShrinkRows = 3;    // A rows per shrink tile: 3 rows x 4 tokens = 12 accumulators
+constexpr int kShrinkRows = 3;    // A rows per shrink tile: 3 rows x kTokenBlock tokens of accumulators
 // Tokens per tile: with AVX-512's 32 registers, 8 (the shrink's 3 x 8 and the expand's 8 x 2
 // accumulators fit, and each weight vector loaded feeds twice the FMAs); 4 with AVX2's 16.
 #if defined(__AVX512F__)
