@@ -5,7 +5,7 @@ SmolLM2: 5-25 MB per tensor). With glibc's defaults such blocks are mapped fresh
 mmap threshold, 128 KiB until the first free raises it) or handed back when the heap's free top
 exceeds the trim threshold, so the next step page-faults and the kernel zeroes every page again.
 Once per process, for CPU engines, :func:`keep_freed_blocks` raises both thresholds: blocks up to
-``max_block_bytes`` come from the heap and freed memory stays there for reuse. Peak memory is
+``MAX_BLOCK_BYTES`` come from the heap and freed memory stays there for reuse. Peak memory is
 unchanged; what a step has freed is kept rather than returned.
 """
 
@@ -26,10 +26,10 @@ KEEP_FREED_BYTES = 2**30  # freed heap top kept before any is trimmed
 _applied: bool | None = None  # None: not tried in this process
 
 
-def keep_freed_blocks(max_block_bytes: int = MAX_BLOCK_BYTES, keep_freed_bytes: int = KEEP_FREED_BYTES) -> bool:
-    """Serve blocks up to ``max_block_bytes`` from the heap and keep up to ``keep_freed_bytes`` of
-    freed heap for reuse. Process-wide and idempotent (the first call's values stay); returns
-    whether the C library took both settings (False where it is not glibc, e.g. musl or macOS)."""
+def keep_freed_blocks() -> bool:
+    """Serve blocks up to ``MAX_BLOCK_BYTES`` from the heap and keep up to ``KEEP_FREED_BYTES`` of
+    freed heap for reuse. Process-wide and idempotent (set on the first call only); returns whether
+    the C library took both settings (False where it is not glibc, e.g. musl or macOS)."""
     global _applied
     if _applied is not None:
         return _applied
@@ -45,11 +45,11 @@ def keep_freed_blocks(max_block_bytes: int = MAX_BLOCK_BYTES, keep_freed_bytes: 
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _applied = bool(mallopt(M_MMAP_THRESHOLD, max_block_bytes)) and bool(mallopt(M_TRIM_THRESHOLD, keep_freed_bytes))
+    _applied = bool(mallopt(M_MMAP_THRESHOLD, MAX_BLOCK_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES))
     logger.info(
         "host memory: blocks up to %d MiB from the heap, %d MiB of freed heap kept: %s",
-        max_block_bytes >> 20,
-        keep_freed_bytes >> 20,
+        MAX_BLOCK_BYTES >> 20,
+        KEEP_FREED_BYTES >> 20,
         "applied" if _applied else "refused by the C library",
     )
     return _applied

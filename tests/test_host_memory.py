@@ -55,7 +55,7 @@ print(json.dumps({"applied": applied, "faults": faults, "free_heap": free_heap, 
 """
 
 
-def _faults(mode: str) -> dict[str, object]:
+def _run_cycles(mode: str) -> dict[str, object]:
     done = subprocess.run([sys.executable, "-c", CYCLE, mode], capture_output=True, text=True, timeout=120, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -63,10 +63,10 @@ def _faults(mode: str) -> dict[str, object]:
 def test_freed_blocks_are_reused_without_page_faults() -> None:
     if not keep_freed_blocks() or not hasattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallinfo2"):
         pytest.skip("this C library is not glibc >= 2.33 (no mallopt or mallinfo2)")
-    default, kept = _faults("default"), _faults("keep")
+    default, kept = _run_cycles("default"), _run_cycles("keep")
     assert kept["applied"] is True
-    pages_per_cycle = 4 * 24 * 2**20 // 4096
     cycle_bytes = 4 * 24 * 2**20
+    pages_per_cycle = cycle_bytes // 4096
     assert default["first_mapped"] >= cycle_bytes, default  # glibc's default: each block mapped on its own
     assert kept["first_mapped"] < 24 * 2**20, kept  # from the heap
     assert kept["free_heap"] >= cycle_bytes, kept  # all four kept for the next cycle
@@ -75,4 +75,4 @@ def test_freed_blocks_are_reused_without_page_faults() -> None:
 
 def test_keep_freed_blocks_is_idempotent() -> None:
     first = keep_freed_blocks()
-    assert keep_freed_blocks(1, 1) is first  # later values are ignored: one setting per process
+    assert keep_freed_blocks() is first  # set once per process; later calls report the first result
