@@ -65,6 +65,15 @@ class KVCacheManager:
 
         Returns the ``(source, destination)`` page copies that must happen first.
         """
+        computed = seq.num_computed_tokens
+        index = computed // self.block_size
+        if num_new_tokens == 1 and computed % self.block_size and index < len(seq.block_ids):
+            # The common decode step, checked first: the token goes into a partly filled block,
+            # which is never registered (only full blocks are), so it needs a copy only if shared.
+            return [] if self.pool.ref_count(seq.block_ids[index]) == 1 else self._allocate(seq, num_new_tokens)
+        return self._allocate(seq, num_new_tokens)
+
+    def _allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
         num_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         needs_copy = self._needs_copy(seq)
         needed = max(0, num_blocks - len(seq.block_ids)) + int(needs_copy)

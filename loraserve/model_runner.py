@@ -60,9 +60,9 @@ class PreparedStep:
 
     forward: ForwardBatch
     sampling: SamplingBatch
-    order: list[int]  # indices into batch.seqs, in the order of the forward's rows
     sampled_rows: np.ndarray  # [num_sampled] int64: input-batch rows of the sequences that sample
     sampled_positions: np.ndarray  # [num_sampled] int64: where their new tokens go in those rows
+    sampling_index: list[int]  # indices into batch.seqs of the sequences that sample, in logits-row order
 
 
 class ModelRunner:
@@ -146,7 +146,7 @@ class ModelRunner:
 
         Input ids, positions, slots and block tables are computed with array ops from the
         persistent rows; every integer of the step reaches the device in one upload. Also returns
-        how to sample each logits row, the order of ``batch.seqs`` used, and where the sampled
+        how to sample each logits row, which sequences sample (in logits-row order), and where the sampled
         tokens go in the rows.
         """
         order = sorted(
@@ -244,7 +244,8 @@ class ModelRunner:
             adjustments=adjustments,
             prompt_spans=prompt_spans,
         )
-        return PreparedStep(forward_batch, sampling, order, sampled_rows, totals[samples])
+        sampling_index = np.asarray(order, dtype=np.int64)[samples].tolist()
+        return PreparedStep(forward_batch, sampling, sampled_rows, totals[samples], sampling_index)
 
     @staticmethod
     def _prompt_logprob_rows(
@@ -275,12 +276,12 @@ class ModelRunner:
         if not batch.seqs:
             return sampled
         step = self.prepare(batch)
-        forward_batch, sampling, order = step.forward, step.sampling, step.order
+        forward_batch, sampling = step.forward, step.sampling
         logits = self.decode_graphs.run(forward_batch) if self.decode_graphs is not None else None
         if logits is None:  # not a decode step a graph takes: eager
             hook = self.lora_hook if forward_batch.lora is not None else None
             logits = self.model(forward_batch, self.kv_caches, hook)  # [num_sampled, vocab]
-        sampling_index = [i for i in order if batch.samples(i)]
+        sampling_index = step.sampling_index
         if sampling.prompt_spans:  # rows past the sampled ones: prompt logprobs
             record_prompt_logprobs(logits[len(sampling_index) :], sampling.prompt_spans)
             logits = logits[: len(sampling_index)]

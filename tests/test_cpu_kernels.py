@@ -125,6 +125,23 @@ def test_lora_segments_tiled_and_mkl_paths_on_any_width(hidden: int, outs: tuple
     run_segments(cpu.lora_segments, indices, seed=5, scattered=scattered, layer=1, hidden=hidden, outs=outs)
 
 
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
+@pytest.mark.parametrize("num_segments", [3, 12], ids=["few-segments", "many-segments"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lora_segments_tiled_whole_segments_and_split_phases(threads: int, num_segments: int, scattered: bool) -> None:
+    """Short segments run whole per thread when there are at least 4 per thread (12 segments on 2
+    threads, any number on 1), else each phase is split across threads (3 on 2): both give the
+    reference, with segments of 8 tokens (one full block) and 5 (a partial one), on a wide input
+    (dots summed in chunks) and on narrow and wide outputs (B summed in registers, or by rank blocks)."""
+    indices = [i for i in range(num_segments) for _ in range(8 if i % 2 else 5)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run_segments(cpu.lora_segments, indices, seed=11, scattered=scattered, layer=1, hidden=200, outs=(64, 16, 640))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_lora_segments_without_mkl_grouped_gemm_give_the_same_results() -> None:
     """The per-kernel fallback of a torch without MKL (one ATen GEMM pair per long segment),
     forced here: the MKL path's cases, against the same reference."""

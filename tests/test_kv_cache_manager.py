@@ -112,6 +112,25 @@ def test_free_keeps_shared_blocks_for_their_other_owner() -> None:
     assert pool.num_free_pages == 4
 
 
+def test_decode_into_a_shared_partial_block_copies_it_and_an_owned_one_does_not() -> None:
+    """A forked sample shares its parent's partly filled last block: the first of them to write a
+    token there gets a copy (copy-on-write), the other then writes in place."""
+    pool = PagePool(8)
+    manager = KVCacheManager(pool, block_size=4)
+    parent = make_seq(5)
+    run_step(manager, parent, 5)  # blocks [0, 1]; block 1 holds one token
+    child = Sequence("req", list(range(5)), SamplingParams())
+    child.num_computed_tokens = parent.num_computed_tokens
+    manager.fork(parent, child)
+    child.append_token(8)
+    assert child.block_ids == [0, 1] and pool.ref_count(1) == 2
+    assert manager.allocate_slots(child, 1) == [(1, 2)]  # the shared partial block is copied
+    assert child.block_ids == [0, 2] and pool.ref_count(1) == 1
+    assert manager.allocate_slots(parent, 1) == []  # now the parent's alone: written in place
+    assert parent.block_ids == [0, 1]
+    assert pool.ref_count(0) == 2  # the full first block stays shared
+
+
 def test_swap_out_and_in_exact_mappings_and_host_accounting() -> None:
     pool, host = PagePool(8), PagePool(4)
     manager = KVCacheManager(pool, block_size=4, host_pool=host)

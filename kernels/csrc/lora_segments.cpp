@@ -250,7 +250,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
         if (mm[1] != 0) collect_rows(buffer, mm[2], mm[1], mm[3], seg.b_rows[module], scratch);
       }
     }
-    run_tiled(tiled, x_ptr, in_features, v_ptr, ldv, out_ptrs.data(), out_widths.data(), num_outputs);
+    run_tiled(tiled, x_ptr, in_features, out_ptrs.data(), out_widths.data(), num_outputs);
   }
   if (large.empty()) return;
   // Longer segments: the shrinks of all of them in one grouped MKL call, then all expands in another.

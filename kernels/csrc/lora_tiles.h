@@ -1,0 +1,188 @@
+// Segmented LoRA, short segments: the register-tiled shrink and expand loops (included through
+// lora_tiled.h only; everything here is internal to lora_segments.cpp).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "simd8.h"
+
+namespace loraserve_lora {
+
+// ---- register-tiled LoRA loops: 8-lane vectors (AVX2 FMA under -march=native), or
+// 16-lane ones where the build targets AVX-512 (the build is per CPU signature) ----
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+using vecf = float __attribute__((vector_size(4 * kLanes)));
+
+inline vecf loadv(const float* p) {
+  vecf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
+template <size_t... I>
+inline vecf splat_lanes(float x, std::index_sequence<I...>) {
+  return vecf{((void)I, x)...};  // a brace list of kLanes copies: one broadcast, no arithmetic
+}
+inline vecf splatv(float x) { return splat_lanes(x, std::make_index_sequence<kLanes>{}); }
+constexpr int kShrinkBlock = 8;  // tokens per shrink tile: the 8 lanes of one AVX vector
+// A rows per shrink tile: 8 independent accumulators keep two FMA pipes of latency 4 busy, and
+// their 8 row pointers fit the integer registers (measured on AVX-512: 12 and 16 rows were slower).
+constexpr int kShrinkRows = 8;
+constexpr int64_t kShrinkChunk = 64;  // terms per partial sum of a dot
+// Tokens per expand tile: with AVX-512's 32 registers, 8 (the 8 x 2 accumulators fit, and each
+// weight vector loaded feeds twice the FMAs); 4 with AVX2's 16.
+#if defined(__AVX512F__)
+constexpr int kTokenBlock = 8;
+#else
+constexpr int kTokenBlock = 4;
+#endif
+constexpr int64_t kShrinkItemRows = 48;  // A rows per shrink work item
+constexpr int64_t kExpandCols = 2 * kLanes;  // output columns per expand tile (two vectors)
+constexpr int64_t kExpandBlock = 512;  // output columns per expand work item (at most)
+constexpr int64_t kRankBlock = 8;     // rank rows streamed together
+constexpr int64_t kSmallExpand = 8192;  // rank x columns of a B small enough to sum in registers
+
+using loraserve_simd::f32x8;
+using loraserve_simd::load8;
+using loraserve_simd::store8;
+
+// xt[k * 8 + j] = x[j, k] for the `tb` <= 8 rows of x (stride `in`); lanes past tb are zero.
+inline void transpose_tokens(const float* x, int64_t in, int tb, float* xt) {
+  if (tb < kShrinkBlock) std::fill(xt, xt + in * kShrinkBlock, 0.f);
+  for (int j = 0; j < tb; ++j) {
+    const float* row = x + j * in;
+    for (int64_t k = 0; k < in; ++k) xt[k * kShrinkBlock + j] = row[k];
+  }
+}
+
+// vt[i * ld_t + j] = dot(x[j], a_i) for R rows of A and the <= 8 tokens whose transpose is `xt`
+// ([in, 8]): the tokens lie in the lanes, so each A element is one broadcast into one FMA and no
+// horizontal sums are needed (they cost as much as the dots at small hidden sizes).
+// The dots are summed in chunks of kShrinkChunk terms (a long running sum in float32 drifts from
+// the blocked sums of a GEMM by more than rounding). `next` (or nullptr): R row pointers to
+// prefetch while streaming these, the next tile's.
+template <int R>
+void shrink_tile(const float* xt, int64_t in, const float* const* a, float* vt, int64_t ld_t, int tb,
+                 const float* const* next) {
+  f32x8 acc[R] = {};
+  for (int64_t k0 = 0; k0 < in; k0 += kShrinkChunk) {
+    const int64_t k1 = std::min(in, k0 + kShrinkChunk);
+    f32x8 part[R] = {};
+    for (int64_t k = k0; k < k1; ++k) {
+      if (next != nullptr && k % 16 == 0) {
+        for (int i = 0; i < R; ++i) __builtin_prefetch(next[i] + k);
+      }
+      const f32x8 xv = load8(xt + k * kShrinkBlock);
+      for (int i = 0; i < R; ++i) part[i] += xv * a[i][k];
+    }
+    for (int i = 0; i < R; ++i) acc[i] += part[i];
+  }
+  for (int i = 0; i < R; ++i) {
+    if (tb == kShrinkBlock) {
+      store8(vt + i * ld_t, acc[i]);
+    } else {  // a partial block: its neighbours' lanes belong to other segments (other threads)
+      float lanes[kShrinkBlock];
+      store8(lanes, acc[i]);
+      std::memcpy(vt + i * ld_t, lanes, tb * sizeof(float));
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, N>) for the n (1 <= n <= N) given at run time.
+template <int N, typename F>
+void with_rows(int n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return with_rows<N - 1>(n, f);
+  }
+  f(std::integral_constant<int, N>{});
+}
+
+// out[j, o0:o1] += scale * sum_r vt[r, j] * b_r[o0:o1] for TB tokens; `b` holds `rank` row
+// pointers; `tmp` has room for TB * (o1 - o0) floats. The rank is walked in blocks of kRankBlock
+// rows so that only that many rows are streamed at once (the hardware prefetchers follow a few
+// sequential streams, not one per rank row); sums between blocks wait in `tmp`, the last block
+// adds to the output. Each column tile prefetches the next tile's columns of its rows (a small
+// B streams as one column strip per tile, which the prefetchers do not follow either).
+template <int TB>
+void expand_tile(const float* vt, int64_t ld_t, const float* const* b, int64_t rank, int64_t o0, int64_t o1,
+                 float scale, float* out, int64_t ld_out, float* tmp) {
+  const int64_t n = o1 - o0, vectorized = n / kExpandCols * kExpandCols;
+  const int64_t rank_block = rank * n <= kSmallExpand ? rank : kRankBlock;  // small B: no sums wait
+  const vecf s = splatv(scale);
+  for (int64_t r0 = 0; r0 < rank; r0 += rank_block) {
+    const int64_t r1 = std::min(rank, r0 + rank_block);
+    const bool first = r0 == 0, last = r1 == rank;
+    for (int64_t o = 0; o < vectorized; o += kExpandCols) {
+      vecf acc[TB][2] = {};
+      if (!first) {
+        for (int j = 0; j < TB; ++j) {
+          acc[j][0] = loadv(tmp + j * n + o);
+          acc[j][1] = loadv(tmp + j * n + o + kLanes);
+        }
+      }
+      const bool prefetch = o + kExpandCols < vectorized;
+      for (int64_t r = r0; r < r1; ++r) {
+        if (prefetch) {
+          __builtin_prefetch(b[r] + o0 + o + kExpandCols);
+          __builtin_prefetch(b[r] + o0 + o + kExpandCols + kLanes);
+        }
+        const vecf b0 = loadv(b[r] + o0 + o), b1 = loadv(b[r] + o0 + o + kLanes);
+        for (int j = 0; j < TB; ++j) {
+          const vecf c = splatv(vt[r * ld_t + j]);
+          acc[j][0] += c * b0;
+          acc[j][1] += c * b1;
+        }
+      }
+      for (int j = 0; j < TB; ++j) {
+        if (last) {
+          float* dst = out + j * ld_out + o0 + o;
+          storev(dst, loadv(dst) + s * acc[j][0]);
+          storev(dst + kLanes, loadv(dst + kLanes) + s * acc[j][1]);
+        } else {
+          storev(tmp + j * n + o, acc[j][0]);
+          storev(tmp + j * n + o + kLanes, acc[j][1]);
+        }
+      }
+    }
+    for (int64_t o = vectorized; o < n; ++o) {
+      for (int j = 0; j < TB; ++j) {
+        float acc = first ? 0.f : tmp[j * n + o];
+        for (int64_t r = r0; r < r1; ++r) acc += vt[r * ld_t + j] * b[r][o0 + o];
+        if (last) {
+          out[j * ld_out + o0 + o] += scale * acc;
+        } else {
+          tmp[j * n + o] = acc;
+        }
+      }
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, TB>, t) for each block [t, t + TB) of up to kTokenBlock of `num` tokens.
+template <typename F>
+void for_token_blocks(int64_t num, F&& f) {
+  for (int64_t t = 0; t < num; t += kTokenBlock) {
+    switch (std::min<int64_t>(kTokenBlock, num - t)) {
+#if defined(__AVX512F__)
+      case 8: f(std::integral_constant<int, 8>{}, t); break;
+      case 7: f(std::integral_constant<int, 7>{}, t); break;
+      case 6: f(std::integral_constant<int, 6>{}, t); break;
+      case 5: f(std::integral_constant<int, 5>{}, t); break;
+#endif
+      case 4: f(std::integral_constant<int, 4>{}, t); break;
+      case 3: f(std::integral_constant<int, 3>{}, t); break;
+      case 2: f(std::integral_constant<int, 2>{}, t); break;
+      default: f(std::integral_constant<int, 1>{}, t); break;
+    }
+  }
+}
+
+}  // namespace loraserve_lora
