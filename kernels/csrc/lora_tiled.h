@@ -94,12 +94,23 @@ inline void shrink_rows(const TiledSegment& seg, const float* xt, int64_t in, in
   for (int64_t c = c0; c < c1; c += kShrinkRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kShrinkRows, c1 - c));
     const float* const* next = c + 2 * kShrinkRows <= seg.meta[1] ? seg.a_rows.data() + c + kShrinkRows : nullptr;
-    for (int64_t t = 0, b = 0; t < seg.num; t += kShrinkBlock, ++b) {
-      const int tb = static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t));
-      with_rows<kShrinkRows>(rows, [&](auto r) {
-        shrink_tile<decltype(r)::value>(xt + b * in * kShrinkBlock, in, seg.a_rows.data() + c, vt + c * ld_t + t, ld_t,
-                                        tb, t == 0 ? next : nullptr);
-      });
+    for (int64_t t = 0, b = 0; t < seg.num;) {
+      const float* xb = xt + b * in * kShrinkBlock;
+      float* vb = vt + c * ld_t + t;
+      const float* const* pf = t == 0 ? next : nullptr;
+      if (kShrinkBlocks == 2 && seg.num - t > kShrinkBlock) {  // two blocks, the second maybe partial
+        const int tb = static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t - kShrinkBlock));
+        with_rows<kShrinkRows>(rows, [&](auto r) {
+          shrink_tile<decltype(r)::value, 2>(xb, in, seg.a_rows.data() + c, vb, ld_t, tb, pf);
+        });
+        t += 2 * kShrinkBlock, b += 2;
+      } else {
+        const int tb = static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t));
+        with_rows<kShrinkRows>(rows, [&](auto r) {
+          shrink_tile<decltype(r)::value, 1>(xb, in, seg.a_rows.data() + c, vb, ld_t, tb, pf);
+        });
+        t += kShrinkBlock, ++b;
+      }
     }
   }
 }
@@ -111,7 +122,8 @@ inline void expand_columns(const TiledSegment& seg, int64_t module, int64_t o0, 
   const int64_t column = mm[0], rank = mm[1];
   for_token_blocks(seg.num, [&](auto tb, int64_t t) {
     expand_tile<decltype(tb)::value>(vt + column * ld_t + t, ld_t, seg.b_rows[module].data(), rank, o0, o1,
-                                     seg.scale[module], out + (seg.start + t) * width, width, tmp);
+                                     seg.scale[module], out + (seg.start + t) * width, width, tmp,
+                                     seg.num <= kTokenBlock);
   });
 }
 

@@ -37,6 +37,13 @@ constexpr int kShrinkBlock = 8;  // tokens per shrink tile: the 8 lanes of one A
 // their 8 row pointers fit the integer registers (measured on AVX-512: 12 and 16 rows were slower).
 constexpr int kShrinkRows = 8;
 constexpr int64_t kShrinkChunk = 64;  // terms per partial sum of a dot
+// Token blocks per shrink tile: AVX-512's 32 registers hold 2 x 8 accumulators, so each A element
+// loaded feeds two FMAs (segments of 9-32 tokens); AVX2's 16 hold one block's.
+#if defined(__AVX512F__)
+constexpr int kShrinkBlocks = 2;
+#else
+constexpr int kShrinkBlocks = 1;
+#endif
 // Tokens per expand tile: with AVX-512's 32 registers, 8 (the 8 x 2 accumulators fit, and each
 // weight vector loaded feeds twice the FMAs); 4 with AVX2's 16.
 #if defined(__AVX512F__)
@@ -63,35 +70,42 @@ inline void transpose_tokens(const float* x, int64_t in, int tb, float* xt) {
   }
 }
 
-// vt[i * ld_t + j] = dot(x[j], a_i) for R rows of A and the <= 8 tokens whose transpose is `xt`
-// ([in, 8]): the tokens lie in the lanes, so each A element is one broadcast into one FMA and no
+// vt[i * ld_t + j] = dot(x[j], a_i) for R rows of A and NB blocks of <= 8 tokens whose transposes
+// are `xt` ([NB, in, 8]; only the last block may be partial): the tokens lie in the lanes, so each A element is one broadcast into one FMA and no
 // horizontal sums are needed (they cost as much as the dots at small hidden sizes).
 // The dots are summed in chunks of kShrinkChunk terms (a long running sum in float32 drifts from
 // the blocked sums of a GEMM by more than rounding). `next` (or nullptr): R row pointers to
 // prefetch while streaming these, the next tile's.
-template <int R>
-void shrink_tile(const float* xt, int64_t in, const float* const* a, float* vt, int64_t ld_t, int tb,
+template <int R, int NB>
+void shrink_tile(const float* xt, int64_t in, const float* const* a, float* vt, int64_t ld_t, int tb_last,
                  const float* const* next) {
-  f32x8 acc[R] = {};
+  f32x8 acc[NB][R] = {};
   for (int64_t k0 = 0; k0 < in; k0 += kShrinkChunk) {
     const int64_t k1 = std::min(in, k0 + kShrinkChunk);
-    f32x8 part[R] = {};
+    f32x8 part[NB][R] = {};
     for (int64_t k = k0; k < k1; ++k) {
       if (next != nullptr && k % 16 == 0) {
         for (int i = 0; i < R; ++i) __builtin_prefetch(next[i] + k);
       }
-      const f32x8 xv = load8(xt + k * kShrinkBlock);
-      for (int i = 0; i < R; ++i) part[i] += xv * a[i][k];
+      for (int j = 0; j < NB; ++j) {
+        const f32x8 xv = load8(xt + (j * in + k) * kShrinkBlock);
+        for (int i = 0; i < R; ++i) part[j][i] += xv * a[i][k];
+      }
     }
-    for (int i = 0; i < R; ++i) acc[i] += part[i];
+    for (int j = 0; j < NB; ++j)
+      for (int i = 0; i < R; ++i) acc[j][i] += part[j][i];
   }
-  for (int i = 0; i < R; ++i) {
-    if (tb == kShrinkBlock) {
-      store8(vt + i * ld_t, acc[i]);
-    } else {  // a partial block: its neighbours' lanes belong to other segments (other threads)
-      float lanes[kShrinkBlock];
-      store8(lanes, acc[i]);
-      std::memcpy(vt + i * ld_t, lanes, tb * sizeof(float));
+  for (int j = 0; j < NB; ++j) {
+    const int tb = j == NB - 1 ? tb_last : kShrinkBlock;
+    for (int i = 0; i < R; ++i) {
+      float* dst = vt + i * ld_t + j * kShrinkBlock;
+      if (tb == kShrinkBlock) {
+        store8(dst, acc[j][i]);
+      } else {  // a partial block: its neighbours' lanes belong to other segments (other threads)
+        float lanes[kShrinkBlock];
+        store8(lanes, acc[j][i]);
+        std::memcpy(dst, lanes, tb * sizeof(float));
+      }
     }
   }
 }
@@ -113,9 +127,11 @@ void with_rows(int n, F&& f) {
 // B streams as one column strip per tile, which the prefetchers do not follow either).
 template <int TB>
 void expand_tile(const float* vt, int64_t ld_t, const float* const* b, int64_t rank, int64_t o0, int64_t o1,
-                 float scale, float* out, int64_t ld_out, float* tmp) {
+                 float scale, float* out, int64_t ld_out, float* tmp, bool read_once) {
   const int64_t n = o1 - o0, vectorized = n / kExpandCols * kExpandCols;
-  const int64_t rank_block = rank * n <= kSmallExpand ? rank : kRankBlock;  // small B: no sums wait
+  // A small B read once (the segment's only token block): no sums wait in `tmp`. With more
+  // blocks, B's rows are streamed by rank blocks, which suits the reads that come again.
+  const int64_t rank_block = read_once && rank * n <= kSmallExpand ? rank : kRankBlock;
   const vecf s = splatv(scale);
   for (int64_t r0 = 0; r0 < rank; r0 += rank_block) {
     const int64_t r1 = std::min(rank, r0 + rank_block);
