@@ -65,15 +65,6 @@ class KVCacheManager:
 
         Returns the ``(source, destination)`` page copies that must happen first.
         """
-        computed = seq.num_computed_tokens
-        index = computed // self.block_size
-        if num_new_tokens == 1 and computed % self.block_size and index < len(seq.block_ids):
-            # The common decode step, checked first: the token goes into a partly filled block,
-            # which is never registered (only full blocks are), so it needs a copy only if shared.
-            return [] if self.pool.ref_count(seq.block_ids[index]) == 1 else self._allocate(seq, num_new_tokens)
-        return self._allocate(seq, num_new_tokens)
-
-    def _allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
         num_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         needs_copy = self._needs_copy(seq)
         needed = max(0, num_blocks - len(seq.block_ids)) + int(needs_copy)
@@ -97,13 +88,18 @@ class KVCacheManager:
         return copies
 
     def _needs_copy(self, seq: Sequence) -> bool:
-        """Whether the first page to be written is shared or registered (so immutable)."""
-        index = seq.num_computed_tokens // self.block_size
+        """Whether the first page to be written is shared or registered (so immutable).
+
+        A partly filled page is never registered (only full blocks are), so the common decode
+        step asks only whether its page is shared.
+        """
+        index, offset = divmod(seq.num_computed_tokens, self.block_size)
         if index >= len(seq.block_ids):
             return False
         page_id = seq.block_ids[index]
-        registered = self.prefix_cache is not None and self.prefix_cache.hash_of(page_id) is not None
-        return registered or self.pool.ref_count(page_id) > 1
+        if self.pool.ref_count(page_id) > 1:
+            return True
+        return offset == 0 and self.prefix_cache is not None and self.prefix_cache.hash_of(page_id) is not None
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, last block first (so it is evicted first)."""
