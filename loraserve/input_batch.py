@@ -40,8 +40,8 @@ class InputBatch:
         self.filtered = np.zeros(max_num_seqs, dtype=bool)  # top-k or top-p on
         self.min_ps = np.zeros(max_num_seqs, dtype=np.float64)
         self.adjusts = np.zeros(max_num_seqs, dtype=bool)  # penalties, logit bias, min_tokens, masks
-        self._num_synced = [0] * max_num_seqs  # leading entries of each row equal to its table
-        self._epochs = [-1] * max_num_seqs
+        self._num_synced = np.zeros(max_num_seqs, dtype=np.int64)  # leading entries of each row equal to its table
+        self._epochs = np.full(max_num_seqs, -1, dtype=np.int64)  # the block_table_epoch they came from
         self._rows: dict[int, int] = {}  # seq_id -> row
         self._free_rows = list(reversed(range(max_num_seqs)))
         self._staging: torch.Tensor | None = None  # pinned host buffer of the uploads (CUDA)
@@ -59,29 +59,55 @@ class InputBatch:
                 self._free_rows.append(row)
 
     def row(self, seq: Sequence) -> int:
-        """The sequence's row, its block table brought up to date."""
-        row = self._rows.get(seq.seq_id)
-        table = seq.block_ids
-        if row is None:
-            row = self._join(seq)
+        """The sequence's row, its token ids and block table brought up to date."""
+        return int(self.sync([seq])[0, 2])
+
+    def sync(self, seqs: list[Sequence]) -> np.ndarray:
+        """Bring the rows of ``seqs`` up to date (joining new ones); return ``[len(seqs), 3]``
+        int64: each sequence's computed tokens, its tokens, and its row.
+
+        One pass reads what the rows must match (token count, block count, table epoch); only
+        the rows that differ (joined, a token the runner did not sample, new blocks) are written.
+        """
+        get = self._rows.get
+        state = np.array(
+            [
+                (s.num_computed_tokens, len(s.token_ids), get(s.seq_id, -1), len(s.block_ids), s.block_table_epoch)
+                for s in seqs
+            ],
+            dtype=np.int64,
+        ).reshape(len(seqs), 5)  # [n, 5]
+        rows = state[:, 2]  # [n], a view: joined rows are written into it
+        for i in np.flatnonzero(rows < 0).tolist():
+            rows[i] = self._join(seqs[i])
+        stale = (
+            (self._num_token_ids[rows] != state[:, 1])
+            | (self._num_synced[rows] != state[:, 3])
+            | (self._epochs[rows] != state[:, 4])
+        )  # [n] bool
+        for i in np.flatnonzero(stale).tolist():
+            self._update(seqs[i], int(rows[i]))
+        return state[:, :3]
+
+    def _update(self, seq: Sequence, row: int) -> None:
         num_tokens = len(seq.token_ids)
         if self._num_token_ids[row] != num_tokens:  # joined, or a token the runner did not sample (a fork's)
             if num_tokens > self.token_ids.shape[1]:
                 raise RuntimeError(f"seq {seq.seq_id} has {num_tokens} tokens; rows hold {self.token_ids.shape[1]}")
             self.token_ids[row, :num_tokens] = seq.token_ids
             self._num_token_ids[row] = num_tokens
-        if len(table) == self._num_synced[row] and self._epochs[row] == seq.block_table_epoch:
-            return row  # the common decode step: no new block
+        table = seq.block_ids
+        synced = int(self._num_synced[row])
+        if len(table) == synced and self._epochs[row] == seq.block_table_epoch:
+            return
         if len(table) > self.block_tables.shape[1]:
             raise RuntimeError(f"seq {seq.seq_id} has {len(table)} blocks; rows hold {self.block_tables.shape[1]}")
-        synced = self._num_synced[row]
         if self._epochs[row] != seq.block_table_epoch or len(table) < synced:
             self.block_tables[row, : len(table)] = table
             self._epochs[row] = seq.block_table_epoch
         elif len(table) > synced:
             self.block_tables[row, synced : len(table)] = table[synced:]
         self._num_synced[row] = len(table)
-        return row
 
     def _join(self, seq: Sequence) -> int:
         if not self._free_rows:

@@ -84,8 +84,15 @@ class LLMEngine:
         elif config.cpu_gemm != "auto":
             raise ConfigError(f"cpu_gemm={config.cpu_gemm!r} needs the compiled CPU kernels (kernels 'cpu')")
         # The CPU GEMM kernel of each linear layer shape and row bucket (empty off the cpu backend).
+        self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
         self.model, self.gemm_plan = load_model(
-            self.model_dir, self.hf_config, config.torch_dtype, self.device, self.kernels.model, gemm_policy
+            self.model_dir,
+            self.hf_config,
+            config.torch_dtype,
+            self.device,
+            self.kernels.model,
+            gemm_policy,
+            max_positions=self.max_model_len,
         )
         self.layout = PageLayout.for_model(self.hf_config, config.block_size)
         page_bytes = self.layout.page_bytes(config.torch_dtype)
@@ -121,7 +128,6 @@ class LLMEngine:
         # threads stop before a private registry directory is removed, so they never see it vanish.
         self._finalizer = weakref.finalize(self, _close_adapters, self.adapters, private_registry)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
         eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         self.scheduler = Scheduler(
             self.kv_manager,

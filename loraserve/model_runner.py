@@ -149,18 +149,15 @@ class ModelRunner:
         how to sample each logits row, which sequences sample (in logits-row order), and where the sampled
         tokens go in the rows.
         """
-        order = sorted(
-            range(len(batch.seqs)),
-            key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].adapter_id or ""),
-        )
+        keys = [(n != 1, s.adapter_id or "") for n, s in zip(batch.num_new_tokens, batch.seqs, strict=True)]
+        order = sorted(range(len(keys)), key=keys.__getitem__)
         seqs = [batch.seqs[i] for i in order]
         count = len(seqs)
         block_size = self.layout.block_size
         rows_of = self.input_batch
-        row = rows_of.row
-        per_seq = np.array([(s.num_computed_tokens, s.num_tokens, row(s)) for s in seqs], np.int64).reshape(count, 3)
+        per_seq = rows_of.sync(seqs)  # [n, 3]
         starts, totals, rows = per_seq[:, 0], per_seq[:, 1], per_seq[:, 2]  # [n] each
-        num_new = np.array([batch.num_new_tokens[i] for i in order], np.int64)  # [n]
+        num_new = np.array(batch.num_new_tokens, np.int64)[order]  # [n]
         ends = starts + num_new
         num_decode = int(np.count_nonzero(num_new == 1))  # sorted first
         token_ends = np.cumsum(num_new)  # [n], one past each sequence's last row
@@ -212,8 +209,6 @@ class ModelRunner:
             any_penalty = any(seq.params.has_penalties for seq in sampled_seqs)
             first = 16 if slots_of is not None else 15
             adjustments = LogitsAdjustments.from_views(views[first:], [part.shape for part in extra], any_penalty)
-        bounds = zip(token_starts.tolist(), token_ends.tolist(), seqs, strict=True)
-        ranges = [(start, end, seq.adapter_id) for start, end, seq in bounds]
         forward_batch = ForwardBatch(
             input_ids=ids,
             positions=pos,
@@ -226,7 +221,7 @@ class ModelRunner:
             decode_context_lens=seq_lens[:num_decode],
             prefill=None if num_decode == count else PrefillBatch(query_starts, cached, block_tables[num_decode:]),
             logits_indices=logits_rows,
-            lora=LoRABatch.from_ranges(ranges, batch.adapters),
+            lora=LoRABatch.from_runs([seq.adapter_id for seq in seqs], token_ends, batch.adapters),
             attention_splits=self.attention_splits(count, int(ends.max())),
         )
         if token_slots is not None and forward_batch.lora is not None and self.adapter_slots is not None:

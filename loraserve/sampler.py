@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraserve.logits_adjustments import LogitsAdjustments
@@ -88,6 +89,16 @@ class SamplingBatch:
         )
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [rows] int64
+    """``logits.argmax(dim=-1)`` (the first maximum; a NaN counts as the maximum); on the CPU
+    NumPy's, which a test checks equal and which is several times faster than torch's."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    ids = torch.empty(logits.shape[0], dtype=torch.int64)  # [rows], written by NumPy in place
+    np.argmax(logits.contiguous().numpy(), axis=-1, out=ids.numpy())
+    return ids
+
+
 class Sampler:
     """Turns the last-position logits of each sampling sequence into one token each."""
 
@@ -96,7 +107,7 @@ class Sampler:
         logits = logits.float()
         if batch.adjustments is not None:
             logits = batch.adjustments.apply(logits)  # a new tensor: logprobs stay the model's
-        greedy = logits.argmax(dim=-1)  # [rows]
+        greedy = argmax_rows(logits)  # [rows]
         if batch.all_greedy:
             return greedy
         is_greedy = batch.temperatures == 0

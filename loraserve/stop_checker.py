@@ -26,8 +26,10 @@ class StopChecker:
         decode_at_end = params.output_kind == "final_only" and not params.stop
         num_new_chars = 0 if decode_at_end else len(self.detokenizer.update(seq))
         stop: Stop | None = None
-        if seq.num_output_tokens < params.min_tokens:  # only the lengths end it before min_tokens
-            if seq.num_tokens >= self.max_model_len:
+        num_tokens = len(seq.token_ids)
+        num_output_tokens = num_tokens - seq.num_prompt_tokens
+        if num_output_tokens < params.min_tokens:  # only the lengths end it before min_tokens
+            if num_tokens >= self.max_model_len:
                 stop = (FinishReason.LENGTH, None)
         elif not params.ignore_eos and token in self.eos_token_ids:
             stop = (FinishReason.STOP, None)
@@ -38,7 +40,7 @@ class StopChecker:
             end = index + len(stop_string) if params.include_stop_str_in_output else index
             seq.output_text = seq.output_text[:end]
             stop = (FinishReason.STOP, stop_string)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             stop = (FinishReason.LENGTH, None)
         if decode_at_end and stop is not None:
             self.detokenizer.update(seq)

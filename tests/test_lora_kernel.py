@@ -3,7 +3,7 @@
 Punica-style adapter popularity patterns (distinct, uniform, skewed, identical), skewed segment
 sizes (1 and bs-1), mixed ranks 1..64 in one batch, base-model tokens left bit-for-bit untouched,
 and the fused q/k/v group (one stacked shrink, three outputs at column offsets). Also the merging
-of per-sequence ranges into segments (``LoRABatch.from_ranges``).
+of per-sequence ranges into segments (``LoRABatch.from_runs``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import importlib.util
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from loraserve.kernels.lora import LoRASegment, OutputSlice, apply_lora_segments, lora_reference
@@ -157,28 +158,28 @@ def test_fused_qkv_group_equals_separate_modules() -> None:
 
 
 @pytest.mark.parametrize(
-    ("ranges", "expected"),
+    ("adapter_ids", "token_ends", "expected"),
     [
-        ([(0, 2, "a"), (2, 5, "a"), (5, 6, "b")], ((0, 5, "a"), (5, 6, "b"))),
-        ([(0, 1, "a"), (1, 2, "b"), (2, 3, "a")], ((0, 1, "a"), (1, 2, "b"), (2, 3, "a"))),
-        ([(0, 2, "a"), (2, 3, None), (3, 4, "a")], ((0, 2, "a"), (3, 4, "a"))),  # base tokens split a run
-        ([(0, 0, "a"), (0, 2, "b"), (2, 2, "b"), (2, 4, "b"), (4, 4, None)], ((0, 4, "b"),)),  # empty ranges
-        ([(0, 3, None), (3, 4, "c"), (4, 9, "c"), (9, 10, "c")], ((3, 10, "c"),)),
+        (["a", "a", "b"], [2, 5, 6], ((0, 5, "a"), (5, 6, "b"))),
+        (["a", "b", "a"], [1, 2, 3], ((0, 1, "a"), (1, 2, "b"), (2, 3, "a"))),
+        (["a", None, "a"], [2, 3, 4], ((0, 2, "a"), (3, 4, "a"))),  # base tokens split a run
+        ([None, "c", "c", "c"], [3, 4, 9, 10], ((3, 10, "c"),)),
+        (["b"], [7], ((0, 7, "b"),)),
     ],
 )
-def test_lora_batch_from_ranges_merges_touching_ranges(
-    ranges: list[tuple[int, int, str | None]], expected: tuple[tuple[int, int, str], ...]
+def test_lora_batch_from_runs_makes_one_segment_per_run_of_an_adapter(
+    adapter_ids: list[str | None], token_ends: list[int], expected: tuple[tuple[int, int, str], ...]
 ) -> None:
     pages = {name: AdapterPages(name, (i,), AdapterLayout((), ())) for i, name in enumerate("abcd")}
-    batch = LoRABatch.from_ranges(ranges, pages)
+    batch = LoRABatch.from_runs(adapter_ids, np.array(token_ends), pages)
     assert batch is not None and batch.segments == expected
     assert batch.adapter_ids == {adapter_id for _, _, adapter_id in expected} == set(batch.adapters)
     assert all(batch.adapters[a] is pages[a] for a in batch.adapters)
 
 
-def test_lora_batch_from_ranges_without_adapters_is_none() -> None:
-    assert LoRABatch.from_ranges([], {}) is None
-    assert LoRABatch.from_ranges([(0, 4, None), (4, 5, None), (5, 5, "a")], {}) is None
+def test_lora_batch_from_runs_without_adapters_is_none() -> None:
+    assert LoRABatch.from_runs([], np.zeros(0, np.int64), {}) is None
+    assert LoRABatch.from_runs([None, None], np.array([4, 5]), {}) is None
 
 
 def test_the_segment_meta_layout_is_defined_once_and_mirrored() -> None:

@@ -13,7 +13,7 @@ from loraserve import LLM, SamplingParams
 from loraserve.config import ConfigError
 from loraserve.llm_engine import RequestError
 from loraserve.outputs import RequestOutput
-from loraserve.sampler import Sampler, SamplingBatch, _filter_top_k_top_p, uniform_from_keys
+from loraserve.sampler import Sampler, SamplingBatch, _filter_top_k_top_p, argmax_rows, uniform_from_keys
 from loraserve.sampling_params import SamplingParamsError
 from loraserve.sequence import Sequence
 
@@ -44,6 +44,20 @@ def test_top_k_one_is_greedy(llm: LLM) -> None:
     assert greedy == top1
     tiny_p = _tokens(llm, PROMPTS, SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=10, ignore_eos=True))
     assert greedy == tiny_p
+
+
+def test_argmax_rows_equals_torch_argmax_with_ties_and_nans() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(37, 1000, generator=gen)
+    logits[1, [5, 9, 700]] = 50.0  # ties: the first wins
+    logits[2, :] = 0.0  # all equal
+    logits[3, [4, 8]] = float("nan")  # a NaN is the maximum
+    logits[4, 10] = float("inf")
+    wide = torch.randn(5, 3000, generator=gen)[:, ::3]  # a strided view
+    for case in (logits, wide, logits[:0]):
+        got = argmax_rows(case)
+        assert got.dtype == torch.int64 and torch.equal(got, case.argmax(dim=-1))
+    assert argmax_rows(logits)[1:4].tolist() == [5, 0, 4]
 
 
 def test_filter_keeps_exactly_top_k_and_nucleus() -> None:

@@ -11,6 +11,7 @@ segments inside the forward.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from loraserve.kernels import cpu
@@ -57,46 +58,69 @@ Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 class SegmentPacker:
     """Packs a step's segments for the kernels that read adapters in place from the pool.
 
-    Each adapter's ``layout_meta`` is built at its first step and kept (an adapter id is a digest
-    of its weights, so its layout never changes); the memo forgets adapters absent from a step
-    when it grows past a bound.
+    It keeps one row per adapter seen (its ``layout_meta``, page table, and where its pages
+    start), written when the adapter first appears or its pages move (an adapter id is a digest
+    of its weights, so its layout never changes); a step's tensors are then gathers of those
+    rows by segment. When more adapters than a bound have been seen, the rows start over.
     """
 
     def __init__(self, page_elems: int) -> None:
         self.page_elems = page_elems
-        self._layout_meta: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rows: dict[str, tuple[int, tuple[int, ...]]] = {}  # adapter id -> (row, its pages)
+        self._meta = np.zeros((0, 0, 0, META_WIDTH), dtype=np.int64)  # [L, G, rows, 14]
+        self._scales = np.zeros((0, 0, 0, MAX_MODULES), dtype=np.float32)  # [L, G, rows, 3]
+        self._pages = np.zeros((0, 1), dtype=np.int64)  # [rows, max_pages], zero padded
+        self._bounds = np.zeros((0, 2), dtype=np.int64)  # [rows, 2]: paged (0: consecutive), offset
 
-    def _meta(self, pages: AdapterPages, lora: LoRABatch) -> tuple[torch.Tensor, torch.Tensor]:
-        cached = self._layout_meta.get(pages.adapter_id)
-        if cached is None:
-            if len(self._layout_meta) > 2 * len(lora.adapters) + 64:
-                self._layout_meta = {k: v for k, v in self._layout_meta.items() if k in lora.adapters}
-            cached = self._layout_meta[pages.adapter_id] = layout_meta(pages.layout)
-        return cached
+    def _row(self, pages: AdapterPages, lora: LoRABatch) -> int:
+        held = self._rows.get(pages.adapter_id)
+        if held is not None and held[1] == pages.page_ids:
+            return held[0]
+        if held is None and len(self._rows) >= 2 * len(lora.adapters) + 64:
+            self._rows = {}  # start over: the rows of the adapters in this step are written again
+        row = held[0] if held is not None else len(self._rows)
+        self._write(row, pages)
+        self._rows[pages.adapter_id] = (row, pages.page_ids)
+        return row
+
+    def _write(self, row: int, pages: AdapterPages) -> None:
+        meta, scales = layout_meta(pages.layout)  # [L, G, 14], [L, G, 3]
+        num_pages = len(pages.page_ids)
+        capacity, width = self._pages.shape
+        if row >= capacity or num_pages > width or self._meta.shape[:2] != meta.shape[:2]:
+            rows = max(row + 1, 2 * capacity)
+            grown_meta = np.zeros((*meta.shape[:2], rows, META_WIDTH), dtype=np.int64)
+            grown_scales = np.zeros((*meta.shape[:2], rows, MAX_MODULES), dtype=np.float32)
+            grown_pages = np.zeros((rows, max(num_pages, width)), dtype=np.int64)
+            grown_bounds = np.zeros((rows, 2), dtype=np.int64)
+            if self._meta.shape[:2] == meta.shape[:2]:
+                grown_meta[:, :, :capacity] = self._meta
+                grown_scales[:, :, :capacity] = self._scales
+            grown_pages[:capacity, :width] = self._pages
+            grown_bounds[:capacity] = self._bounds
+            self._meta, self._scales, self._pages, self._bounds = grown_meta, grown_scales, grown_pages, grown_bounds
+        self._meta[:, :, row] = meta.numpy()
+        self._scales[:, :, row] = scales.numpy()
+        self._pages[row] = 0
+        self._pages[row, :num_pages] = pages.page_ids
+        if pages.is_contiguous:
+            self._bounds[row] = (0, pages.page_ids[0] * self.page_elems)
+        else:  # scattered pages: long segments copy their matrices out through the page table
+            self._bounds[row] = (1, 0)
 
     def pack(self, lora: LoRABatch) -> Packed:
         """Where every segment's adapter sits, and its matrices' offsets in every layer and group."""
-        bounds: list[tuple[int, int, int, int]] = []
-        tables: list[list[int]] = []
-        metas: list[torch.Tensor] = []
-        scales: list[torch.Tensor] = []
-        for start, end, adapter_id in lora.segments:
-            pages = lora.adapters[adapter_id]
-            meta, scale = self._meta(pages, lora)
-            metas.append(meta)
-            scales.append(scale)
-            tables.append(list(pages.page_ids))
-            if pages.is_contiguous:
-                bounds.append((start, end, 0, pages.page_ids[0] * self.page_elems))
-            else:  # scattered pages: long segments copy their matrices out through the page table
-                bounds.append((start, end, 1, 0))
-        max_pages = max(len(table) for table in tables)
-        padded = [table + [0] * (max_pages - len(table)) for table in tables]
+        segments = lora.segments
+        rows = np.array([self._row(lora.adapters[adapter_id], lora) for _, _, adapter_id in segments], np.int64)
+        bounds = np.empty((len(segments), 4), dtype=np.int64)  # start, end, paged, offset
+        bounds[:, :2] = [(start, end) for start, end, _ in segments]
+        bounds[:, 2:] = self._bounds[rows]
+        num_pages = max(len(lora.adapters[adapter_id].page_ids) for adapter_id in lora.adapters)
         return (
-            torch.tensor(bounds, dtype=torch.long),
-            torch.tensor(padded, dtype=torch.long).view(len(tables), max_pages),
-            torch.stack(metas, dim=2),
-            torch.stack(scales, dim=2),
+            torch.from_numpy(bounds),
+            torch.from_numpy(self._pages[rows, :num_pages]),  # [S, max_pages]
+            torch.from_numpy(np.take(self._meta, rows, axis=2)),  # [L, G, S, 14]
+            torch.from_numpy(np.take(self._scales, rows, axis=2)),  # [L, G, S, 3]
         )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from loraserve.adapters import LoRAAdapter
@@ -56,21 +57,25 @@ class LoRABatch:
     slots: SlotTables | None = None
 
     @classmethod
-    def from_ranges(
-        cls, ranges: list[tuple[int, int, str | None]], adapters: Mapping[str, AdapterPages]
+    def from_runs(
+        cls, adapter_ids: list[str | None], token_ends: np.ndarray, adapters: Mapping[str, AdapterPages]
     ) -> LoRABatch | None:
-        """Merge touching ranges of one adapter; drop base-model ranges. None if no adapter."""
-        merged: list[tuple[int, int, str]] = []
-        for start, end, adapter_id in ranges:
-            if adapter_id is None or start == end:
-                continue
-            if merged and merged[-1][2] == adapter_id and merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], end, adapter_id)
-            else:
-                merged.append((start, end, adapter_id))
-        if not merged:
+        """Segments of sequences back to back (sequence ``i``'s tokens end at ``token_ends[i]``, the
+        next one's start there), each taking at least one token: every run of consecutive sequences
+        of one adapter is one segment; base-model sequences (None) make none. None if no adapter."""
+        if not adapter_ids:
             return None
-        return cls(tuple(merged), {adapter_id: adapters[adapter_id] for _, _, adapter_id in merged})
+        breaks = [i for i in range(1, len(adapter_ids)) if adapter_ids[i] != adapter_ids[i - 1]]
+        firsts, lasts = [0, *breaks], [*breaks, len(adapter_ids)]
+        ends = token_ends.tolist()
+        segments = tuple(
+            (ends[first - 1] if first else 0, ends[last - 1], adapter_id)
+            for first, last in zip(firsts, lasts, strict=True)
+            if (adapter_id := adapter_ids[first]) is not None
+        )
+        if not segments:
+            return None
+        return cls(segments, {adapter_id: adapters[adapter_id] for _, _, adapter_id in segments})
 
     @property
     def adapter_ids(self) -> set[str]:

@@ -113,10 +113,12 @@ def load_model(
     device: torch.device,
     kernels: ModelKernels | None = None,
     gemm_policy: GemmPolicy | None = None,
+    max_positions: int | None = None,
 ) -> tuple[LlamaForCausalLM, GemmPlan]:
     """Build the native model over ``kernels`` (default: the torch ones) and load every
     ``*.safetensors`` file of the directory; with ``gemm_policy`` (the ``cpu`` backend) its linear
-    layers run on the CPU GEMM kernels it chooses. Returns the finished model and that choice."""
+    layers run on the CPU GEMM kernels it chooses; ``max_positions``: the rotary tables' length
+    (default: the config's ``max_position_embeddings``). Returns the finished model and that choice."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weights (pickled .bin files are refused)")
@@ -136,7 +138,7 @@ def load_model(
         )
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = type(model.model.rotary_emb)(config)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config, max_positions)
     model = model.to(device=device, dtype=dtype).eval()
     for module in model.modules():
         if isinstance(module, ConcatLinear):

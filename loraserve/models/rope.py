@@ -17,15 +17,23 @@ from typing import Any
 import torch
 from torch import nn
 
+DEFAULT_MAX_POSITIONS = 8192  # a config without max_position_embeddings
+
 
 def head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE with Hugging Face's inverse-frequency rules (default, linear, llama3, yarn, ...)."""
+    """RoPE with Hugging Face's inverse-frequency rules (default, linear, llama3, yarn, ...).
 
-    def __init__(self, config: Any) -> None:
+    The tables of every position below ``max_positions`` (default: the config's
+    ``max_position_embeddings``) are computed once, at construction, exactly as a step would
+    compute them; a step gathers its positions' rows (three gathers instead of a dozen ops).
+    Memory: three ``[max_positions, head_dim]`` tables in the model's dtype.
+    """
+
+    def __init__(self, config: Any, max_positions: int | None = None) -> None:
         super().__init__()
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -40,20 +48,34 @@ class RotaryEmbedding(nn.Module):
             self.attention_scaling = 1.0
         else:
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 2]
+        self.max_positions = max_positions or int(getattr(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS))
+        if self.max_positions <= 0:
+            raise ValueError(f"max_positions must be positive, got {self.max_positions}")
+        positions = torch.arange(self.max_positions)  # [max_positions]
+        freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [max_positions, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        cos = emb.cos() * self.attention_scaling  # [max_positions, head_dim] float32
+        sin = emb.sin() * self.attention_scaling
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign folded in
+        # Buffers, so they follow the model's device and dtype (a float32 value rounded once, as
+        # a per-step ``.to(dtype)`` would round it).
+        self.cos_table: torch.Tensor
+        self.sin_table: torch.Tensor
+        self.sin_signed_table: torch.Tensor
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+        self.register_buffer("sin_signed_table", sin_signed, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype, qkv_heads: tuple[int, int] | None = None
     ) -> RopeTables:
-        """The step's tables; with ``qkv_heads`` ``(num_heads, num_kv_heads)`` also those of
-        ``RopeTables.apply_to_qkv_`` (one rotation over q, k and v heads side by side)."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [num_tokens, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        cos = (emb.cos() * self.attention_scaling).to(dtype)
-        sin = (emb.sin() * self.attention_scaling).to(dtype)
-        half = sin.shape[-1] // 2
-        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign folded in
+        """The step's tables (``positions`` below ``max_positions``); with ``qkv_heads``
+        ``(num_heads, num_kv_heads)`` also those of ``RopeTables.apply_to_qkv_`` (one rotation over
+        q, k and v heads side by side)."""
+        cos = self.cos_table.index_select(0, positions).to(dtype)  # [num_tokens, head_dim]
+        sin = self.sin_table.index_select(0, positions).to(dtype)  # [num_tokens, head_dim]
+        sin_signed = self.sin_signed_table.index_select(0, positions).to(dtype)  # [num_tokens, head_dim]
         qkv_cos = qkv_sin = None
         if qkv_heads is not None:
             rotated, kept = qkv_heads[0] + qkv_heads[1], qkv_heads[1]  # q and k heads rotate; v heads keep
