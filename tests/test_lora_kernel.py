@@ -199,3 +199,33 @@ def test_the_segment_meta_layout_is_defined_once_and_mirrored() -> None:
 
         for name in ("A_OFFSET", "NUM_ROWS", "MODULE_BASE", "MODULE_STRIDE", "COLUMN", "RANK", "B_OFFSET"):
             assert getattr(triton_lora, f"META_{name}").value == getattr(SegmentMeta, name)
+
+
+def test_segment_packer_gathers_each_adapters_rows_across_moves_and_restarts() -> None:
+    """``SegmentPacker.pack`` against each segment's own ``layout_meta`` and pages, over steps that
+    see 150 adapters (so its rows start over several times) and move some adapters' pages."""
+    from loraserve.lora.apply_cpu import SegmentPacker, layout_meta
+    from loraserve.lora.layout import GroupSlot, ModuleSlot
+
+    def layout(i: int) -> AdapterLayout:
+        rank = 1 + i % 5
+        module = ModuleSlot("o_proj", rank, 8, 8, a_offset=i, b_offset=1000 + i, column=0, scale=i / 10)
+        return AdapterLayout(({"o": GroupSlot(i, rank, 8, (module,))},), (1000 + i + 8 * rank,))
+
+    rng = random.Random(5)
+    pages = {f"a{i}": AdapterPages(f"a{i}", tuple(range(100 * i, 100 * i + 1 + i % 3)), layout(i)) for i in range(150)}
+    packer = SegmentPacker(page_elems=10)
+    for step in range(60):
+        names = rng.sample(sorted(pages), rng.randint(1, 40))
+        if step % 7 == 0:  # evicted and loaded again elsewhere, on scattered pages
+            pages[names[0]] = AdapterPages(names[0], (9000 + step, 3), pages[names[0]].layout)
+        segments = tuple((2 * k, 2 * k + 2, name) for k, name in enumerate(names))
+        bounds, tables, meta, scales = packer.pack(LoRABatch(segments, {name: pages[name] for name in names}))
+        assert tables.shape[1] == max(len(pages[name].page_ids) for name in names)
+        for k, name in enumerate(names):
+            ids = pages[name].page_ids
+            assert tables[k, : len(ids)].tolist() == list(ids) and not tables[k, len(ids) :].any()
+            consecutive = ids == tuple(range(ids[0], ids[0] + len(ids)))
+            assert bounds[k].tolist() == [2 * k, 2 * k + 2, 0 if consecutive else 1, ids[0] * 10 if consecutive else 0]
+            expected_meta, expected_scales = layout_meta(pages[name].layout)  # [L, G, 14], [L, G, 3]
+            assert torch.equal(meta[:, :, k], expected_meta) and torch.equal(scales[:, :, k], expected_scales)

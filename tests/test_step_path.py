@@ -208,6 +208,12 @@ def test_input_batch_rows_follow_block_tables_incrementally() -> None:
     c = Sequence("c", [1], SamplingParams())
     c.block_ids = [4]
     assert rows.row(c) == 0 and rows.block_tables[0, :1].tolist() == [4]  # a's row, rewritten for c
+    # Many at once: only the rows that differ are written (b gets a block, c a token, both in one pass).
+    b.block_ids.append(6)
+    c.append_token(8)
+    c.num_computed_tokens = 1
+    assert rows.sync([c, b]).tolist() == [[1, 2, 0], [0, 1, 1]]  # computed tokens, tokens, row
+    assert rows.block_tables[1, :2].tolist() == [2, 6] and rows.tokens_match(c) and rows.tokens_match(b)
     ints, floats = rows.upload([np.arange(3), np.array([0.5, 2.0])])
     assert ints.tolist() == [0, 1, 2] and floats.dtype == torch.float64 and floats.tolist() == [0.5, 2.0]
 

@@ -72,12 +72,10 @@ class SegmentPacker:
         self._pages = np.zeros((0, 1), dtype=np.int64)  # [rows, max_pages], zero padded
         self._bounds = np.zeros((0, 2), dtype=np.int64)  # [rows, 2]: paged (0: consecutive), offset
 
-    def _row(self, pages: AdapterPages, lora: LoRABatch) -> int:
+    def _row(self, pages: AdapterPages) -> int:
         held = self._rows.get(pages.adapter_id)
         if held is not None and held[1] == pages.page_ids:
             return held[0]
-        if held is None and len(self._rows) >= 2 * len(lora.adapters) + 64:
-            self._rows = {}  # start over: the rows of the adapters in this step are written again
         row = held[0] if held is not None else len(self._rows)
         self._write(row, pages)
         self._rows[pages.adapter_id] = (row, pages.page_ids)
@@ -110,8 +108,10 @@ class SegmentPacker:
 
     def pack(self, lora: LoRABatch) -> Packed:
         """Where every segment's adapter sits, and its matrices' offsets in every layer and group."""
+        if len(self._rows) > len(lora.adapters) + 64:
+            self._rows = {}  # start over (before any row of this step is taken): rows are written again
         segments = lora.segments
-        rows = np.array([self._row(lora.adapters[adapter_id], lora) for _, _, adapter_id in segments], np.int64)
+        rows = np.array([self._row(lora.adapters[adapter_id]) for _, _, adapter_id in segments], np.int64)
         bounds = np.empty((len(segments), 4), dtype=np.int64)  # start, end, paged, offset
         bounds[:, :2] = [(start, end) for start, end, _ in segments]
         bounds[:, 2:] = self._bounds[rows]
