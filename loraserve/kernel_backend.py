@@ -21,13 +21,14 @@ import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from loraserve.kernels import cpu
 from loraserve.lora.apply_cpu import CompiledLoRAApplier
-from loraserve.lora.apply_torch import LoRAApplier
-from loraserve.models.llama import LoRAHook, ModelKernels
+from loraserve.lora.apply_torch import LoRAApplier, PerBatchLoRAHook
+from loraserve.models.llama import ModelKernels
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class KernelBackend:
 
     name: str
     model: ModelKernels
-    make_lora_hook: Callable[[torch.Tensor], LoRAHook]  # (storage [num_layers, num_pages, page_elems])
+    make_lora_hook: Callable[[torch.Tensor], PerBatchLoRAHook[Any]]  # (storage [num_layers, num_pages, page_elems])
     pack_linears: bool = False
     decode_graphs: bool = False  # decode steps padded on static buffers, adapters by slot (CUDA graphs)
 

@@ -19,10 +19,11 @@ from loraserve.decode_graphs import DecodeGraphs
 from loraserve.forward_batch import ForwardBatch, PrefillBatch, attention_splits
 from loraserve.input_batch import InputBatch
 from loraserve.logits_adjustments import LogitsAdjustments
+from loraserve.lora.apply_torch import PerBatchLoRAHook
 from loraserve.lora.batch import LoRABatch
 from loraserve.lora.slots import AdapterSlots
 from loraserve.lora.weights import write_adapter_load
-from loraserve.models.llama import LlamaForCausalLM, LoRAHook
+from loraserve.models.llama import LlamaForCausalLM
 from loraserve.sampler import Sampler, SamplingBatch, record_logprobs, record_prompt_logprobs
 from loraserve.scheduled_batch import ScheduledBatch
 from loraserve.sequence import Sequence
@@ -74,7 +75,7 @@ class ModelRunner:
         num_swap_pages: int,
         dtype: torch.dtype,
         device: torch.device,
-        make_lora_hook: Callable[[torch.Tensor], LoRAHook],
+        make_lora_hook: Callable[[torch.Tensor], PerBatchLoRAHook[Any]],
         max_num_seqs: int,
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
@@ -199,7 +200,17 @@ class ModelRunner:
             sampled_seqs = [seq for seq, sample in zip(seqs, samples.tolist(), strict=True) if sample]
             extra = LogitsAdjustments.host_parts(sampled_seqs, self.eos_token_ids)
             parts.extend(extra)
+        lora = LoRABatch.from_runs([seq.adapter_id for seq in seqs], token_ends, batch.adapters)
+        # The LoRA hook's per-step tables travel in the same upload (not for steps by adapter slot).
+        lora_upload = self.lora_hook.upload_parts(lora) if lora is not None and slots_of is None else None
+        lora_arrays = lora_upload.arrays if lora_upload is not None else []
+        parts.extend(lora_arrays)
         views = rows_of.upload(parts)
+        if lora_upload is not None and lora is not None:
+            lora_views = views[len(views) - len(lora_arrays) :]
+            views = views[: len(views) - len(lora_arrays)]
+            shaped = [view.view(array.shape) for view, array in zip(lora_views, lora_arrays, strict=True)]
+            lora = replace(lora, prepared=lora_upload.build(shaped))
         (ids, pos, slot, seq_lens, logits_rows, flat_tables, all_starts, query_starts, cached,
          top_ks, seeds, counters, temperatures, top_ps, min_ps) = views[:15]  # fmt: skip
         block_tables = flat_tables.view(count, width)  # [num_seqs, width]
@@ -221,7 +232,7 @@ class ModelRunner:
             decode_context_lens=seq_lens[:num_decode],
             prefill=None if num_decode == count else PrefillBatch(query_starts, cached, block_tables[num_decode:]),
             logits_indices=logits_rows,
-            lora=LoRABatch.from_runs([seq.adapter_id for seq in seqs], token_ends, batch.adapters),
+            lora=lora,
             attention_splits=self.attention_splits(count, int(ends.max())),
         )
         if token_slots is not None and forward_batch.lora is not None and self.adapter_slots is not None:

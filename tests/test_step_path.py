@@ -118,6 +118,35 @@ def test_a_decode_step_makes_one_upload_and_one_download(
             assert ops["aten.lift_fresh.default"] == 1  # the upload is the only tensor made from host data
 
 
+def test_a_mixed_step_sends_the_lora_tables_in_its_one_upload(
+    tiny_model_dir: Path, adapter_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a prefill runs LoRA by segments (no adapter slots): on the ``triton`` backend the
+    segments' tables are views of the step's one upload, built by the runner, not copied in the forward."""
+    pytest.importorskip("triton")
+    engine = decoding_engine(tiny_model_dir, "triton", adapter_dirs)
+    engine.add_request("late", list(range(40, 52)), SamplingParams(max_tokens=3, ignore_eos=True), "b")
+    runner = engine.runner
+    steps: list[Any] = []
+    prepare = runner.prepare
+    monkeypatch.setattr(runner, "prepare", lambda batch: steps.append(prepare(batch)) or steps[-1])
+
+    def no_copies(lora: Any) -> None:
+        raise AssertionError("the hook copied its tables itself")
+
+    monkeypatch.setattr(runner.lora_hook, "prepare", no_copies)
+    uploads = runner.input_batch.num_uploads
+    engine.step()
+    assert runner.input_batch.num_uploads - uploads == 1
+    forward = steps[-1].forward
+    assert forward.prefill is not None and forward.lora is not None and forward.lora.token_slots is None
+    prepared = forward.lora.prepared
+    upload = forward.input_ids.untyped_storage().data_ptr()
+    for table in (prepared.bounds, prepared.page_tables, prepared.meta):
+        assert table.untyped_storage().data_ptr() == upload  # views of the upload
+    assert prepared.bounds[:, :2].tolist() == [[start, end] for start, end, _ in forward.lora.segments]
+
+
 def test_torch_ops_per_decoder_layer(tiny_model_dir: Path) -> None:
     ops = ops_of_one_layer(decoding_engine(tiny_model_dir, "torch", {}))
     assert sum(ops.values()) == TORCH_OPS_PER_LAYER, ops.most_common()

@@ -8,8 +8,11 @@ keeps between steps is only derived from that (views of an adapter's pages, keye
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 
 from loraserve.forward_batch import ForwardBatch
@@ -18,6 +21,16 @@ from loraserve.lora.batch import AdapterPages, LoRABatch
 from loraserve.lora.weights import GroupWeights, group_weights
 
 Prepared = TypeVar("Prepared")
+
+
+@dataclass(frozen=True)
+class UploadParts(Generic[Prepared]):
+    """What a hook needs on the device for one step, to travel in the step's one upload: host
+    ``arrays`` (int64, or float64 sent as its bits) and ``build``, which makes the hook's prepared
+    data from their device copies (views of the upload, in the arrays' shapes and dtypes)."""
+
+    arrays: list[np.ndarray]
+    build: Callable[[list[torch.Tensor]], Prepared]
 
 
 class PerBatchLoRAHook(ABC, Generic[Prepared]):
@@ -35,6 +48,12 @@ class PerBatchLoRAHook(ABC, Generic[Prepared]):
     @abstractmethod
     def prepare(self, lora: LoRABatch) -> Prepared:
         """What ``apply`` needs for every layer of this step's batch."""
+
+    def upload_parts(self, lora: LoRABatch) -> UploadParts[Prepared] | None:
+        """The step's device data as host arrays for the runner's one upload (then the runner puts
+        the built data in ``LoRABatch.prepared``); None (the default): ``prepare`` runs in the
+        forward, for hooks whose data needs no copy to the device."""
+        return None
 
     @abstractmethod
     def apply(
@@ -57,6 +76,9 @@ class PerBatchLoRAHook(ABC, Generic[Prepared]):
     ) -> None:
         lora: LoRABatch | None = batch.lora
         if lora is None:
+            return
+        if lora.prepared is not None:  # built from the step's upload (``upload_parts``)
+            self.apply(x, layer, group, outputs, lora.prepared)
             return
         if lora is not self._batch or self._prepared is None:
             self._batch, self._prepared = lora, self.prepare(lora)

@@ -1,7 +1,8 @@
 """The LoRA hook over the Triton kernels (``kernels/triton_lora.py``): the GPU path.
 
 Per step it packs the segments once (``SegmentPacker``, shared with the CPU kernel's hook),
-moves that metadata to the device and notes the two host-side grid bounds of every layer
+hands that metadata to the runner for the step's one upload (``upload_parts``) and notes the
+two host-side grid bounds of every layer
 and group (longest segment, most stacked A rows); per layer and group the forward then
 launches one shrink and one expand kernel that read the adapters' weights in place from
 the pool pages, whatever their ranks and wherever their pages are.
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraserve.forward_batch import ForwardBatch
 from loraserve.kernels import triton_lora, triton_lora_slots
 from loraserve.lora.apply_cpu import GROUP_INDEX, SegmentPacker
-from loraserve.lora.apply_torch import PerBatchLoRAHook
+from loraserve.lora.apply_torch import PerBatchLoRAHook, UploadParts
 from loraserve.lora.batch import LoRABatch
 
 
@@ -64,16 +66,22 @@ class TritonLoRAApplier(PerBatchLoRAHook[TritonSegments]):
         self.packer = SegmentPacker(storage.shape[2])
 
     def prepare(self, lora: LoRABatch) -> TritonSegments:
-        bounds, page_tables, meta, scales = self.packer.pack(lora)
+        """The segments' tables copied to the device here (four copies); the runner's steps take
+        ``upload_parts`` instead, so these travel in the step's one upload."""
+        parts = self.upload_parts(lora)
         device = self.storage.device
-        return TritonSegments(
-            bounds.to(device),
-            page_tables.to(device),
-            meta.to(device),
-            scales.to(device),
-            max(end - start for start, end, _ in lora.segments),
-            meta[:, :, :, 1].amax(dim=2).tolist(),
-        )
+        return parts.build([torch.from_numpy(array).to(device) for array in parts.arrays])
+
+    def upload_parts(self, lora: LoRABatch) -> UploadParts[TritonSegments]:
+        bounds, page_tables, meta, scales = (tensor.numpy() for tensor in self.packer.pack(lora))
+        max_segment_len = max(end - start for start, end, _ in lora.segments)
+        max_rows = meta[:, :, :, 1].max(axis=2).tolist()  # [num_layers][num_groups], on the host
+
+        def build(views: list[torch.Tensor]) -> TritonSegments:
+            bounds_view, tables_view, meta_view, scales_view = views
+            return TritonSegments(bounds_view, tables_view, meta_view, scales_view.float(), max_segment_len, max_rows)
+
+        return UploadParts([bounds, page_tables, meta, scales.astype(np.float64)], build)
 
     def apply(
         self,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ class LoRABatch:
     adapters: Mapping[str, AdapterPages]  # every adapter of ``segments``
     token_slots: torch.Tensor | None = None  # [num_tokens] int64, -1: base model
     slots: SlotTables | None = None
+    # The LoRA hook's data for this step, built by the runner from the step's one upload (a hook
+    # with ``upload_parts``, the Triton one); None: the hook prepares it in the forward.
+    prepared: Any = None
 
     @classmethod
     def from_runs(
