@@ -65,10 +65,9 @@ class KVCacheManager:
 
         Returns the ``(source, destination)`` page copies that must happen first.
         """
-        block_size = self.block_size
-        num_blocks = -(-(seq.num_computed_tokens + num_new_tokens) // block_size)
+        num_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         needs_copy = self._needs_copy(seq)
-        needed = max(0, num_blocks - len(seq.block_ids)) + needs_copy
+        needed = max(0, num_blocks - len(seq.block_ids)) + int(needs_copy)
         if needed == 0:
             return []  # the common decode step: room in the last block, which it alone holds
         if not self.pool.can_allocate(needed):
@@ -95,10 +94,9 @@ class KVCacheManager:
         step asks only whether its page is shared.
         """
         index, offset = divmod(seq.num_computed_tokens, self.block_size)
-        block_ids = seq.block_ids
-        if index >= len(block_ids):
+        if index >= len(seq.block_ids):
             return False
-        page_id = block_ids[index]
+        page_id = seq.block_ids[index]
         if self.pool.ref_count(page_id) > 1:
             return True
         return offset == 0 and self.prefix_cache is not None and self.prefix_cache.hash_of(page_id) is not None

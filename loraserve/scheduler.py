@@ -173,19 +173,17 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
         preempted = False
         index = 0
-        running, allocate_slots = self.running, self.kv_manager.allocate_slots
-        while index < len(running) and budget > 0:
-            seq = running[index]
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)  # its uncomputed tokens
-            while (copies := allocate_slots(seq, num_new)) is None:
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while (copies := self.kv_manager.allocate_slots(seq, num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim, batch)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                if copies:
-                    batch.copy_pages.extend(copies)
+                batch.copy_pages.extend(copies)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
@@ -281,14 +279,12 @@ class Scheduler:
 
         Returns the sequences that got a token (finished ones included).
         """
-        cache_full_blocks = self.kv_manager.cache_full_blocks
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
-            cache_full_blocks(seq)
+            self.kv_manager.cache_full_blocks(seq)
         changed: list[Sequence] = []
-        finished = SequenceStatus.FINISHED
         for seq, token in zip(batch.seqs, sampled, strict=True):
-            if token is None or seq.status is finished:
+            if token is None or seq.is_finished:
                 continue
             seq.append_token(token)
             if self._forks and (forks := self._forks.pop(seq.seq_id, None)):

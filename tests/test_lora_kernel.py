@@ -214,7 +214,7 @@ def test_segment_packer_gathers_each_adapters_rows_across_moves_and_restarts() -
 
     rng = random.Random(5)
     pages = {f"a{i}": AdapterPages(f"a{i}", tuple(range(100 * i, 100 * i + 1 + i % 3)), layout(i)) for i in range(150)}
-    packer = SegmentPacker(page_elems=10)
+    packer = SegmentPacker(num_layers=1, page_elems=10)
     for step in range(60):
         names = rng.sample(sorted(pages), rng.randint(1, 40))
         if step % 7 == 0:  # evicted and loaded again elsewhere, on scattered pages

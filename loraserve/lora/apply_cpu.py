@@ -64,11 +64,12 @@ class SegmentPacker:
     rows by segment. When more adapters than a bound have been seen, the rows start over.
     """
 
-    def __init__(self, page_elems: int) -> None:
+    def __init__(self, num_layers: int, page_elems: int) -> None:
         self.page_elems = page_elems
         self._rows: dict[str, tuple[int, tuple[int, ...]]] = {}  # adapter id -> (row, its pages)
-        self._meta = np.zeros((0, 0, 0, META_WIDTH), dtype=np.int64)  # [L, G, rows, 14]
-        self._scales = np.zeros((0, 0, 0, MAX_MODULES), dtype=np.float32)  # [L, G, rows, 3]
+        shape = (num_layers, len(LORA_GROUPS), 0)
+        self._meta = np.zeros((*shape, META_WIDTH), dtype=np.int64)  # [L, G, rows, 14]
+        self._scales = np.zeros((*shape, MAX_MODULES), dtype=np.float32)  # [L, G, rows, 3]
         self._pages = np.zeros((0, 1), dtype=np.int64)  # [rows, max_pages], zero padded
         self._bounds = np.zeros((0, 2), dtype=np.int64)  # [rows, 2]: paged (0: consecutive), offset
 
@@ -85,18 +86,12 @@ class SegmentPacker:
         meta, scales = layout_meta(pages.layout)  # [L, G, 14], [L, G, 3]
         num_pages = len(pages.page_ids)
         capacity, width = self._pages.shape
-        if row >= capacity or num_pages > width or self._meta.shape[:2] != meta.shape[:2]:
+        if row >= capacity:
             rows = max(row + 1, 2 * capacity)
-            grown_meta = np.zeros((*meta.shape[:2], rows, META_WIDTH), dtype=np.int64)
-            grown_scales = np.zeros((*meta.shape[:2], rows, MAX_MODULES), dtype=np.float32)
-            grown_pages = np.zeros((rows, max(num_pages, width)), dtype=np.int64)
-            grown_bounds = np.zeros((rows, 2), dtype=np.int64)
-            if self._meta.shape[:2] == meta.shape[:2]:
-                grown_meta[:, :, :capacity] = self._meta
-                grown_scales[:, :, :capacity] = self._scales
-            grown_pages[:capacity, :width] = self._pages
-            grown_bounds[:capacity] = self._bounds
-            self._meta, self._scales, self._pages, self._bounds = grown_meta, grown_scales, grown_pages, grown_bounds
+            self._meta, self._scales = _grown(self._meta, 2, rows), _grown(self._scales, 2, rows)
+            self._pages, self._bounds = _grown(self._pages, 0, rows), _grown(self._bounds, 0, rows)
+        if num_pages > width:
+            self._pages = _grown(self._pages, 1, num_pages)
         self._meta[:, :, row] = meta.numpy()
         self._scales[:, :, row] = scales.numpy()
         self._pages[row] = 0
@@ -124,12 +119,19 @@ class SegmentPacker:
         )
 
 
+def _grown(array: np.ndarray, axis: int, size: int) -> np.ndarray:
+    """``array`` zero padded along ``axis`` to ``size``."""
+    padding = [(0, 0)] * array.ndim
+    padding[axis] = (0, size - array.shape[axis])
+    return np.pad(array, padding)
+
+
 class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
     """``LoRAHook`` reading adapter weights in place from the pool's storage (float32)."""
 
     def __init__(self, storage: torch.Tensor) -> None:
         super().__init__(storage)
-        self.packer = SegmentPacker(storage.shape[2])
+        self.packer = SegmentPacker(storage.shape[0], storage.shape[2])
 
     def prepare(self, lora: LoRABatch) -> Packed:
         return self.packer.pack(lora)

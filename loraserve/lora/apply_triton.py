@@ -63,7 +63,7 @@ class TritonLoRAApplier(PerBatchLoRAHook[TritonSegments]):
 
     def __init__(self, storage: torch.Tensor) -> None:
         super().__init__(storage)
-        self.packer = SegmentPacker(storage.shape[2])
+        self.packer = SegmentPacker(storage.shape[0], storage.shape[2])
 
     def prepare(self, lora: LoRABatch) -> TritonSegments:
         """The segments' tables copied to the device here (four copies); the runner's steps take
