@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import json
 import os
 import time
@@ -155,7 +156,7 @@ def profiler_scopes(engine: Any) -> Iterator[None]:
     """Wrap engine parts in ``record_function`` scopes (monkeypatching this engine; undone on exit).
 
     attention: every function the model imports from ``kernels/paged_attention.py`` and each
-    layer's decode-attention kernel; lora: the runner's LoRA hook and every function imported
+    layer's decode-attention kernel; lora: the LoRA hook's ``prepare`` and ``apply`` and every function imported
     from ``kernels/lora.py``; sampling: the sampler; schedule and prepare: the scheduler's and
     the batch builder's Python. Calls into the compiled CPU kernels are recorded as ops of
     their own (``cpu_kernels.*``), so their time counts as kernel time, not Python overhead.
@@ -180,7 +181,7 @@ def profiler_scopes(engine: Any) -> Iterator[None]:
     kernels = {"loraserve.kernels.paged_attention": "attention", "loraserve.kernels.lora": "lora"}
     for module in (loraserve.models.llama, loraserve.lora.apply_torch):
         for name, value in list(vars(module).items()):
-            if callable(value) and getattr(value, "__module__", None) in kernels:
+            if inspect.isfunction(value) and value.__module__ in kernels:  # functions, not classes
                 wrap(module, name, kernels[value.__module__])
     for layer in engine.model.model.layers:
         wrap(layer.self_attn, "decode_attention", "attention")
@@ -191,8 +192,9 @@ def profiler_scopes(engine: Any) -> Iterator[None]:
             patched.append((extension, name, original, True))
             setattr(extension, name, _recorded(f"cpu_kernels.{name}", original))
     runner = engine.runner
-    if runner.lora_hook is not None:
-        wrap(runner, "lora_hook", "lora")
+    if runner.lora_hook is not None:  # the hook object stays (the runner also asks it for upload_parts)
+        wrap(runner.lora_hook, "prepare", "lora")
+        wrap(runner.lora_hook, "apply", "lora")
     wrap(runner, "sampler", "sampling")
     wrap(runner, "prepare", "prepare")
     wrap(engine.scheduler, "schedule", "schedule")
