@@ -151,13 +151,24 @@ void run_tiled(const std::vector<TiledSegment>& segs, const float* x, int64_t in
   const int64_t block_elems = in * kShrinkBlock;
   const int max_threads = at::get_num_threads();
   if (static_cast<int64_t>(segs.size()) >= kSegmentsPerThread * max_threads || max_threads == 1) {
+    // Largest first, so that the threads' last segments are small ones and they finish together.
+    std::vector<int64_t> work(segs.size());
+    for (size_t i = 0; i < segs.size(); ++i) {
+      work[i] = segs[i].meta[1] * in;
+      for (int64_t module = 0; module < num_outputs; ++module) {
+        work[i] += segs[i].meta[kModuleBase + 1 + kModuleStride * module] * out_widths[module];
+      }
+    }
+    std::vector<size_t> by_work(segs.size());
+    for (size_t i = 0; i < segs.size(); ++i) by_work[i] = i;
+    std::stable_sort(by_work.begin(), by_work.end(), [&](size_t a, size_t b) { return work[a] > work[b]; });
 #pragma omp parallel num_threads(max_threads)
     {
       std::vector<float> xt(max_blocks * block_elems), vt(max_rows * max_blocks * kShrinkBlock),
           tmp(kTokenBlock * max_chunk);
 #pragma omp for schedule(dynamic, 1)
       for (size_t i = 0; i < segs.size(); ++i) {
-        const TiledSegment& seg = segs[i];
+        const TiledSegment& seg = segs[by_work[i]];
         const int64_t ld_t = (seg.num + kShrinkBlock - 1) / kShrinkBlock * kShrinkBlock;
         for (int64_t t = 0, b = 0; t < seg.num; t += kShrinkBlock, ++b) {
           transpose_tokens(x + (seg.start + t) * in, in, static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t)),

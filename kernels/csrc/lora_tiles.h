@@ -62,11 +62,33 @@ using loraserve_simd::load8;
 using loraserve_simd::store8;
 
 // xt[k * 8 + j] = x[j, k] for the `tb` <= 8 rows of x (stride `in`); lanes past tb are zero.
+// Blocks of 8 columns go through registers (an 8 x 8 transpose in three rounds of shuffles).
 inline void transpose_tokens(const float* x, int64_t in, int tb, float* xt) {
-  if (tb < kShrinkBlock) std::fill(xt, xt + in * kShrinkBlock, 0.f);
+  using loraserve_simd::i32x8;
+  const int64_t blocked = in / 8 * 8;
+  for (int64_t k = 0; k < blocked; k += 8) {
+    f32x8 r[8];
+    for (int j = 0; j < 8; ++j) r[j] = j < tb ? load8(x + j * in + k) : f32x8{};
+    f32x8 t[8], u[8];
+    for (int j = 0; j < 8; j += 2) {  // pairs of rows interleaved
+      t[j] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+      t[j + 1] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int h = 0; h < 8; h += 4) {  // quads of rows: u[h + c] holds columns c and c + 4
+      u[h] = LORASERVE_SHUFFLE2(t[h], t[h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[h + 1] = LORASERVE_SHUFFLE2(t[h], t[h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+      u[h + 2] = LORASERVE_SHUFFLE2(t[h + 1], t[h + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[h + 3] = LORASERVE_SHUFFLE2(t[h + 1], t[h + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int c = 0; c < 4; ++c) {  // the two halves of the rows joined: columns c and c + 4
+      store8(xt + (k + c) * kShrinkBlock, LORASERVE_SHUFFLE2(u[c], u[4 + c], 0, 1, 2, 3, 8, 9, 10, 11));
+      store8(xt + (k + c + 4) * kShrinkBlock, LORASERVE_SHUFFLE2(u[c], u[4 + c], 4, 5, 6, 7, 12, 13, 14, 15));
+    }
+  }
+  if (blocked == in) return;
+  if (tb < kShrinkBlock) std::fill(xt + blocked * kShrinkBlock, xt + in * kShrinkBlock, 0.f);
   for (int j = 0; j < tb; ++j) {
-    const float* row = x + j * in;
-    for (int64_t k = 0; k < in; ++k) xt[k * kShrinkBlock + j] = row[k];
+    for (int64_t k = blocked; k < in; ++k) xt[k * kShrinkBlock + j] = x[j * in + k];
   }
 }
 
