@@ -41,18 +41,59 @@ def uniform_from_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tens
     return _shift_right(bits, 11).double() * 2.0**-53
 
 
+# How many most likely tokens a top-k/top-p filter takes per row on the CPU, in turn: a row whose
+# filter keeps all of them goes on to the next count, and last to a sort of the whole row (as on
+# other devices, where sorting is cheap; on the CPU sorting rows of a large vocabulary is what
+# costs, ~2 ms per row of 49k tokens).
+CPU_FILTER_CANDIDATES = (64, 1024)
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus to -inf."""
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [rows, vocab]
+    """Mask logits outside each row's top-k and top-p nucleus to -inf.
+
+    The nucleus is the smallest run of most likely tokens whose mass reaches top_p (1: off); a
+    token tied with the last one kept may fall either side. The most likely token is always kept."""
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]  # [1, vocab]
-    remove = ranks >= top_ks[:, None]  # [rows, vocab]
-    probs = sorted_logits.softmax(dim=-1)
-    cumulative = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-    remove |= cumulative >= top_ps[:, None]
-    remove[:, 0] = False  # always keep the most likely token
+    if logits.device.type != "cpu":
+        return _filter_sorted(logits, top_ks, top_ps)
+    filtered = logits.clone()  # [rows, vocab]; rows without a filter stay as they are
+    pending = ((top_ks < vocab) | (top_ps < 1)).nonzero().squeeze(1)  # [rows filtered]
+    probs = logits[pending].softmax(dim=-1)  # [len(pending), vocab]
+    at = torch.arange(pending.numel())  # each pending row's row in probs
+    for count in CPU_FILTER_CANDIDATES:
+        if not pending.numel() or count >= vocab:
+            break
+        values, ids = logits[pending].topk(count, dim=-1)  # [len(pending), count], most likely first
+        remove = _outside(probs[at].gather(-1, ids), top_ks[pending], top_ps[pending])  # [len(pending), count]
+        done = remove[:, -1]  # rows whose filter keeps fewer than `count` tokens
+        rows = pending[done]
+        filtered[rows] = float("-inf")
+        filtered[rows[:, None], ids[done]] = values[done].masked_fill(remove[done], float("-inf"))
+        pending, at = pending[~done], at[~done]
+    if pending.numel():
+        filtered[pending] = _filter_sorted(logits[pending], top_ks[pending], top_ps[pending])
+    return filtered
+
+
+def _filter_sorted(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """``_filter_top_k_top_p`` by sorting whole rows."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [rows, vocab]
+    remove = _outside(sorted_logits.softmax(dim=-1), top_ks, top_ps)  # [rows, vocab]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def _outside(
+    probs: torch.Tensor,  # [rows, n] the n most likely tokens' probabilities, most likely first
+    top_ks: torch.Tensor,  # [rows]
+    top_ps: torch.Tensor,  # [rows]
+) -> torch.Tensor:  # [rows, n] bool: outside the top-k or the nucleus (never the first)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # [1, n]
+    remove = ranks >= top_ks[:, None]  # [rows, n]
+    cumulative = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    remove |= (cumulative >= top_ps[:, None]) & (top_ps[:, None] < 1)
+    remove[:, 0] = False  # always keep the most likely token
+    return remove
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,15 @@ from loraserve import LLM, SamplingParams
 from loraserve.config import ConfigError
 from loraserve.llm_engine import RequestError
 from loraserve.outputs import RequestOutput
-from loraserve.sampler import Sampler, SamplingBatch, _filter_top_k_top_p, argmax_rows, uniform_from_keys
+from loraserve.sampler import (
+    CPU_FILTER_CANDIDATES,
+    Sampler,
+    SamplingBatch,
+    _filter_sorted,
+    _filter_top_k_top_p,
+    argmax_rows,
+    uniform_from_keys,
+)
 from loraserve.sampling_params import SamplingParamsError
 from loraserve.sequence import Sequence
 
@@ -66,6 +74,28 @@ def test_filter_keeps_exactly_top_k_and_nucleus() -> None:
     assert kept.tolist() == [[True, True, True, False, False]]
     kept = _filter_top_k_top_p(logits, torch.tensor([5]), torch.tensor([0.7])).isfinite()
     assert kept.tolist() == [[True, True, False, False, False]]  # 0.5 + 0.2 reaches 0.7
+
+
+def test_cpu_filter_over_candidates_equals_sorting_whole_rows() -> None:
+    """On the CPU the filter takes the 64, then the 1024 most likely tokens before sorting a row
+    whole: rows settled at each count, rows that need the sort and rows without a filter, in one
+    batch, keep what sorting every row keeps."""
+    assert CPU_FILTER_CANDIDATES == (64, 1024)
+    vocab = 5000
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.tensor([40.0, 40.0, 6.0, 6.0, 1.0, 1.0, 40.0, 1.0, 6.0])[:, None]  # peaked .. flat rows
+    logits = torch.randn(9, vocab, generator=gen) * scales  # [9, vocab], no ties
+    top_ks = torch.tensor([50, vocab, vocab, 300, vocab, 20, 1, vocab, 100])
+    top_ps = torch.tensor([1.0, 0.9, 0.95, 1.0, 0.9, 0.5, 0.3, 1.0, 0.99])
+    filtered = _filter_top_k_top_p(logits, top_ks, top_ps)
+    reference = _filter_sorted(logits, top_ks, top_ps)
+    kept = filtered.isfinite()
+    assert torch.equal(kept, reference.isfinite()) and torch.equal(filtered[kept], reference[kept])
+    assert torch.equal(filtered[kept], logits[kept])  # kept logits unchanged
+    counts = kept.sum(dim=-1).tolist()
+    assert counts[0] == 50 and counts[3] == 300 and counts[5] == 20 and counts[6] == 1  # top_p 1: no nucleus
+    assert counts[7] == vocab  # no filter on this row
+    assert min(counts) < 64 and any(64 <= c < 1024 for c in counts) and any(1024 <= c < vocab for c in counts)
 
 
 def test_sampler_follows_the_distribution() -> None:
