@@ -56,19 +56,22 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torc
     vocab = logits.shape[-1]
     if logits.device.type != "cpu":
         return _filter_sorted(logits, top_ks, top_ps)
-    filtered = logits.clone()  # [rows, vocab]; rows without a filter stay as they are
-    pending = ((top_ks < vocab) | (top_ps < 1)).nonzero().squeeze(1)  # [rows filtered]
-    probs = logits[pending].softmax(dim=-1)  # [len(pending), vocab]
-    at = torch.arange(pending.numel())  # each pending row's row in probs
+    filtering = (top_ks < vocab) | (top_ps < 1)  # [rows]
+    filtered = torch.full_like(logits, float("-inf"))  # [rows, vocab]
+    if not bool(filtering.all()):
+        filtered[~filtering] = logits[~filtering]  # rows without a filter stay as they are
+    pending = filtering.nonzero().squeeze(1)  # [rows filtered]
+    # Whole rows are copied only when some rows have no filter (torch's indexing copies them).
+    rows_of = logits if pending.numel() == logits.shape[0] else logits[pending]  # [len(pending), vocab]
+    probs = rows_of.softmax(dim=-1)  # [len(pending), vocab]
+    at = torch.arange(pending.numel())  # each pending row's row in rows_of and probs
     for count in CPU_FILTER_CANDIDATES:
         if not pending.numel() or count >= vocab:
             break
-        values, ids = logits[pending].topk(count, dim=-1)  # [len(pending), count], most likely first
-        remove = _outside(probs[at].gather(-1, ids), top_ks[pending], top_ps[pending])  # [len(pending), count]
+        values, ids = (rows_of if at.numel() == rows_of.shape[0] else rows_of[at]).topk(count, dim=-1)
+        remove = _outside(probs[at[:, None], ids], top_ks[pending], top_ps[pending])  # [len(pending), count]
         done = remove[:, -1]  # rows whose filter keeps fewer than `count` tokens
-        rows = pending[done]
-        filtered[rows] = float("-inf")
-        filtered[rows[:, None], ids[done]] = values[done].masked_fill(remove[done], float("-inf"))
+        filtered[pending[done][:, None], ids[done]] = values[done].masked_fill(remove[done], float("-inf"))
         pending, at = pending[~done], at[~done]
     if pending.numel():
         filtered[pending] = _filter_sorted(logits[pending], top_ks[pending], top_ps[pending])

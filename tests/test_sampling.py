@@ -96,6 +96,8 @@ def test_cpu_filter_over_candidates_equals_sorting_whole_rows() -> None:
     assert counts[0] == 50 and counts[3] == 300 and counts[5] == 20 and counts[6] == 1  # top_p 1: no nucleus
     assert counts[7] == vocab  # no filter on this row
     assert min(counts) < 64 and any(64 <= c < 1024 for c in counts) and any(1024 <= c < vocab for c in counts)
+    every = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8])  # every row filtered: the rows are not copied first
+    assert torch.equal(_filter_top_k_top_p(logits[every], top_ks[every], top_ps[every]), filtered[every])
 
 
 def test_sampler_follows_the_distribution() -> None:
