@@ -100,6 +100,22 @@ def test_cpu_filter_over_candidates_equals_sorting_whole_rows() -> None:
     assert torch.equal(_filter_top_k_top_p(logits[every], top_ks[every], top_ps[every]), filtered[every])
 
 
+def test_cpu_filter_over_candidates_with_masked_logits() -> None:
+    """Rows that earlier adjustments left mostly -inf (allowed_token_ids, bans) filter as sorting does."""
+    vocab = 3000
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, vocab, generator=gen) * 5
+    logits[:3] = float("-inf")
+    logits[0, [5, 70, 900]] = torch.tensor([1.0, 2.0, 0.5])  # three allowed tokens
+    logits[1, 42] = 3.0  # one
+    logits[2, :200] = torch.randn(200, generator=gen)  # 200
+    top_ks = torch.tensor([50, vocab, 100, vocab, 10, 64])
+    top_ps = torch.tensor([0.95, 0.5, 1.0, 0.9, 1.0, 0.999])
+    filtered = _filter_top_k_top_p(logits, top_ks, top_ps)
+    assert torch.equal(filtered, _filter_sorted(logits, top_ks, top_ps))
+    assert filtered.isfinite().sum(dim=-1).tolist()[:3] == [3, 1, 100]
+
+
 def test_sampler_follows_the_distribution() -> None:
     """3000 rows at once, each its own seed: the counts follow the distribution."""
     probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
