@@ -79,7 +79,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torc
 
 
 def _filter_sorted(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """``_filter_top_k_top_p`` by sorting whole rows."""
+    """``_filter_top_k_top_p`` by sorting whole rows: other devices' path, and the reference the
+    CPU's candidates are tested against."""
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [rows, vocab]
     remove = _outside(sorted_logits.softmax(dim=-1), top_ks, top_ps)  # [rows, vocab]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
