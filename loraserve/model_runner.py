@@ -206,9 +206,9 @@ class ModelRunner:
         lora_arrays = lora_upload.arrays if lora_upload is not None else []
         parts.extend(lora_arrays)
         views = rows_of.upload(parts)
-        if lora_upload is not None and lora is not None:
-            lora_views = views[len(views) - len(lora_arrays) :]
-            views = views[: len(views) - len(lora_arrays)]
+        if lora_upload is not None and lora is not None:  # its views are the upload's last ones
+            split = len(views) - len(lora_arrays)
+            views, lora_views = views[:split], views[split:]
             shaped = [view.view(array.shape) for view, array in zip(lora_views, lora_arrays, strict=True)]
             lora = replace(lora, prepared=lora_upload.build(shaped))
         (ids, pos, slot, seq_lens, logits_rows, flat_tables, all_starts, query_starts, cached,

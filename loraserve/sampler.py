@@ -61,14 +61,13 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torc
     if not bool(filtering.all()):
         filtered[~filtering] = logits[~filtering]  # rows without a filter stay as they are
     pending = filtering.nonzero().squeeze(1)  # [rows filtered]
-    # Whole rows are copied only when some rows have no filter (torch's indexing copies them).
-    rows_of = logits if pending.numel() == logits.shape[0] else logits[pending]  # [len(pending), vocab]
+    rows_of = _rows(logits, pending)  # [len(pending), vocab]
     probs = rows_of.softmax(dim=-1)  # [len(pending), vocab]
     at = torch.arange(pending.numel())  # each pending row's row in rows_of and probs
     for count in CPU_FILTER_CANDIDATES:
         if not pending.numel() or count >= vocab:
             break
-        values, ids = (rows_of if at.numel() == rows_of.shape[0] else rows_of[at]).topk(count, dim=-1)
+        values, ids = _rows(rows_of, at).topk(count, dim=-1)  # [len(at), count], most likely first
         remove = _outside(probs[at[:, None], ids], top_ks[pending], top_ps[pending])  # [len(pending), count]
         done = remove[:, -1]  # rows whose filter keeps fewer than `count` tokens
         filtered[pending[done][:, None], ids[done]] = values[done].masked_fill(remove[done], float("-inf"))
@@ -76,6 +75,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torc
     if pending.numel():
         filtered[pending] = _filter_sorted(logits[pending], top_ks[pending], top_ps[pending])
     return filtered
+
+
+def _rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tensor[index]`` for ascending row ids, without the copy torch's indexing makes when they
+    are all the rows."""
+    return tensor if index.numel() == tensor.shape[0] else tensor[index]
 
 
 def _filter_sorted(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
