@@ -13,6 +13,7 @@ buffer in one copy (from pinned memory, non-blocking, on CUDA; no copy at all on
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import chain
 
 import numpy as np
 import torch
@@ -70,13 +71,12 @@ class InputBatch:
         the rows that differ (joined, a token the runner did not sample, new blocks) are written.
         """
         get = self._rows.get
-        state = np.array(
-            [
-                (s.num_computed_tokens, len(s.token_ids), get(s.seq_id, -1), len(s.block_ids), s.block_table_epoch)
-                for s in seqs
-            ],
-            dtype=np.int64,
-        ).reshape(len(seqs), 5)  # [n, 5]
+        fields = [
+            (s.num_computed_tokens, len(s.token_ids), get(s.seq_id, -1), len(s.block_ids), s.block_table_epoch)
+            for s in seqs
+        ]
+        # fromiter over the flattened tuples: about half the time of np.array over the tuples
+        state = np.fromiter(chain.from_iterable(fields), np.int64, 5 * len(seqs)).reshape(len(seqs), 5)  # [n, 5]
         rows = state[:, 2]  # [n], a view: joined rows are written into it
         for i in np.flatnonzero(rows < 0).tolist():
             rows[i] = self._join(seqs[i])

@@ -65,11 +65,21 @@ class KVCacheManager:
 
         Returns the ``(source, destination)`` page copies that must happen first.
         """
-        num_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        computed = seq.num_computed_tokens
+        offset = computed % self.block_size
+        # The common decode step, checked first: the tokens fit in the partly filled last block
+        # (never registered, as only full blocks are), which needs no copy unless a fork shares it.
+        if (
+            offset
+            and offset + num_new_tokens <= self.block_size
+            and self.pool.ref_count(seq.block_ids[computed // self.block_size]) == 1
+        ):
+            return []
+        num_blocks = cdiv(computed + num_new_tokens, self.block_size)
         needs_copy = self._needs_copy(seq)
         needed = max(0, num_blocks - len(seq.block_ids)) + int(needs_copy)
         if needed == 0:
-            return []  # the common decode step: room in the last block, which it alone holds
+            return []
         if not self.pool.can_allocate(needed):
             return None
         copies: list[tuple[int, int]] = []
@@ -169,13 +179,18 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks this sequence has filled since the last call."""
+    def cache_full_blocks(self, seqs: Iterable[Sequence]) -> None:
+        """Register the blocks each of ``seqs`` has filled since the last call (one call a step)."""
         if self.prefix_cache is None:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
-        if num_full <= seq.num_registered_blocks:
-            return
+        block_size = self.block_size
+        for seq in seqs:
+            num_full = min(seq.num_computed_tokens // block_size, len(seq.block_ids))
+            if num_full > seq.num_registered_blocks:
+                self._register(seq, num_full)
+
+    def _register(self, seq: Sequence, num_full: int) -> None:
+        assert self.prefix_cache is not None
         hashes = extend_block_hashes(seq, num_full, self.block_size)
         for index in range(seq.num_registered_blocks, num_full):
             page_id, block_hash = seq.block_ids[index], hashes[index]

@@ -150,8 +150,10 @@ class ModelRunner:
         how to sample each logits row, which sequences sample (in logits-row order), and where the sampled
         tokens go in the rows.
         """
-        keys = [(n != 1, s.adapter_id or "") for n, s in zip(batch.num_new_tokens, batch.seqs, strict=True)]
-        order = sorted(range(len(keys)), key=keys.__getitem__)
+        groups: dict[tuple[bool, str], list[int]] = {}  # (prefill, adapter) -> indices into batch.seqs
+        for i, (n, s) in enumerate(zip(batch.num_new_tokens, batch.seqs, strict=True)):
+            groups.setdefault((n != 1, s.adapter_id or ""), []).append(i)
+        order = [i for key in sorted(groups) for i in groups[key]]  # a stable sort by key, without comparing rows
         seqs = [batch.seqs[i] for i in order]
         count = len(seqs)
         block_size = self.layout.block_size

@@ -173,19 +173,22 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
         preempted = False
         index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        running, allocate_slots = self.running, self.kv_manager.allocate_slots
+        seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
+        while index < len(running) and budget > 0:
+            seq = running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while (copies := self.kv_manager.allocate_slots(seq, num_new)) is None:
-                victim = self.running.pop()
+            while (copies := allocate_slots(seq, num_new)) is None:
+                victim = running.pop()
                 self._preempt(victim, batch)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                batch.copy_pages.extend(copies)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(num_new)
+                if copies:
+                    batch.copy_pages.extend(copies)
+                seqs.append(seq)
+                num_new_tokens.append(num_new)
                 budget -= num_new
                 index += 1
         return preempted
@@ -281,8 +284,9 @@ class Scheduler:
         """
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
-            self.kv_manager.cache_full_blocks(seq)
+        self.kv_manager.cache_full_blocks(batch.seqs)
         changed: list[Sequence] = []
+        stop_checker = self.stop_checker
         for seq, token in zip(batch.seqs, sampled, strict=True):
             if token is None or seq.is_finished:
                 continue
@@ -290,7 +294,7 @@ class Scheduler:
             if self._forks and (forks := self._forks.pop(seq.seq_id, None)):
                 for child in reversed(forks):
                     self._add_fork(seq, child)
-            stop = self.stop_checker(seq, token)
+            stop = stop_checker(seq, token)
             if stop is not None:
                 self.finish(seq, *stop)
             changed.append(seq)

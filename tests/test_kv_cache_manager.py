@@ -192,14 +192,14 @@ def test_full_blocks_are_registered_once_and_again_after_a_new_table() -> None:
     assert cache is not None
     seq = make_seq(6)
     run_step(manager, seq, 6)
-    manager.cache_full_blocks(seq)
+    manager.cache_full_blocks([seq])
     assert (seq.block_ids, seq.num_registered_blocks, len(cache)) == ([0, 1], 1, 1)
     assert cache.hash_of(0) is not None and cache.hash_of(1) is None
     run_step(manager, seq, 1)
-    manager.cache_full_blocks(seq)  # 7 of 8 tokens computed: nothing new is full
+    manager.cache_full_blocks([seq])  # 7 of 8 tokens computed: nothing new is full
     assert seq.num_registered_blocks == 1
     run_step(manager, seq, 1)
-    manager.cache_full_blocks(seq)
+    manager.cache_full_blocks([seq])
     assert (seq.num_registered_blocks, cache.hash_of(1) is not None, len(cache)) == (2, True, 2)
     manager.free(seq)  # preempted (recompute): its pages become evictable cached blocks
     assert (seq.block_ids, seq.num_registered_blocks) == ([], 0)
@@ -208,6 +208,6 @@ def test_full_blocks_are_registered_once_and_again_after_a_new_table() -> None:
     pool.take_evictable(("kv", seq.block_hashes[0]))
     seq.num_computed_tokens = 0
     run_step(manager, seq, seq.num_tokens)
-    manager.cache_full_blocks(seq)
+    manager.cache_full_blocks([seq])
     assert seq.num_registered_blocks == 2
     assert all(cache.hash_of(page_id) is not None for page_id in seq.block_ids[:2])

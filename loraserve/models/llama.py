@@ -306,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
         tables = self._step_tables(batch, hidden.dtype, block_size=kv_caches[0].shape[2])
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(hidden, tables, kv, batch, lora)
-        hidden = self.model.norm(hidden[batch.logits_indices])  # [num_sampled, hidden]
+        hidden = self.model.norm(hidden.index_select(0, batch.logits_indices))  # [num_sampled, hidden]
         return self.lm_head(hidden).float()
 
     def _step_tables(self, batch: ForwardBatch, dtype: torch.dtype, block_size: int) -> StepTables:
