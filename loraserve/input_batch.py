@@ -41,6 +41,7 @@ class InputBatch:
         self.filtered = np.zeros(max_num_seqs, dtype=bool)  # top-k or top-p on
         self.min_ps = np.zeros(max_num_seqs, dtype=np.float64)
         self.adjusts = np.zeros(max_num_seqs, dtype=bool)  # penalties, logit bias, min_tokens, masks
+        self.logprobs = np.zeros(max_num_seqs, dtype=bool)  # asks for the sampled tokens' logprobs
         self._num_synced = np.zeros(max_num_seqs, dtype=np.int64)  # leading entries of each row equal to its table
         self._epochs = np.full(max_num_seqs, -1, dtype=np.int64)  # the block_table_epoch they came from
         self._rows: dict[int, int] = {}  # seq_id -> row
@@ -128,6 +129,7 @@ class InputBatch:
         self.adjusts[row] = (
             params.has_penalties or bool(params.logit_bias) or params.min_tokens > 0 or params.restricts_tokens
         )
+        self.logprobs[row] = params.logprobs is not None
         return row
 
     def append_sampled(self, rows: np.ndarray, positions: np.ndarray, tokens: list[int]) -> None:

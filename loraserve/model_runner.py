@@ -297,7 +297,8 @@ class ModelRunner:
             tokens = self.sampler(logits, sampling).tolist()  # the step's one device-to-host copy
             self.num_downloads += 1
             self.input_batch.append_sampled(step.sampled_rows, step.sampled_positions, tokens)
-            record_logprobs(logits, [batch.seqs[i] for i in sampling_index], tokens)
+            if self.input_batch.logprobs[step.sampled_rows].any():
+                record_logprobs(logits, [batch.seqs[i] for i in sampling_index], tokens)
             for i, token in zip(sampling_index, tokens, strict=True):
                 sampled[i] = token
         return sampled
