@@ -173,22 +173,19 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
         preempted = False
         index = 0
-        running, allocate_slots = self.running, self.kv_manager.allocate_slots
-        seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
-        while index < len(running) and budget > 0:
-            seq = running[index]
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while (copies := allocate_slots(seq, num_new)) is None:
-                victim = running.pop()
+            while (copies := self.kv_manager.allocate_slots(seq, num_new)) is None:
+                victim = self.running.pop()
                 self._preempt(victim, batch)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                if copies:
-                    batch.copy_pages.extend(copies)
-                seqs.append(seq)
-                num_new_tokens.append(num_new)
+                batch.copy_pages.extend(copies)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 index += 1
         return preempted
@@ -286,7 +283,6 @@ class Scheduler:
             seq.num_computed_tokens += num_new
         self.kv_manager.cache_full_blocks(batch.seqs)
         changed: list[Sequence] = []
-        stop_checker = self.stop_checker
         for seq, token in zip(batch.seqs, sampled, strict=True):
             if token is None or seq.is_finished:
                 continue
@@ -294,7 +290,7 @@ class Scheduler:
             if self._forks and (forks := self._forks.pop(seq.seq_id, None)):
                 for child in reversed(forks):
                     self._add_fork(seq, child)
-            stop = stop_checker(seq, token)
+            stop = self.stop_checker(seq, token)
             if stop is not None:
                 self.finish(seq, *stop)
             changed.append(seq)
