@@ -266,16 +266,20 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        pending: torch.Tensor | None,
         tables: StepTables,
         kv: torch.Tensor,
         batch: ForwardBatch,
         lora: LoRAHook | None,
     ) -> torch.Tensor:
-        """``hidden`` is the residual stream; it is updated in place and returned."""
-        attn = self.self_attn(self.input_layernorm(hidden), tables, kv, batch, lora)
-        normed = self.post_attention_layernorm(attn, residual=hidden)  # hidden += attn
-        return hidden.add_(self.mlp(normed, batch, lora))
+        """``residual`` is the stream, updated in place; ``pending`` the previous layer's MLP output,
+        not yet added (None before the first layer). Returns this layer's MLP output, pending in
+        turn: each add is fused into the norm that follows it."""
+        normed = self.input_layernorm(residual) if pending is None else self.input_layernorm(pending, residual=residual)
+        attn = self.self_attn(normed, tables, kv, batch, lora)
+        normed = self.post_attention_layernorm(attn, residual=residual)  # residual += attn
+        return self.mlp(normed, batch, lora)
 
 
 class LlamaModel(nn.Module):
@@ -302,11 +306,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, batch: ForwardBatch, kv_caches: list[torch.Tensor], lora: LoRAHook | None = None
     ) -> torch.Tensor:  # [num_sampled, vocab]
-        hidden = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
-        tables = self._step_tables(batch, hidden.dtype, block_size=kv_caches[0].shape[2])
+        residual = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        tables = self._step_tables(batch, residual.dtype, block_size=kv_caches[0].shape[2])
+        pending: torch.Tensor | None = None  # [num_tokens, hidden]
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, tables, kv, batch, lora)
-        hidden = self.model.norm(hidden.index_select(0, batch.logits_indices))  # [num_sampled, hidden]
+            pending = layer(residual, pending, tables, kv, batch, lora)
+        # The last add only for the rows that are sampled.
+        residual = residual.index_select(0, batch.logits_indices)  # [num_sampled, hidden]
+        if pending is None:
+            hidden = self.model.norm(residual)
+        else:
+            hidden = self.model.norm(pending.index_select(0, batch.logits_indices), residual=residual)
         return self.lm_head(hidden).float()
 
     def _step_tables(self, batch: ForwardBatch, dtype: torch.dtype, block_size: int) -> StepTables:
