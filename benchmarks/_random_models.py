@@ -37,7 +37,8 @@ def make_model(shape: str, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtyp
                          eos_token_id=tokenizer.eos_token_id, **SHAPES[shape])  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = LlamaForCausalLM(config)
+        torch.nn.Module.to(model, dtype)  # in place (transformers' typed wrapper of `to` confuses mypy)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -31,6 +31,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +95,8 @@ def part_exact(args: argparse.Namespace) -> None:
     prompts = random_prompts(lens, vocab, seed=1)
     names: list[str | None] = [None if i % 5 == 4 else adapters[i % len(adapters)][0] for i in range(len(lens))]
     peft = PeftModel.from_pretrained(hf, str(adapters[0][1]), adapter_name=adapters[0][0])
-    for name, path in adapters[1:]:
-        peft.load_adapter(str(path), adapter_name=name)
+    for extra_name, path in adapters[1:]:
+        peft.load_adapter(str(path), adapter_name=extra_name)
     peft.eval()
     new = args.exact_tokens
     reference = []
@@ -182,7 +183,7 @@ def part_kernels(args: argparse.Namespace) -> None:
         blocks = -(-context // block)
         num_pages = num_seqs * blocks + 1
         kv = torch.randn(num_pages, 2, block, kv_heads, head_dim, device=dev, dtype=bf16)
-        tables = (torch.randperm(num_pages - 1, device=dev)[: num_seqs * blocks].view(num_seqs, blocks) + 1)
+        tables = torch.randperm(num_pages - 1, device=dev)[: num_seqs * blocks].view(num_seqs, blocks) + 1
         query = torch.randn(num_seqs, heads, head_dim, device=dev, dtype=bf16)
         lens = torch.full((num_seqs,), context, device=dev)
         starts = torch.arange(num_seqs + 1, device=dev)
@@ -190,28 +191,29 @@ def part_kernels(args: argparse.Namespace) -> None:
         keys = torch.randn(num_seqs, kv_heads, context, head_dim, device=dev, dtype=bf16)
         values = torch.randn_like(keys)
         q4 = query.unsqueeze(2)  # [num_seqs, heads, 1, head_dim]
-        t_paged = bench(lambda p=paged, n=splits: triton_unified_attention.unified_attention(*p, num_splits=n))
-        t_sdpa = bench(lambda q=q4, k=keys, v=values: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        t_paged = bench(partial(triton_unified_attention.unified_attention, *paged, num_splits=splits))
+        t_sdpa = bench(partial(F.scaled_dot_product_attention, q4, keys, values, enable_gqa=True))
         key = f"decode seqs={num_seqs} ctx={context} splits={splits}"
         rows[key] = {"paged_ms": t_paged, "sdpa_contiguous_ms": t_sdpa, "ratio": t_paged / t_sdpa if t_sdpa else None}
         log(f"attention {key}: unified paged {t_paged:.3f} ms, SDPA contiguous {t_sdpa:.3f} ms")
     # A mixed step: 192 decode tokens (ctx 512) and 4 prefill chunks of 512 over 256 cached tokens.
     num_decode, chunks, chunk, cached = (2, 1, 8, 8) if args.smoke else (192, 4, 512, 256)
-    lens = [512] * num_decode + [cached + chunk] * chunks
+    mixed_lens = [512] * num_decode + [cached + chunk] * chunks
     q_rows = [1] * num_decode + [chunk] * chunks
-    blocks = -(-max(lens) // block)
-    num_pages = len(lens) * blocks + 1
+    blocks = -(-max(mixed_lens) // block)
+    num_pages = len(mixed_lens) * blocks + 1
     kv = torch.randn(num_pages, 2, block, kv_heads, head_dim, device=dev, dtype=bf16)
-    tables = torch.randperm(num_pages - 1, device=dev)[: len(lens) * blocks].view(len(lens), blocks) + 1
+    tables = torch.randperm(num_pages - 1, device=dev)[: len(mixed_lens) * blocks].view(len(mixed_lens), blocks) + 1
     query = torch.randn(sum(q_rows), heads, head_dim, device=dev, dtype=bf16)
     starts = torch.tensor([0, *torch.tensor(q_rows).cumsum(0).tolist()], device=dev)
-    mixed = (query, kv, starts, torch.tensor(lens, device=dev), tables, 0.125)
-    rows["mixed step"] = {"unified_ms": bench(lambda m=mixed: triton_unified_attention.unified_attention(*m))}
+    mixed = (query, kv, starts, torch.tensor(mixed_lens, device=dev), tables, 0.125)
+    rows["mixed step"] = {"unified_ms": bench(partial(triton_unified_attention.unified_attention, *mixed))}
     log(f"attention mixed step ({num_decode} decode + {chunks} x {chunk} prefill): {rows['mixed step']}")
 
     # LoRA by slot: 256 tokens, 32 adapters of ranks 8-64 (q/k/v-like group of 2048 -> 2048/512/512).
-    tokens, hidden, outs, page_elems = (8, 64, (64, 16, 16), 256) if args.smoke else (256, 2048, (2048, 512, 512),
-                                                                                    2 * block * kv_heads * head_dim)
+    tokens, hidden, outs, page_elems = (
+        (8, 64, (64, 16, 16), 256) if args.smoke else (256, 2048, (2048, 512, 512), 2 * block * kv_heads * head_dim)
+    )
     ranks = [[8, 16, 32, 64][i % 4] for i in range(32)]
     flat_sizes = [r * 3 * hidden + sum(r * o for o in outs) for r in ranks]
     pages_each = [-(-size // page_elems) for size in flat_sizes]
@@ -233,7 +235,7 @@ def part_kernels(args: argparse.Namespace) -> None:
     outputs = tuple(torch.zeros(tokens, out, device=dev, dtype=bf16) for out in outs)
     scales = torch.ones(32, 3, device=dev)
     slot_args = (x, outputs, weights, token_slots, page_tables.to(dev), meta.to(dev), scales)
-    t_slots = bench(lambda a=slot_args: triton_lora_slots.lora_slots(*a))
+    t_slots = bench(partial(triton_lora_slots.lora_slots, *slot_args))
     mean_rank = sum(ranks) // len(ranks)
     dense_a = torch.randn(3 * mean_rank, hidden, device=dev, dtype=bf16)
     dense_b = torch.randn(sum(outs), mean_rank, device=dev, dtype=bf16)

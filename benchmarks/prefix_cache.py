@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from loraserve import LLM, SamplingParams
+from loraserve.page_pool import PageKind
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = [
@@ -132,7 +133,7 @@ def run(
     llm.generate([prompts[0][-8:]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
     index = engine.kv_manager.prefix_cache
     lookups_before = (index.num_queried_tokens, index.num_hit_tokens) if index is not None else (0, 0)
-    evictions_before = pool.num_evictions.get("prefix_cache", 0)
+    evictions_before = pool.num_evictions.get(PageKind.PREFIX_CACHE, 0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     peak_live = peak_kv = peak_cached = steps = 0
     finished: dict[str, Any] = {}
@@ -149,8 +150,8 @@ def run(
             steps += 1
             by_kind = pool.num_pages_by_kind()
             peak_live = max(peak_live, pool.num_pages - pool.num_free_pages - pool.num_evictable_pages)
-            peak_kv = max(peak_kv, by_kind.get("kv", 0))
-            peak_cached = max(peak_cached, by_kind.get("prefix_cache", 0))
+            peak_kv = max(peak_kv, by_kind.get(PageKind.KV, 0))
+            peak_cached = max(peak_cached, by_kind.get(PageKind.PREFIX_CACHE, 0))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     outputs = [finished[f"r{i}"] for i in range(len(prompts))]
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
@@ -175,7 +176,7 @@ def run(
         block_size=llm.config.block_size,
         hit_rate=hit_rate,
         cached_tokens=sum(out.num_cached_tokens for out in outputs),
-        prefix_cache_evictions=pool.num_evictions.get("prefix_cache", 0) - evictions_before,
+        prefix_cache_evictions=pool.num_evictions.get(PageKind.PREFIX_CACHE, 0) - evictions_before,
         steps=steps,
     )
     token_ids = [list(out.token_ids) for out in outputs]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     results = []
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for phase, (label, replicas, routed) in enumerate(PHASES):

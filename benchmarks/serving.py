@@ -154,7 +154,9 @@ def _server_kernels(health: dict[str, Any] | None) -> str:
     if not gemm:
         return str(health["kernels"])
     shapes = "; ".join(f"{shape} {'/'.join(by_rows.values())}" for shape, by_rows in gemm["layers"].items())
-    rows = "/".join(max(gemm["layers"].values(), key=len))
+    buckets: list[dict[str, str]] = list(gemm["layers"].values())
+    widest: dict[str, str] = max(buckets, key=len)
+    rows = "/".join(widest)
     return f"{health['kernels']}; GEMM kernel per row bucket ({rows} rows, {gemm['source']}): {shapes}"
 
 

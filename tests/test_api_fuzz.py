@@ -107,9 +107,11 @@ def test_streams_cut_by_the_client_after_each_chunk(server: tuple[str, LLMEngine
     url, engine = server
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "ignore_eos": True, "stream": True, "n": 2,
                             "stream_options": {"include_usage": True}}  # fmt: skip
-    body |= {"prompt": "Once upon"} if endpoint.endswith("/completions") and "chat" not in endpoint else {
-        "messages": [{"role": "user", "content": "Once upon"}]
-    }
+    body |= (
+        {"prompt": "Once upon"}
+        if endpoint.endswith("/completions") and "chat" not in endpoint
+        else {"messages": [{"role": "user", "content": "Once upon"}]}
+    )
     with httpx.stream("POST", url + endpoint, json=body, timeout=60) as reply:
         total = sum(1 for line in reply.iter_lines() if line.startswith("data: "))
     assert total > 3

@@ -131,9 +131,7 @@ def _trace_padded_forward(engine: LLMEngine) -> tuple[list[str], int]:
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the decode forward is replayed, not run (the capture proves it)")
-def test_same_ops_whatever_the_content_and_no_host_traffic(
-    tiny_model_dir: Path, adapter_dirs: dict[str, Path]
-) -> None:
+def test_same_ops_whatever_the_content_and_no_host_traffic(tiny_model_dir: Path, adapter_dirs: dict[str, Path]) -> None:
     """Two decode steps of different sequences, adapters, lengths and batch sizes (3 and 4) at the
     same padded size (4) run the same op sequence; nothing inside reads a scalar or makes a tensor
     from host data (a captured graph could do neither)."""

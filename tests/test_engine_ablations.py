@@ -122,4 +122,3 @@ def test_reserved_kv_is_taken_at_admission(tiny_model_dir: Path, adapter_dirs: d
     reserved = run(LLM(str(tiny_model_dir), num_pages=40, kv_allocation="reserve", **options), adapter_dirs, watch)
     assert reserved == paged
     assert max(reserve_running) < max(paged_running)  # the same pool runs fewer requests at once
-
