@@ -149,4 +149,6 @@ def test_a_second_signal_stops_at_once(
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0
         del lines
-    assert "stopping" in (tmp_path / "server.log").read_text()
+    log = (tmp_path / "server.log").read_text()
+    assert "stopping" in log
+    assert "start-up objects frozen for the garbage collector" in log  # (tests/test_startup_heap.py)

@@ -54,6 +54,7 @@ from loraserve.entrypoints.fleet_metrics import (
     live_replica_ids,
     merge_replica_metrics,
 )
+from loraserve.entrypoints.startup_heap import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class EngineReplica:
 
         engine = LLMEngine(EngineConfig.from_options(model, **engine_options))
         app = create_app(engine, ServerSettings(**settings))
+        freeze_startup_objects()
         self.async_engine = app.state.server.async_engine
         self.server = ServerThread(app).start()
         self.client = httpx.AsyncClient(base_url=self.server.url, timeout=None)

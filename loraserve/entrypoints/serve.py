@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from loraserve.config import CPU_GEMM_CHOICES, DTYPES, KERNEL_CHOICES, EngineConfig
+from loraserve.entrypoints.startup_heap import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +246,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and settings.adapter_key is None:
         logger.warning("serving on %s without --admin-key or --api-key: anyone can change adapters", args.host)
     app = create_app(engine, settings)
+    freeze_startup_objects()
     logger.info("serving %s on http://%s:%d (docs at /docs)", settings.model_id, args.host, args.port)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10
