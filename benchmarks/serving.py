@@ -154,8 +154,7 @@ def _server_kernels(health: dict[str, Any] | None) -> str:
     if not gemm:
         return str(health["kernels"])
     shapes = "; ".join(f"{shape} {'/'.join(by_rows.values())}" for shape, by_rows in gemm["layers"].items())
-    buckets: list[dict[str, str]] = list(gemm["layers"].values())
-    widest: dict[str, str] = max(buckets, key=len)
+    widest: dict[str, str] = max(gemm["layers"].values(), key=len)  # the row buckets of any shape
     rows = "/".join(widest)
     return f"{health['kernels']}; GEMM kernel per row bucket ({rows} rows, {gemm['source']}): {shapes}"
 
