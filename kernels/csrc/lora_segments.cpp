@@ -147,23 +147,23 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
   std::vector<SegmentWeights> weights(num_segments);
   std::vector<std::vector<float>> copies(num_segments);
   std::vector<TiledSegment> tiled;
+  tiled.reserve(num_segments);
   std::vector<int64_t> small, large;
   int64_t max_row = in_features;
   std::vector<int64_t> out_widths;
   for (const auto& out : outputs) out_widths.push_back(out.size(1));
-  thread_local std::vector<float> row_copies;  // grows to the largest need, then reused
-  std::vector<int64_t> row_copy_sizes;
   for (int64_t s = 0; s < num_segments; ++s) {
     const int64_t* m = meta_ptr + s * kMetaWidth;
     const int64_t num = bound_ptr[s * 4 + 1] - bound_ptr[s * 4];
     if (m[1] == 0 || num == 0) continue;
     // (offset in the adapter's layer buffer, elements) of A, then of each present B^T.
-    std::vector<std::pair<int64_t, int64_t>> spans = {{m[0], m[1] * in_features}};
+    std::pair<int64_t, int64_t> spans[1 + kMaxModules] = {{m[0], m[1] * in_features}};
+    size_t num_spans = 1;
     for (int64_t module = 0; module < num_outputs; ++module) {
       const int64_t* mm = m + kModuleBase + kModuleStride * module;
       if (mm[1] == 0) continue;
       TORCH_CHECK(outputs[module].size(1) == mm[3], "output ", module, " width does not match the adapter");
-      spans.emplace_back(mm[2], mm[1] * mm[3]);
+      spans[num_spans++] = {mm[2], mm[1] * mm[3]};
       max_row = std::max(max_row, mm[3]);
     }
     AdapterBuffer& buffer = buffers[s];
@@ -171,7 +171,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     buffer.page_elems = page_elems;
     buffer.table = table_ptr + s * max_pages;
     int64_t end = 0;
-    for (const auto& span : spans) end = std::max(end, span.first + span.second);
+    for (size_t i = 0; i < num_spans; ++i) end = std::max(end, spans[i].first + spans[i].second);
     TORCH_CHECK(end <= max_pages * page_elems, "adapter weights run past its page table");
     for (int64_t p = 0; p < (end + page_elems - 1) / page_elems; ++p) {  // every page read, checked
       TORCH_CHECK(buffer.table[p] >= 0 && buffer.table[p] < num_pages, "segment ", s, ": page id ", buffer.table[p],
@@ -193,24 +193,19 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
       seg.num = num;
       seg.meta = m;
       seg.scale = scale_ptr + s * kMaxModules;
+      seg.buffer = &buffer;
       tiled.push_back(seg);
-      int64_t crossing = crossing_elements(buffer, m[0], m[1], in_features);
-      for (int64_t module = 0; module < num_outputs; ++module) {
-        const int64_t* mm = m + kModuleBase + kModuleStride * module;
-        if (mm[1] != 0) crossing += crossing_elements(buffer, mm[2], mm[1], mm[3]);
-      }
-      row_copy_sizes.push_back(crossing);
       continue;
     }
     large.push_back(s);
-    std::vector<const float*> where(spans.size());
+    const float* where[1 + kMaxModules] = {};
     if (buffer.base != nullptr) {
-      for (size_t i = 0; i < spans.size(); ++i) where[i] = buffer.base + spans[i].first;
+      for (size_t i = 0; i < num_spans; ++i) where[i] = buffer.base + spans[i].first;
     } else {
       int64_t total = 0;
-      for (const auto& span : spans) total += span.second;
+      for (size_t i = 0; i < num_spans; ++i) total += spans[i].second;
       copies[s].resize(total);
-      for (size_t i = 0, at = 0; i < spans.size(); at += spans[i].second, ++i) {
+      for (size_t i = 0, at = 0; i < num_spans; at += spans[i].second, ++i) {
         float* dst = copies[s].data() + at;
         const float* src = buffer.span(spans[i].first, spans[i].second, dst);
         if (src != dst) std::memcpy(dst, src, spans[i].second * sizeof(float));
@@ -237,19 +232,6 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     }
   }
   if (!tiled.empty()) {
-    int64_t total = 0;
-    for (const int64_t size : row_copy_sizes) total += size;
-    if (static_cast<int64_t>(row_copies.size()) < total) row_copies.resize(total);
-    float* scratch = row_copies.data();
-    for (size_t i = 0; i < tiled.size(); ++i) {
-      TiledSegment& seg = tiled[i];
-      const AdapterBuffer& buffer = buffers[(seg.meta - meta_ptr) / kMetaWidth];
-      collect_rows(buffer, seg.meta[0], seg.meta[1], in_features, seg.a_rows, scratch);
-      for (int64_t module = 0; module < num_outputs; ++module) {
-        const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
-        if (mm[1] != 0) collect_rows(buffer, mm[2], mm[1], mm[3], seg.b_rows[module], scratch);
-      }
-    }
     run_tiled(tiled, x_ptr, in_features, out_ptrs.data(), out_widths.data(), num_outputs);
   }
   if (large.empty()) return;

@@ -54,31 +54,72 @@ struct AdapterBuffer {
   }
 };
 
-// A short segment's weight rows, in place (or copied when a row crosses a page boundary).
+// A short segment: its tokens, metadata, adapter buffer and (once bound) its weight rows.
 struct TiledSegment {
   int64_t start = 0, num = 0;
   const int64_t* meta = nullptr;
   const float* scale = nullptr;
-  std::vector<const float*> a_rows;
-  std::vector<const float*> b_rows[kMaxModules];
+  const AdapterBuffer* buffer = nullptr;
+  const float* const* a_rows = nullptr;          // meta[1] row pointers
+  const float* const* b_rows[kMaxModules] = {};  // each module's rank row pointers
 };
 
-// Row pointers for `count` rows of `width` elements from element `offset` of `w`; rows that
-// cross a page boundary are copied to `scratch` (advanced past them).
-void collect_rows(const AdapterBuffer& w, int64_t offset, int64_t count, int64_t width,
-                  std::vector<const float*>& rows, float*& scratch) {
-  rows.resize(count);
+// Elements of the rows, among `count` rows of `width` elements from element `offset` of `w`,
+// that cross a page boundary (and so are copied to scratch).
+inline int64_t crossing_elements(const AdapterBuffer& w, int64_t offset, int64_t count, int64_t width) {
+  if (w.base != nullptr) return 0;
+  int64_t total = 0;
+  for (int64_t c = 0; c < count; ++c) total += w.crosses_page(offset + c * width, width) ? width : 0;
+  return total;
+}
+
+// What bind_rows needs for a segment: {row pointers, scratch floats}.
+inline std::pair<int64_t, int64_t> rows_needed(const TiledSegment& seg, int64_t in, int64_t num_outputs) {
+  const int64_t* m = seg.meta;
+  int64_t rows = m[1], crossing = crossing_elements(*seg.buffer, m[0], m[1], in);
+  for (int64_t module = 0; module < num_outputs; ++module) {
+    const int64_t* mm = m + kModuleBase + kModuleStride * module;
+    rows += mm[1];
+    if (mm[1] != 0) crossing += crossing_elements(*seg.buffer, mm[2], mm[1], mm[3]);
+  }
+  return {rows, crossing};
+}
+
+// Row pointers for `count` rows of `width` elements from element `offset` of `w` into `rows`;
+// rows that cross a page boundary are copied to `scratch` (advanced past them).
+inline void collect_rows(const AdapterBuffer& w, int64_t offset, int64_t count, int64_t width, const float** rows,
+                         float*& scratch) {
+  if (w.base != nullptr) {
+    for (int64_t c = 0; c < count; ++c) rows[c] = w.base + offset + c * width;
+    return;
+  }
   for (int64_t c = 0; c < count; ++c) {
-    const int64_t f = offset + c * width;
-    rows[c] = w.span(f, width, scratch);
+    rows[c] = w.span(offset + c * width, width, scratch);
     if (rows[c] == scratch) scratch += width;
   }
 }
 
-int64_t crossing_elements(const AdapterBuffer& w, int64_t offset, int64_t count, int64_t width) {
-  int64_t total = 0;
-  for (int64_t c = 0; c < count; ++c) total += w.crosses_page(offset + c * width, width) ? width : 0;
-  return total;
+// Points seg's a_rows and b_rows at its weight rows, the pointers stored from `rows` on and the
+// copied rows from `scratch` on (both with room for rows_needed; both advanced past what it used).
+inline void bind_rows(TiledSegment& seg, int64_t in, int64_t num_outputs, const float**& rows, float*& scratch) {
+  const int64_t* m = seg.meta;
+  collect_rows(*seg.buffer, m[0], m[1], in, rows, scratch);
+  seg.a_rows = rows;
+  rows += m[1];
+  for (int64_t module = 0; module < num_outputs; ++module) {
+    const int64_t* mm = m + kModuleBase + kModuleStride * module;
+    if (mm[1] == 0) continue;
+    collect_rows(*seg.buffer, mm[2], mm[1], mm[3], rows, scratch);
+    seg.b_rows[module] = rows;
+    rows += mm[1];
+  }
+}
+
+// Grows v to at least n elements (never shrinks: per-thread scratch reused across calls).
+template <typename T>
+inline T* at_least(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
 }
 
 // Output columns per expand work item: at most about kExpandBlock, a multiple of kExpandCols.
@@ -93,7 +134,7 @@ inline void shrink_rows(const TiledSegment& seg, const float* xt, int64_t in, in
                         int64_t ld_t) {
   for (int64_t c = c0; c < c1; c += kShrinkRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kShrinkRows, c1 - c));
-    const float* const* next = c + 2 * kShrinkRows <= seg.meta[1] ? seg.a_rows.data() + c + kShrinkRows : nullptr;
+    const float* const* next = c + 2 * kShrinkRows <= seg.meta[1] ? seg.a_rows + c + kShrinkRows : nullptr;
     for (int64_t t = 0, b = 0; t < seg.num;) {
       const float* xb = xt + b * in * kShrinkBlock;
       float* vb = vt + c * ld_t + t;
@@ -101,13 +142,13 @@ inline void shrink_rows(const TiledSegment& seg, const float* xt, int64_t in, in
       if (kShrinkBlocks == 2 && seg.num - t > kShrinkBlock) {  // two blocks, the second maybe partial
         const int tb = static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t - kShrinkBlock));
         with_rows<kShrinkRows>(rows, [&](auto r) {
-          shrink_tile<decltype(r)::value, 2>(xb, in, seg.a_rows.data() + c, vb, ld_t, tb, pf);
+          shrink_tile<decltype(r)::value, 2>(xb, in, seg.a_rows + c, vb, ld_t, tb, pf);
         });
         t += 2 * kShrinkBlock, b += 2;
       } else {
         const int tb = static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t));
         with_rows<kShrinkRows>(rows, [&](auto r) {
-          shrink_tile<decltype(r)::value, 1>(xb, in, seg.a_rows.data() + c, vb, ld_t, tb, pf);
+          shrink_tile<decltype(r)::value, 1>(xb, in, seg.a_rows + c, vb, ld_t, tb, pf);
         });
         t += kShrinkBlock, ++b;
       }
@@ -121,7 +162,7 @@ inline void expand_columns(const TiledSegment& seg, int64_t module, int64_t o0, 
   const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
   const int64_t column = mm[0], rank = mm[1];
   for_token_blocks(seg.num, [&](auto tb, int64_t t) {
-    expand_tile<decltype(tb)::value>(vt + column * ld_t + t, ld_t, seg.b_rows[module].data(), rank, o0, o1,
+    expand_tile<decltype(tb)::value>(vt + column * ld_t + t, ld_t, seg.b_rows[module], rank, o0, o1,
                                      seg.scale[module], out + (seg.start + t) * width, width, tmp,
                                      seg.num <= kTokenBlock);
   });
@@ -133,14 +174,16 @@ inline void expand_columns(const TiledSegment& seg, int64_t module, int64_t o0, 
 // and columns of the outputs.
 constexpr int64_t kSegmentsPerThread = 4;
 
-// All short segments of one call.
-void run_tiled(const std::vector<TiledSegment>& segs, const float* x, int64_t in, float* const* outs,
+// All short segments of one call (their rows not yet bound). Scratch is per thread and reused
+// across calls: at small hidden sizes a call's setup costs as much as its arithmetic.
+void run_tiled(std::vector<TiledSegment>& segs, const float* x, int64_t in, float* const* outs,
                const int64_t* out_widths, int64_t num_outputs) {
   int64_t max_chunk = 0, max_rows = 0, total_blocks = 0, max_blocks = 0;
   for (int64_t module = 0; module < num_outputs; ++module) {
     max_chunk = std::max(max_chunk, expand_chunk(out_widths[module]));
   }
-  std::vector<int64_t> first_block(segs.size() + 1, 0);  // each segment's first token block
+  thread_local std::vector<int64_t> first_block;  // each segment's first token block
+  first_block.assign(segs.size() + 1, 0);
   for (size_t i = 0; i < segs.size(); ++i) {
     const int64_t blocks = (segs[i].num + kShrinkBlock - 1) / kShrinkBlock;
     first_block[i + 1] = first_block[i] + blocks;
@@ -148,48 +191,68 @@ void run_tiled(const std::vector<TiledSegment>& segs, const float* x, int64_t in
     max_rows = std::max(max_rows, segs[i].meta[1]);
   }
   total_blocks = first_block.back();
+  const int64_t* first = first_block.data();  // thread_locals are named outside parallel regions only
   const int64_t block_elems = in * kShrinkBlock;
   const int max_threads = at::get_num_threads();
   if (static_cast<int64_t>(segs.size()) >= kSegmentsPerThread * max_threads || max_threads == 1) {
     // Largest first, so that the threads' last segments are small ones and they finish together.
-    std::vector<int64_t> work(segs.size());
+    thread_local std::vector<std::pair<int64_t, size_t>> by_work;  // (-work, segment)
+    by_work.resize(segs.size());
     for (size_t i = 0; i < segs.size(); ++i) {
-      work[i] = segs[i].meta[1] * in;
+      int64_t work = segs[i].meta[1] * in;
       for (int64_t module = 0; module < num_outputs; ++module) {
-        work[i] += segs[i].meta[kModuleBase + 1 + kModuleStride * module] * out_widths[module];
+        work += segs[i].meta[kModuleBase + 1 + kModuleStride * module] * out_widths[module];
       }
+      by_work[i] = {-work, i};
     }
-    std::vector<size_t> by_work(segs.size());
-    for (size_t i = 0; i < segs.size(); ++i) by_work[i] = i;
-    std::stable_sort(by_work.begin(), by_work.end(), [&](size_t a, size_t b) { return work[a] > work[b]; });
+    std::sort(by_work.begin(), by_work.end());
+    const std::pair<int64_t, size_t>* order = by_work.data();  // thread_locals are named outside the region only
 #pragma omp parallel num_threads(max_threads)
     {
-      std::vector<float> xt(max_blocks * block_elems), vt(max_rows * max_blocks * kShrinkBlock),
-          tmp(kTokenBlock * max_chunk);
+      // Each thread binds the rows of the segments it takes.
+      thread_local std::vector<float> xt, vt, tmp, scratch;
+      thread_local std::vector<const float*> rows;
+      float* xt_ptr = at_least(xt, max_blocks * block_elems);
+      float* vt_ptr = at_least(vt, max_rows * max_blocks * kShrinkBlock);
+      float* tmp_ptr = at_least(tmp, kTokenBlock * max_chunk);
 #pragma omp for schedule(dynamic, 1)
       for (size_t i = 0; i < segs.size(); ++i) {
-        const TiledSegment& seg = segs[by_work[i]];
+        TiledSegment seg = segs[order[i].second];
+        const auto [num_rows, crossing] = rows_needed(seg, in, num_outputs);
+        const float** row_ptr = at_least(rows, num_rows);
+        float* scratch_ptr = at_least(scratch, crossing);
+        bind_rows(seg, in, num_outputs, row_ptr, scratch_ptr);
         const int64_t ld_t = (seg.num + kShrinkBlock - 1) / kShrinkBlock * kShrinkBlock;
         for (int64_t t = 0, b = 0; t < seg.num; t += kShrinkBlock, ++b) {
           transpose_tokens(x + (seg.start + t) * in, in, static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t)),
-                           xt.data() + b * block_elems);
+                           xt_ptr + b * block_elems);
         }
-        shrink_rows(seg, xt.data(), in, 0, seg.meta[1], vt.data(), ld_t);
+        shrink_rows(seg, xt_ptr, in, 0, seg.meta[1], vt_ptr, ld_t);
         for (int64_t module = 0; module < num_outputs; ++module) {
           if (seg.meta[kModuleBase + 1 + kModuleStride * module] == 0) continue;
           const int64_t width = out_widths[module], chunk = expand_chunk(width);
           for (int64_t o = 0; o < width; o += chunk) {
-            expand_columns(seg, module, o, std::min(width, o + chunk), vt.data(), ld_t, outs[module], width,
-                           tmp.data());
+            expand_columns(seg, module, o, std::min(width, o + chunk), vt_ptr, ld_t, outs[module], width, tmp_ptr);
           }
         }
       }
     }
     return;
   }
-  // Few segments: tokens transposed per segment, then shrink items (segment, up to 48 rows of A),
-  // then expand items (segment, module, up to 512 output columns), each phase across threads; v
-  // is shared, transposed: vt[row, token] over all of the call's tokens.
+  // Few segments: their rows bound here, tokens transposed per segment, then shrink items
+  // (segment, up to 48 rows of A), then expand items (segment, module, up to 512 output columns),
+  // each phase across threads; v is shared, transposed: vt[row, token] over all of the call's tokens.
+  int64_t total_rows = 0, total_crossing = 0;
+  for (const TiledSegment& seg : segs) {
+    const auto [num_rows, crossing] = rows_needed(seg, in, num_outputs);
+    total_rows += num_rows;
+    total_crossing += crossing;
+  }
+  thread_local std::vector<const float*> rows;
+  thread_local std::vector<float> scratch;
+  const float** row_ptr = at_least(rows, total_rows);
+  float* scratch_ptr = at_least(scratch, total_crossing);
+  for (TiledSegment& seg : segs) bind_rows(seg, in, num_outputs, row_ptr, scratch_ptr);
   std::vector<std::pair<int64_t, int64_t>> shrinks;            // (segment, first row)
   std::vector<std::tuple<int64_t, int64_t, int64_t>> expands;  // (segment, module, first column)
   int64_t num_tokens = 0;
@@ -212,10 +275,11 @@ void run_tiled(const std::vector<TiledSegment>& segs, const float* x, int64_t in
   const int num_threads = std::max(1, std::min<int>(max_threads, static_cast<int>(num_items)));
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> tmp(kTokenBlock * max_chunk);
+    thread_local std::vector<float> tmp;
+    float* tmp_ptr = at_least(tmp, kTokenBlock * max_chunk);
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < segs.size(); ++i) {
-      for (int64_t t = 0, b = first_block[i]; t < segs[i].num; t += kShrinkBlock, ++b) {
+      for (int64_t t = 0, b = first[i]; t < segs[i].num; t += kShrinkBlock, ++b) {
         const int tb = static_cast<int>(std::min<int64_t>(kShrinkBlock, segs[i].num - t));
         transpose_tokens(x + (segs[i].start + t) * in, in, tb, xt + b * block_elems);
       }
@@ -224,7 +288,7 @@ void run_tiled(const std::vector<TiledSegment>& segs, const float* x, int64_t in
     for (size_t i = 0; i < shrinks.size(); ++i) {
       const auto [s, c] = shrinks[i];
       const TiledSegment& seg = segs[s];
-      shrink_rows(seg, xt + first_block[s] * block_elems, in, c, std::min(seg.meta[1], c + kShrinkItemRows),
+      shrink_rows(seg, xt + first[s] * block_elems, in, c, std::min(seg.meta[1], c + kShrinkItemRows),
                   vt + seg.start, ld_t);
     }
 #pragma omp for schedule(dynamic, 1)
@@ -232,7 +296,7 @@ void run_tiled(const std::vector<TiledSegment>& segs, const float* x, int64_t in
       const auto [s, module, o] = expands[i];
       const int64_t width = out_widths[module];
       expand_columns(segs[s], module, o, std::min(width, o + expand_chunk(width)), vt + segs[s].start, ld_t,
-                     outs[module], width, tmp.data());
+                     outs[module], width, tmp_ptr);
     }
   }
 }
