@@ -265,11 +265,9 @@ void run_tiled(std::vector<TiledSegment>& segs, const float* x, int64_t in, floa
     }
     num_tokens = std::max(num_tokens, segs[i].start + segs[i].num);
   }
-  thread_local std::vector<float> transposed, shared_v;  // grow to the largest need, then reused
-  if (static_cast<int64_t>(transposed.size()) < total_blocks * block_elems) transposed.resize(total_blocks * block_elems);
-  if (static_cast<int64_t>(shared_v.size()) < max_rows * num_tokens) shared_v.resize(max_rows * num_tokens);
-  float* xt = transposed.data();
-  float* vt = shared_v.data();
+  thread_local std::vector<float> transposed, shared_v;
+  float* xt = at_least(transposed, total_blocks * block_elems);
+  float* vt = at_least(shared_v, max_rows * num_tokens);
   const int64_t ld_t = num_tokens;
   const int64_t num_items = static_cast<int64_t>(std::max(shrinks.size(), expands.size()));
   const int num_threads = std::max(1, std::min<int>(max_threads, static_cast<int>(num_items)));
