@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _THREAD_NAME = "loraserve-engine"
+# An idle loop wakes this often. A signal sent to the process may be taken by any of its threads
+# (uvicorn's, OpenMP's); Python then runs its handler only once the main thread runs bytecode
+# again, so a loop waiting on the main thread with no timeout would never see SIGTERM.
+_IDLE_WAKE_S = 0.5
 
 
 class EngineObserver(Protocol):
@@ -268,7 +272,7 @@ class AsyncEngine:
     def _drain_commands(self, block: bool) -> bool:
         """Execute queued commands (waiting for one when ``block``); False once told to stop."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=_IDLE_WAKE_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return True
         while True:

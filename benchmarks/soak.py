@@ -13,7 +13,8 @@ client picked it is the client's race, counted apart as ``raced_deletes``), p50/
 drops (a stream that ended without a finish reason, or a 200 without its choices, that the client
 did not cut), the server's memory (RSS after a quarter of the run, at the end, and its peak, when
 it started the server), and whether the server came back to idle: nothing running or waiting, every pool
-page free or evictable cache, ``/health`` 200. Exit status 1 when any of those fails.
+page free or evictable cache, ``/health`` 200; and, when it started the server, whether SIGTERM stopped
+it with exit code 0 (and in how long). Exit status 1 when any of those fails.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -83,7 +85,10 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     if args.model:
         command += ["--model", args.model]
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 (the server writes it until it exits)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    # PYTHONFAULTHANDLER: a server that hangs at stop dumps every thread's stack on SIGABRT.
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONFAULTHANDLER": "1"}
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -286,13 +291,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if process:
             report["rss_mib"] = {**rss, "end": round(rss_mib(process.pid), 1),
                                  "peak": round(rss_mib(process.pid, "VmHWM"), 1)}  # fmt: skip
+            report["shutdown"] = stop_server(process, workdir)
         report["ok"] = (report["silent_drops"] == 0 and report["server_errors_5xx"] == 0 and not tally.errors
-                        and state["idle"] and state["health"] == 200 and tally.served > 0)  # fmt: skip
+                        and state["idle"] and state["health"] == 200 and tally.served > 0
+                        and report.get("shutdown", {}).get("exit_code", 0) == 0)  # fmt: skip
         return report
     finally:
-        if process:
-            process.terminate()
-            process.wait(60)
+        if process and process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def stop_server(process: subprocess.Popen[bytes], workdir: Path, timeout: float = 90) -> dict[str, Any]:
+    """SIGTERM, as a user stops it: its exit code and how long it took; when it has not exited
+    within ``timeout`` seconds, SIGABRT (its threads' stacks go to its log), exit code None and the
+    end of its log."""
+    started = time.monotonic()
+    process.terminate()
+    try:
+        code: int | None = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        code = None
+    result: dict[str, Any] = {"exit_code": code, "seconds": round(time.monotonic() - started, 1)}
+    if code != 0:
+        result["log_tail"] = (workdir / "server.log").read_text(errors="replace")[-8000:]
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,10 +1,13 @@
 """Graceful shutdown of ``loraserve serve`` (a real process, signalled as a process manager does):
-on SIGTERM it refuses new requests (503, ``/health`` 503), finishes the ones in flight, and exits 0;
-past ``--shutdown-timeout`` the rest end with finish reason ``abort``; a second signal stops at once."""
+on SIGTERM it refuses new requests (503, ``/health`` 503), finishes the ones in flight, and exits 0,
+whichever of its threads the signal lands on; past ``--shutdown-timeout`` the rest end with finish
+reason ``abort``; a second signal stops at once."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -153,3 +156,33 @@ def test_a_second_signal_stops_at_once(
     assert "stopping" in log
     assert "start-up objects frozen for the garbage collector" in log  # (tests/test_startup_heap.py)
     assert "leaked" not in log  # unfrozen at exit: extensions' objects are freed, not reported as leaks
+
+
+def _threads_taking(pid: int, signum: int) -> list[int]:
+    """The process's threads other than the main one that do not block ``signum``."""
+    found = []
+    for tid in sorted(int(name) for name in os.listdir(f"/proc/{pid}/task")):
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        blocked = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+        if tid != pid and not blocked >> (signum - 1) & 1:
+            found.append(tid)
+    return found
+
+
+def test_sigterm_taken_by_another_thread_stops_an_idle_server(
+    tiny_model_dir: Path, tmp_path: Path, stopped_processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """The kernel may hand a process's SIGTERM to any of its threads; Python runs the handler on
+    the main thread, which runs the engine loop: idle, it must still wake up to see it (it once
+    slept until the next request, so a server stopped while idle could hang for ever)."""
+    process, url = _start(tiny_model_dir, timeout=60, tmp_path=tmp_path)
+    stopped_processes.append(process)
+    reply = httpx.post(url + "/v1/completions", json={"model": _model(url), "prompt": "x", "max_tokens": 2})
+    assert reply.status_code == 200  # every thread of a serving process is up
+    time.sleep(1.0)  # the engine loop is idle, waiting for a command
+    others = _threads_taking(process.pid, signal.SIGTERM)
+    assert others, "no thread other than the main one takes SIGTERM"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.tgkill(process.pid, others[0], signal.SIGTERM) == 0, os.strerror(ctypes.get_errno())
+    assert process.wait(30) == 0
+    assert "stopped" in (tmp_path / "server.log").read_text()

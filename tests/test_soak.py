@@ -1,7 +1,7 @@
 """The soak's CI version (``benchmarks/soak.py``): a real server (the tiny model) for 60 s under
 64 clients with streamed and plain requests on the base model and adapters, 10 % cut by the client
 at random points, adapters uploaded and deleted while in use; then no silent drop, no error of any
-kind, the server healthy and back to idle (nothing queued, no page held)."""
+kind, the server healthy and back to idle (nothing queued, no page held), and it stops on SIGTERM."""
 
 from __future__ import annotations
 
@@ -22,4 +22,5 @@ def test_soak_60_seconds(tiny_model_dir: Path) -> None:
     assert report["served"] > 100 and report["cancelled_by_client"] > 5, report
     assert report["adapter_uploads"] >= 5 and report["adapter_deletes"] >= 3, report
     assert report["after"]["idle"] and report["after"]["health"] == 200, report["after"]
+    assert report["shutdown"]["exit_code"] == 0, report["shutdown"]
     assert report["ok"]
