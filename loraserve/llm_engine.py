@@ -375,8 +375,9 @@ class LLMEngine:
             if request is not None and (cumulative or request.is_finished):
                 touched[seq.request_id] = request
         for request in touched.values():
-            outputs.append(make_output(request))
-            if request.is_finished:
+            output = make_output(request)
+            outputs.append(output)
+            if output.finished:
                 del self.requests[request.request_id]
         return outputs
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sequence import Sequence
@@ -17,6 +17,12 @@ class Request:
     prompt: str | None
     seqs: list[Sequence]
     adapter_name: str | None
+    # The prompt's ids, listed once: every output of the request shares this list (streamed
+    # requests get an output each step, and copying a long prompt each time is not free).
+    prompt_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = self.seqs[0].prompt_token_ids
 
     @property
     def is_finished(self) -> bool:
@@ -39,7 +45,7 @@ def make_output(request: Request) -> RequestOutput:
     return RequestOutput(
         request_id=request.request_id,
         prompt=request.prompt,
-        prompt_token_ids=first.prompt_token_ids,
+        prompt_token_ids=request.prompt_token_ids,
         outputs=outputs,
         finished=request.is_finished,
         adapter_name=request.adapter_name,
