@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from loraserve.adapters import RegistryUnavailableError
 
-from loraserve.llm_engine import LLMEngine, RequestError, UnknownAdapterError
+from loraserve.input_processor import RequestError
+from loraserve.llm_engine import LLMEngine, UnknownAdapterError
 from loraserve.sampling_params import SamplingParams, SamplingParamsError
 
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream

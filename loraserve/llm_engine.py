@@ -9,7 +9,6 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -24,29 +23,26 @@ from loraserve.adapters import (
 from loraserve.config import ConfigError, EngineConfig
 from loraserve.detokenizer import Detokenizer
 from loraserve.host_memory import keep_freed_blocks
+from loraserve.input_processor import InputProcessor, RequestError
 from loraserve.kernel_backend import select_backend
 from loraserve.kernels import cpu
 from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, tokens_at_most
-from loraserve.lora.layout import max_rank_pages
 from loraserve.lora.residency import AdapterManager
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.gemm_choice import GemmPolicy
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
 from loraserve.outputs import RequestOutput
-from loraserve.page_pool import PageKind, PagePool
+from loraserve.page_pool import PagePool
+from loraserve.page_pools import PagePools
 from loraserve.request import Request, make_output
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
 from loraserve.sequence import FinishReason, Sequence
 from loraserve.stats import EngineStats
-from loraserve.stop_checker import StopChecker
+from loraserve.stop_checker import StopChecker, model_eos_token_ids
 
 logger = logging.getLogger(__name__)
 LOAD_WAIT_S = 0.05  # how long an idle step waits for an adapter load before returning
-
-
-class RequestError(ValueError):
-    """A request cannot be served as asked; the message says why."""
 
 
 class UnknownAdapterError(RequestError, KeyError):
@@ -94,11 +90,12 @@ class LLMEngine:
             gemm_policy,
             max_positions=self.max_model_len,
         )
+        self.inputs = InputProcessor(self.tokenizer, int(self.hf_config.vocab_size), self.max_model_len)
         self.layout = PageLayout.for_model(self.hf_config, config.block_size)
         page_bytes = self.layout.page_bytes(config.torch_dtype)
         num_pages = config.num_pages or max(2, config.memory_budget_mb * 2**20 // page_bytes)
         shapes = BaseModelShapes.from_hf_config(self.hf_config)
-        self.pool, self.adapter_pool, slot_pages = self._make_pools(config, num_pages, shapes)
+        self.pools = PagePools.build(config, num_pages, shapes, self.layout.page_elems)
         host_pool = PagePool(config.num_swap_pages) if config.num_swap_pages else None
         num_watermark_pages = int(config.watermark * self.pool.num_pages)
         kv_options = (num_watermark_pages, host_pool, config.enable_prefix_caching)
@@ -121,14 +118,14 @@ class LLMEngine:
             self.layout.num_layers,
             self.layout.page_elems,
             config.host_adapter_cache_mb * 2**20,
-            num_watermark_pages if self.adapter_pool is self.pool else 0,
-            pages_per_adapter=slot_pages,
+            num_watermark_pages if self.pools.unified else 0,
+            pages_per_adapter=self.pools.slot_pages,
         )
         # One finalizer for close() and for an engine dropped or alive at exit: the registry's
         # threads stop before a private registry directory is removed, so they never see it vanish.
         self._finalizer = weakref.finalize(self, _close_adapters, self.adapters, private_registry)
         self.detokenizer = Detokenizer(self.tokenizer)
-        eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
+        eos_token_ids = model_eos_token_ids(self.model_dir, self.tokenizer)
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_seqs,
@@ -162,28 +159,15 @@ class LLMEngine:
             num_pages * page_bytes / 2**20,
         )
 
-    def _make_pools(
-        self, config: EngineConfig, num_pages: int, shapes: BaseModelShapes
-    ) -> tuple[PagePool, PagePool, int | None]:
-        """The KV pool, the pool adapters take pages from, and the pages of an adapter slot.
+    @property
+    def pool(self) -> PagePool:
+        """The pool KV blocks take pages from (adapters too, when unified)."""
+        return self.pools.kv
 
-        Unified: one pool for both, adapters sized by their ranks. Fixed: the last
-        ``max_loras`` slots of the storage's pages form the adapters' own pool.
-        """
-        if config.adapter_region == "unified":
-            pool = PagePool(num_pages)
-            return pool, pool, None
-        assert config.max_loras is not None  # the config requires it with "fixed"
-        slot_pages = max_rank_pages(shapes.module_shapes, config.max_lora_rank, self.layout.page_elems)
-        region = config.max_loras * slot_pages
-        if region >= num_pages:
-            raise ConfigError(
-                f"a fixed adapter region of {config.max_loras} adapters at rank {config.max_lora_rank} needs "
-                f"{region} pages and leaves none of the pool's {num_pages} for the KV cache: lower max_loras or "
-                "max_lora_rank, or give the pool more memory"
-            )
-        kv_pool = PagePool(num_pages - region, range(num_pages - region))
-        return kv_pool, PagePool(region, range(num_pages - region, num_pages)), slot_pages
+    @property
+    def adapter_pool(self) -> PagePool:
+        """The pool adapters take pages from: ``pool`` itself unless the adapter region is fixed."""
+        return self.pools.adapters
 
     # ---- requests -------------------------------------------------------------------
     def add_request(
@@ -198,20 +182,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        token_ids = self.encode(prompt)
-        vocab = int(self.hf_config.vocab_size)
-        bad = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        bad += [t for t in params.allowed_token_ids or () if t >= vocab]
-        if bad:
-            raise RequestError(
-                f"logit_bias, stop_token_ids or allowed_token_ids name token ids {bad[:5]} outside [0, {vocab})"
-            )
-        bad_words = self.bad_words_token_ids(params.bad_words)
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context length of {self.max_model_len} tokens"
-            )
+        token_ids = self.inputs.encode(prompt)
+        self.inputs.check(len(token_ids), params)
+        bad_words = self.inputs.bad_words_token_ids(params.bad_words)
         adapter_id = self._resolve_adapter(adapter_name)
         error = self.scheduler.fit_error(len(token_ids), params.max_tokens, adapter_id) if adapter_id else None
         if error is not None:
@@ -237,19 +210,6 @@ class LLMEngine:
         self.scheduler.add(seqs[0], forks=seqs[1:])  # waits for the adapter's files if they are on their way
         return request
 
-    def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """vLLM's rule: each word as tokenized alone, and with a leading space when that gives
-        another first token but as many tokens (the word inside a text)."""
-        result: list[tuple[int, ...]] = []
-        for word in words:
-            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            if alone:
-                result.append(alone)
-            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
-                result.append(spaced)
-        return tuple(result)
-
     def _resolve_adapter(self, adapter_name: str | None) -> str | None:
         if adapter_name is None:
             return None
@@ -274,19 +234,6 @@ class LLMEngine:
     def list_adapters(self) -> list[AdapterInfo]:
         return [self.adapters.info(name) for name in self.adapter_registry.names()]
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = list(self.tokenizer.encode(prompt))
-        else:
-            token_ids = [int(t) for t in prompt]
-            vocab = int(self.hf_config.vocab_size)
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if not token_ids:
-            raise RequestError("the prompt is empty")
-        return token_ids
-
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None:
@@ -308,9 +255,9 @@ class LLMEngine:
         running = self.scheduler.running
         return EngineStats(
             kernels=self.kernels.name,
-            num_pages=self.pool.num_pages + (0 if self.adapter_pool is self.pool else self.adapter_pool.num_pages),
-            pages_by_kind=self._pages_by_kind(),
-            evictions_by_kind=self._evictions_by_kind(),
+            num_pages=self.pools.num_pages,
+            pages_by_kind=self.pools.pages_by_kind(),
+            evictions_by_kind=self.pools.evictions_by_kind(),
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             num_swapped=len(self.scheduler.swapped),
@@ -327,25 +274,8 @@ class LLMEngine:
             kernel_fallbacks=self.kernel_fallbacks,
             num_kv_tokens=sum(seq.num_computed_tokens for seq in running),
             num_running_adapters=len({seq.adapter_id for seq in running if seq.adapter_id is not None}),
-            adapter_region_pages=0 if self.adapter_pool is self.pool else self.adapter_pool.num_pages,
+            adapter_region_pages=self.pools.adapter_region_pages,
         )
-
-    def _pools(self) -> tuple[PagePool, ...]:
-        return (self.pool,) if self.adapter_pool is self.pool else (self.pool, self.adapter_pool)
-
-    def _pages_by_kind(self) -> dict[PageKind, int]:
-        counts = dict.fromkeys(PageKind, 0)
-        for pool in self._pools():
-            for kind, count in pool.num_pages_by_kind().items():
-                counts[kind] += count
-        return counts
-
-    def _evictions_by_kind(self) -> dict[PageKind, int]:
-        counts: dict[PageKind, int] = {}
-        for pool in self._pools():
-            for kind, count in pool.num_evictions.items():
-                counts[kind] = counts.get(kind, 0) + count
-        return counts
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -387,21 +317,6 @@ class LLMEngine:
         output.error = error
         output.error_code = self.adapters.error_code(seq.adapter_name)  # "registry_unavailable": retry later
         return output
-
-
-def _eos_token_ids(model_dir: Any, tokenizer: Any) -> frozenset[int]:
-    from transformers import GenerationConfig
-
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    try:
-        generation = GenerationConfig.from_pretrained(model_dir)
-    except OSError:
-        return frozenset(ids)
-    eos = generation.eos_token_id
-    ids.update([eos] if isinstance(eos, int) else list(eos or []))
-    return frozenset(ids)
 
 
 def _close_adapters(adapters: AdapterManager, private_registry: str | None) -> None:

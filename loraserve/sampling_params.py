@@ -47,7 +47,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens' text out of the output text
     spaces_between_special_tokens: bool = True  # the tokenizer's decode option (fast tokenizers: no effect)
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
-    bad_words: tuple[str, ...] = ()  # never generated (vLLM's rule: see LLMEngine.bad_words_token_ids)
+    bad_words: tuple[str, ...] = ()  # never generated (vLLM's rule: see InputProcessor.bad_words_token_ids)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -6,6 +6,9 @@ after a step), so the sequence is finished and its pages freed in the same place
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from loraserve.detokenizer import Detokenizer, find_stop_string
 from loraserve.sequence import FinishReason, Sequence
 
@@ -50,3 +53,19 @@ class StopChecker:
 def never_stops_early(seq: Sequence, token: int) -> Stop | None:
     """A stop checker for tests without a tokenizer: only ``max_tokens`` ends a sequence."""
     return (FinishReason.LENGTH, None) if seq.num_output_tokens >= seq.params.max_tokens else None
+
+
+def model_eos_token_ids(model_dir: str | os.PathLike[str], tokenizer: Any) -> frozenset[int]:
+    """The model's end-of-sequence token ids: its tokenizer's and its generation config's."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        return frozenset(ids)
+    eos = generation.eos_token_id
+    ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return frozenset(ids)

@@ -11,7 +11,7 @@ import torch
 
 from loraserve import LLM, SamplingParams
 from loraserve.config import ConfigError
-from loraserve.llm_engine import RequestError
+from loraserve.input_processor import RequestError
 from loraserve.outputs import RequestOutput
 from loraserve.sampler import (
     CPU_FILTER_CANDIDATES,
@@ -336,7 +336,7 @@ def test_allowed_token_ids_and_bad_words_change_the_output(llm: LLM) -> None:
     assert set(_tokens(llm, prompt, seeded)[0]) <= {44, 1000}
     # a word of the greedy output whose token, as the model emits it, the rule bans
     words = {token: llm.engine.tokenizer.decode([token]).strip() for token in plain}
-    token, word = next((t, w) for t, w in words.items() if w and (t,) in llm.engine.bad_words_token_ids((w,)))
+    token, word = next((t, w) for t, w in words.items() if w and (t,) in llm.engine.inputs.bad_words_token_ids((w,)))
     cleaned = _tokens(llm, prompt, dataclasses.replace(greedy, bad_words=(word,)))[0]
     assert token not in cleaned and cleaned != plain
     with pytest.raises(RequestError, match="allowed_token_ids"):
