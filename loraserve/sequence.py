@@ -27,7 +27,7 @@ class FinishReason(str, enum.Enum):
 _seq_counter = itertools.count()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """One sample of one request: its tokens, its KV block table and its progress.
 
