@@ -11,7 +11,8 @@ timed; it prints wall milliseconds per step, microseconds per sequence per step,
 phase: schedule, prepare (the runner's inputs), forward, sample, output (the rest of the step:
 page copies, accounting, stop checks, detokenization, outputs). Phases are timed by wrapping the
 engine's own methods, so the same script measures an older checkout of the engine (the JSON's
-``wrapped`` names what it wrapped).
+``wrapped`` names what it wrapped). ``--against CHECKOUT`` runs that checkout's engine and this
+one in turns, both alive at once, and reports both and their ratio (``host_overhead_turns.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +36,7 @@ TINY: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
 PHASES = ("schedule", "prepare", "forward", "sample")
+TURN_PREFIX = "@turn "  # the --worker's protocol lines on stdout (anything else there is not read)
 
 
 def make_tiny_model(out_dir: Path) -> Path:
@@ -91,59 +94,83 @@ def instrument(engine: Any, timer: PhaseTimer) -> list[str]:
     return wrapped
 
 
-def run(args: argparse.Namespace, model_dir: Path, adapter_dir: Path) -> dict[str, Any]:
-    from loraserve import LLM, SamplingParams
+class DecodeBench:
+    """One engine with ``--seqs`` sequences decoding in steady state (prompts and ``--warmup``
+    steps done); ``time(k)`` times its next ``k`` steps. ``total_steps``: every step it will time."""
 
-    llm = LLM(str(model_dir), kernels=args.kernels, device=args.device, max_num_seqs=args.seqs,
-              max_num_batched_tokens=4096, num_pages=args.seqs * 8 + 64 * max(args.adapters, 1),
-              num_threads=args.threads)  # fmt: skip
-    engine = llm.engine
-    ranks = [(8, 16, 32, 64)[i % 4] for i in range(args.adapters)]
-    names: list[str | None] = [None]
-    if args.adapters:
-        names = [name for name, path in make_adapters(model_dir, adapter_dir, ranks)]
-        for name, path in make_adapters(model_dir, adapter_dir, ranks):
-            llm.add_adapter(name, path)
-    timer = PhaseTimer()
-    wrapped = instrument(engine, timer)
-    max_tokens = args.warmup + args.steps + 2
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, output_kind=args.output_kind)
-    gen = torch.Generator().manual_seed(0)
-    for i in range(args.seqs):
-        prompt = torch.randint(32, VOCAB, (args.prompt_len,), generator=gen).tolist()
-        engine.add_request(str(i), prompt, params, names[i % len(names)])
-    steps = 0
-    while not all(s.num_output_tokens >= 1 for r in engine.requests.values() for s in r.seqs):
-        engine.step()  # prompts (and adapter loads)
-        steps += 1
-        if steps > 10 * args.seqs:
-            raise RuntimeError("the prompts did not finish")
-    for _ in range(args.warmup):
-        engine.step()
-    step_seconds: list[float] = []
-    timer.enabled = True
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        engine.step()
-        step_seconds.append(time.perf_counter() - start)
-    timer.enabled = False
-    while engine.has_unfinished_requests():
-        engine.step()
+    def __init__(self, args: argparse.Namespace, model_dir: Path, adapter_dir: Path, total_steps: int) -> None:
+        from loraserve import LLM, SamplingParams
+
+        llm = LLM(str(model_dir), kernels=args.kernels, device=args.device, max_num_seqs=args.seqs,
+                  max_num_batched_tokens=4096, num_pages=args.seqs * 8 + 64 * max(args.adapters, 1),
+                  num_threads=args.threads)  # fmt: skip
+        self.engine = engine = llm.engine
+        ranks = [(8, 16, 32, 64)[i % 4] for i in range(args.adapters)]
+        names: list[str | None] = [None]
+        if args.adapters:
+            names = [name for name, path in make_adapters(model_dir, adapter_dir, ranks)]
+            for name, path in make_adapters(model_dir, adapter_dir, ranks):
+                llm.add_adapter(name, path)
+        self.timer = PhaseTimer()
+        self.wrapped = instrument(engine, self.timer)
+        max_tokens = args.warmup + total_steps + 2
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, output_kind=args.output_kind)
+        gen = torch.Generator().manual_seed(0)
+        for i in range(args.seqs):
+            prompt = torch.randint(32, VOCAB, (args.prompt_len,), generator=gen).tolist()
+            engine.add_request(str(i), prompt, params, names[i % len(names)])
+        steps = 0
+        while not all(s.num_output_tokens >= 1 for r in engine.requests.values() for s in r.seqs):
+            engine.step()  # prompts (and adapter loads)
+            steps += 1
+            if steps > 10 * args.seqs:
+                raise RuntimeError("the prompts did not finish")
+        for _ in range(args.warmup):
+            engine.step()
+
+    def time(self, steps: int) -> list[float]:
+        """Seconds of each of the next ``steps`` steps (their phases add to ``timer``)."""
+        seconds: list[float] = []
+        self.timer.enabled = True
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.engine.step()
+            seconds.append(time.perf_counter() - start)
+        self.timer.enabled = False
+        return seconds
+
+    def finish(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def summarize(args: argparse.Namespace, step_seconds: list[float], phase_seconds: dict[str, float]) -> dict[str, Any]:
+    """Wall ms per step (median, mean), us per sequence per step and the phases' mean ms."""
+    steps = len(step_seconds)
     total = sum(step_seconds)
-    split = {phase: 1e3 * s / args.steps for phase, s in timer.seconds.items()}
-    split["output"] = 1e3 * total / args.steps - sum(split.values())
+    split = {phase: 1e3 * s / steps for phase, s in phase_seconds.items()}
+    split["output"] = 1e3 * total / steps - sum(split.values())
     median_ms = 1e3 * statistics.median(step_seconds)
     return {
-        "kernels": engine.kernels.name,
+        "ms_per_step_median": round(median_ms, 3),
+        "ms_per_step_mean": round(1e3 * total / steps, 3),
+        "us_per_seq_step": round(1e3 * median_ms / args.seqs, 2),
+        "phase_ms_mean": {k: round(v, 3) for k, v in split.items()},
+    }
+
+
+def run(args: argparse.Namespace, model_dir: Path, adapter_dir: Path) -> dict[str, Any]:
+    bench = DecodeBench(args, model_dir, adapter_dir, args.steps)
+    step_seconds = bench.time(args.steps)
+    bench.finish()
+    return {
+        "kernels": bench.engine.kernels.name,
         "seqs": args.seqs,
         "adapters": args.adapters,
         "steps": args.steps,
         "output_kind": args.output_kind,
-        "ms_per_step_median": round(median_ms, 3),
-        "ms_per_step_mean": round(1e3 * total / args.steps, 3),
-        "us_per_seq_step": round(1e3 * median_ms / args.seqs, 2),
-        "phase_ms_mean": {k: round(v, 3) for k, v in split.items()},
-        "wrapped": wrapped,
+        **summarize(args, step_seconds, bench.timer.seconds),
+        "wrapped": bench.wrapped,
     }
 
 
@@ -155,7 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adapters", type=int, default=32, help="adapters, round robin; 0: base model (32)")
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per sequence (8)")
     parser.add_argument("--warmup", type=int, default=4, help="decode steps before timing (4)")
-    parser.add_argument("--steps", type=int, default=32, help="timed decode steps (32)")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps (32; with --against, in all)")
     parser.add_argument(
         "--output-kind",
         default="final_only",
@@ -163,23 +190,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="final_only (LLM.generate's, default) or cumulative (a streamed request's)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--against", type=Path, default=None, help="a loraserve checkout (git worktree add DIR COMMIT) to run in turns"
+    )
+    parser.add_argument("--rounds", type=int, default=8, help="turns of each engine with --against (8)")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # --against's other engine
     args = parser.parse_args(argv)
     if args.seqs < 1 or args.adapters < 0 or args.steps < 1 or args.prompt_len < 1:
         parser.error("--seqs, --steps and --prompt-len must be positive, --adapters >= 0")
+    if args.against is not None and not (1 <= args.rounds <= args.steps):
+        parser.error("--rounds must be between 1 and --steps")
+    if args.against is not None and not (args.against / "loraserve" / "__init__.py").is_file():
+        parser.error(f"--against {args.against}: not a checkout of loraserve (no loraserve/__init__.py)")
     return args
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Build (once) the model and adapters under the loraserve cache and run the benchmark."""
+def bench_dirs() -> tuple[Path, Path]:
+    """The model (built once) and the adapters' directory under the loraserve cache."""
     from loraserve.models.loader import cache_root
 
     root = cache_root() / "bench-host-overhead"
-    return run(args, make_tiny_model(root / "model"), root / "adapters")
+    return make_tiny_model(root / "model"), root / "adapters"
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    return run(args, *bench_dirs())
+
+
+def serve_turns(args: argparse.Namespace) -> None:
+    """``--worker``: the other engine of ``--against``. Says it is ready on stdout, then for each
+    number ``n`` read on stdin times ``n`` steps and answers with their seconds and phases
+    (protocol lines start with ``TURN_PREFIX``; 0 ends it)."""
+    bench = DecodeBench(args, *bench_dirs(), args.steps)
+    print(TURN_PREFIX + json.dumps({"kernels": bench.engine.kernels.name, "wrapped": bench.wrapped}), flush=True)
+    for line in sys.stdin:
+        steps = int(line)
+        if steps == 0:
+            break
+        before = dict(bench.timer.seconds)
+        seconds = bench.time(steps)
+        phases = {phase: bench.timer.seconds[phase] - before[phase] for phase in before}
+        print(TURN_PREFIX + json.dumps({"seconds": seconds, "phases": phases}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.worker:
+        serve_turns(args)
+        return
+    if args.against is not None:
+        from benchmarks.host_overhead_turns import compare
+
+        result = compare(args)
+        print(result["summary"])
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return
     result = measure(args)
     result["machine"] = machine_info()
     phases = "  ".join(f"{k} {v:.2f}" for k, v in result["phase_ms_mean"].items())

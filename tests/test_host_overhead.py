@@ -1,0 +1,53 @@
+"""``benchmarks.host_overhead``: a smoke run, and ``--against`` running two engines in turns.
+
+The two engines here are both this tree (the checkout given is the repository itself), on the
+``torch`` kernels so the worker builds nothing; what is checked is the protocol and the report,
+not a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--kernels", "torch", "--seqs", "8", "--adapters", "2", "--warmup", "1"]
+
+
+def run_benchmark(*argv: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "benchmarks.host_overhead", *SMALL, *argv]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_smoke_run_reports_steps_and_phases(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    done = run_benchmark("--steps", "4", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["kernels"] == "torch" and result["steps"] == 4 and result["seqs"] == 8
+    assert result["us_per_seq_step"] > 0
+    assert set(result["phase_ms_mean"]) == {"schedule", "prepare", "forward", "sample", "output"}
+    assert len(result["wrapped"]) == 4  # schedule, prepare, forward and sample were found and wrapped
+
+
+def test_against_runs_two_engines_in_turns(tmp_path: Path) -> None:
+    out = tmp_path / "turns.json"
+    done = run_benchmark("--steps", "6", "--rounds", "3", "--against", str(ROOT), "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rounds"] == 3 and result["steps_per_round"] == 2
+    assert result["kernels"] == result["against_kernels"] == "torch"
+    assert len(result["round_ratios"]) == 3 and all(r > 0 for r in result["round_ratios"])
+    assert result["this"]["us_per_seq_step"] > 0 and result["against"]["us_per_seq_step"] > 0
+    expected = result["against"]["us_per_seq_step"] / result["this"]["us_per_seq_step"]
+    assert abs(result["ratio"] - expected) < 0.01
+    assert len(result["wrapped"]["this"]) == len(result["wrapped"]["against"]) == 4
+    assert "host overhead in turns, 3 rounds x 2 steps" in done.stdout
+
+
+def test_against_refuses_what_is_not_a_checkout(tmp_path: Path) -> None:
+    done = run_benchmark("--against", str(tmp_path))
+    assert done.returncode == 2
+    assert "not a checkout of loraserve" in done.stderr
