@@ -193,14 +193,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--against", type=Path, default=None, help="a loraserve checkout (git worktree add DIR COMMIT) to run in turns"
     )
-    parser.add_argument("--rounds", type=int, default=8, help="turns of each engine with --against (8)")
+    parser.add_argument("--rounds", type=int, default=None, help="turns of each engine with --against (8)")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # --against's other engine
     args = parser.parse_args(argv)
     if args.seqs < 1 or args.adapters < 0 or args.steps < 1 or args.prompt_len < 1:
         parser.error("--seqs, --steps and --prompt-len must be positive, --adapters >= 0")
-    if args.against is not None and not (1 <= args.rounds <= args.steps):
-        parser.error("--rounds must be between 1 and --steps")
+    if args.against is None and args.rounds is not None:
+        parser.error("--rounds sets the turns of --against: give it with --against")
+    if args.against is not None:
+        args.rounds = 8 if args.rounds is None else args.rounds
+        if not 1 <= args.rounds <= args.steps:
+            parser.error("--rounds must be between 1 and --steps")
     if args.against is not None and not (args.against / "loraserve" / "__init__.py").is_file():
         parser.error(f"--against {args.against}: not a checkout of loraserve (no loraserve/__init__.py)")
     return args

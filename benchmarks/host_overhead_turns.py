@@ -64,6 +64,14 @@ def read_turn(worker: subprocess.Popen[str], log: IO[str]) -> dict[str, Any]:
     raise RuntimeError(f"the --against engine ended (exit {worker.returncode}) before answering:\n{tail}")
 
 
+def ask_turn(worker: subprocess.Popen[str], log: IO[str], steps: int) -> dict[str, Any]:
+    """Has the worker time its next ``steps`` steps and returns its answer (0: it ends, no answer)."""
+    assert worker.stdin is not None
+    worker.stdin.write(f"{steps}\n")
+    worker.stdin.flush()
+    return read_turn(worker, log) if steps else {}
+
+
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     """Both engines in turns; this tree's figures, the checkout's, and their ratios."""
     from loraserve.models.loader import cache_root
@@ -85,25 +93,19 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             theirs: list[float] = []
             their_phases = dict.fromkeys(PHASES, 0.0)
             ratios: list[float] = []
-            assert worker.stdin is not None
             for round_index in range(args.rounds):
-                mine: list[float] = []
-                other: list[float] = []
-                for turn in (0, 1) if round_index % 2 == 0 else (1, 0):
-                    if turn == 0:  # the checkout first in even rounds
-                        worker.stdin.write(f"{steps_per_round}\n")
-                        worker.stdin.flush()
-                        answer = read_turn(worker, log)
-                        other = answer["seconds"]
-                        for phase, seconds in answer["phases"].items():
-                            their_phases[phase] += seconds
-                    else:
-                        mine = bench.time(steps_per_round)
-                theirs += other
+                if round_index % 2 == 0:  # the checkout goes first in even rounds
+                    answer = ask_turn(worker, log, steps_per_round)
+                    mine = bench.time(steps_per_round)
+                else:
+                    mine = bench.time(steps_per_round)
+                    answer = ask_turn(worker, log, steps_per_round)
+                for phase, seconds in answer["phases"].items():
+                    their_phases[phase] += seconds
+                theirs += answer["seconds"]
                 ours += mine
-                ratios.append(statistics.median(other) / statistics.median(mine))
-            worker.stdin.write("0\n")
-            worker.stdin.flush()
+                ratios.append(statistics.median(answer["seconds"]) / statistics.median(mine))
+            ask_turn(worker, log, 0)  # ends the worker
             worker.wait(120)
             bench.finish()
         finally:

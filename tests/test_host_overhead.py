@@ -51,3 +51,9 @@ def test_against_refuses_what_is_not_a_checkout(tmp_path: Path) -> None:
     done = run_benchmark("--against", str(tmp_path))
     assert done.returncode == 2
     assert "not a checkout of loraserve" in done.stderr
+
+
+def test_rounds_without_against_is_refused() -> None:
+    done = run_benchmark("--rounds", "4")
+    assert done.returncode == 2
+    assert "--rounds sets the turns of --against" in done.stderr
