@@ -4,18 +4,25 @@ Nothing is downloaded: the models are random weights of real shapes, with the de
 model's tokenizer (``--tokenizer``). Each part prints what it measured and the script goes
 on when one fails; ``--out`` also gets a JSON of every figure.
 
-1. ``tests``: the Triton kernel and engine tests, compiled on the GPU (pytest).
-2. ``exact``: greedy tokens of loraserve (``triton`` and ``torch`` kernels, float32) against
-   Hugging Face + PEFT one request at a time, on a SmolLM2-135M-shaped model with 4 adapters
-   (ranks 8-64, all projections) and prompts of 5 to 1,100 tokens.
-3. ``attention``: paged decode attention, Triton against the torch reference (``do_bench``).
-4. ``kernels``: the one-launch paged attention against SDPA on a contiguous cache (decode,
+1. ``tests``: the Triton kernel and engine tests, compiled on the GPU (pytest, with
+   pytest-xdist's workers where it is installed).
+2. ``kernels``: the one-launch paged attention against SDPA on a contiguous cache (decode,
    split-KV, a mixed step) and the per-token-slot LoRA against a dense matmul of the same rank.
-5. ``throughput``: a Llama-3.2-1B-shaped model in bfloat16: loraserve without adapters and with
+3. ``throughput``: a Llama-3.2-1B-shaped model in bfloat16: loraserve without adapters and with
    ``--adapters`` adapters round robin (``triton`` kernels with decode CUDA graphs, then eager,
    then the ``torch`` references; Triton compilations during each timed run; ms per step of a
    full decode batch), against ``generate`` at batch 1 and a padded static batch, and PEFT's
-   mixed-adapter batch.
+   mixed-adapter batch (those three over ``--baseline-tokens`` new tokens). Each engine and the
+   baselines are measured apart: one failing leaves the others' figures.
+4. ``exact``: greedy tokens of loraserve (``triton`` and ``torch`` kernels, float32) against
+   Hugging Face + PEFT one request at a time, on a SmolLM2-135M-shaped model with 4 adapters
+   (ranks 8-64, all projections) and prompts of 5 to 1,100 tokens.
+5. ``profile``: cProfile of the engine's host-side step loop.
+6. ``attention``: the decode-only paged attention kernel, Triton against the torch reference.
+7. ``host_overhead``: ``benchmarks.host_overhead`` on the device.
+
+The parts run in this order (what a short GPU slot needs most first); ``results.json`` is
+rewritten after every figure, so a run stopped at its time limit keeps what it measured.
 
 Run: ``python -m benchmarks.gpu --out DIR`` (``--smoke`` for a minute-long CPU dry run of
 the code paths, with tiny shapes, under ``TRITON_INTERPRET=1``).
@@ -74,8 +81,11 @@ def part_tests(args: argparse.Namespace) -> None:
     files = ["tests/test_triton_kernels.py", "tests/test_triton_unified_attention.py", "tests/test_triton_fused.py",
              "tests/test_triton_lora_slots.py", "tests/test_triton_engine.py",
              "tests/test_decode_graphs.py"]  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT,
-                         capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
+    import importlib.util
+
+    workers = ["-n", str(args.test_workers)] if args.test_workers > 1 and importlib.util.find_spec("xdist") else []
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *files],
+                         cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
     log(run.stdout[-4000:] + run.stderr[-2000:])
     record("tests", {"returncode": run.returncode, "summary": run.stdout.strip().splitlines()[-1:]})
 
@@ -167,6 +177,7 @@ def part_kernels(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     import triton.testing
     from loraserve.kernels import triton_lora_slots, triton_unified_attention
+    from loraserve.kernels.lora import sort_by_slot
 
     dev, bf16 = args.device, torch.bfloat16
     heads, kv_heads, head_dim, block = 32, 8, 64, 16
@@ -234,16 +245,19 @@ def part_kernels(args: argparse.Namespace) -> None:
     x = torch.randn(tokens, hidden, device=dev, dtype=bf16)
     outputs = tuple(torch.zeros(tokens, out, device=dev, dtype=bf16) for out in outs)
     scales = torch.ones(32, 3, device=dev)
-    slot_args = (x, outputs, weights, token_slots, page_tables.to(dev), meta.to(dev), scales)
+    grouping = sort_by_slot(token_slots, 32)  # once per step in the engine, for all its layers
+    slot_args = (x, outputs, weights, token_slots, page_tables.to(dev), meta.to(dev), scales, grouping)
     t_slots = bench(partial(triton_lora_slots.lora_slots, *slot_args))
+    t_grouping = bench(partial(sort_by_slot, token_slots, 32))
     mean_rank = sum(ranks) // len(ranks)
     dense_a = torch.randn(3 * mean_rank, hidden, device=dev, dtype=bf16)
     dense_b = torch.randn(sum(outs), mean_rank, device=dev, dtype=bf16)
     t_dense = bench(lambda: (x @ dense_a.T)[:, :mean_rank] @ dense_b.T)
     rows["lora slots"] = {"tokens": tokens, "adapters": 32, "slots_ms": t_slots, "dense_same_rank_ms": t_dense,
-                          "ratio": t_slots / t_dense if t_dense else None}  # fmt: skip
-    log(f"LoRA by slot, {tokens} tokens x 32 adapters (ranks 8-64): {t_slots:.3f} ms; one dense shrink+expand "
-        f"of rank {mean_rank}: {t_dense:.3f} ms")  # fmt: skip
+                          "ratio": t_slots / t_dense if t_dense else None, "grouping_ms": t_grouping}  # fmt: skip
+    log(f"LoRA by slot, {tokens} tokens x 32 adapters (ranks 8-64, interleaved): {t_slots:.3f} ms; one dense "
+        f"shrink+expand of rank {mean_rank}: {t_dense:.3f} ms; grouping the tokens by slot (once per step) "
+        f"{t_grouping:.3f} ms")  # fmt: skip
     record("kernels", rows)
 
 
@@ -282,12 +296,13 @@ def timed_generate(llm: Any, prompts: list[list[int]], names: list[str] | None, 
     from loraserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    llm.generate(
-        prompts[:4],
-        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-        adapters=names[:4] if names else None,
-        use_tqdm=False,
-    )  # fmt: skip  -- warm-up: compiles the kernels
+    # Warm-up: compiles the kernels and makes every adapter resident (a request of each), so the
+    # timed run serves resident adapters rather than reading their files.
+    warm = list(dict.fromkeys(names)) if names else [None] * 4
+    warm_names = None if names is None else [name for name in warm if name is not None]
+    llm.generate([prompts[i % len(prompts)] for i in range(len(warm))],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), adapters=warm_names,
+                 use_tqdm=False)  # fmt: skip
     synchronize()
     start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, adapters=names, use_tqdm=False)
@@ -345,9 +360,17 @@ def part_throughput(args: argparse.Namespace) -> None:
         del llm
         free_gpu_cache()
 
+    def guarded(run: Callable[[], None], what: str) -> None:  # one failing engine leaves the others measured
+        try:
+            run()
+        except Exception:
+            log(f"throughput, {what} FAILED:\n{traceback.format_exc()}")
+            results[f"{what} error"] = traceback.format_exc()[-2000:]
+            free_gpu_cache()
+
     runs = [("no adapters", None), (f"{args.adapters} adapters", names)]
-    engine_runs("triton", runs)
-    engine_runs("triton", runs, enforce_eager=True)
+    guarded(lambda: engine_runs("triton", runs), "triton with graphs")
+    guarded(lambda: engine_runs("triton", runs, enforce_eager=True), "triton eager")
 
     def hf_generate(model: Any, batch: list[list[int]], adapter_names: list[str] | None) -> int:
         width = max(map(len, batch))
@@ -356,8 +379,9 @@ def part_throughput(args: argparse.Namespace) -> None:
         for row, prompt in enumerate(batch):  # left padding
             ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
         extra = {"adapter_names": adapter_names} if adapter_names else {}
-        out = model.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=0, **extra)  # fmt: skip
+        out = model.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
+                             max_new_tokens=baseline_new, min_new_tokens=baseline_new, do_sample=False, pad_token_id=0,
+                             **extra)  # fmt: skip
         return (out.shape[1] - width) * len(batch)
 
     def measure(key: str, fn: Callable[[], int]) -> None:
@@ -370,18 +394,28 @@ def part_throughput(args: argparse.Namespace) -> None:
         log(f"{key}: {results[key]}")
         record("throughput", results)
 
-    batch = min(args.hf_batch, args.requests)
-    with torch.inference_mode():
-        hf_generate(hf, prompts[:1], None)  # warm-up
-        measure("HF generate batch 1 (first 4 requests)", lambda: sum(hf_generate(hf, [p], None) for p in prompts[:4]))
-        measure(f"HF generate padded batch {batch}", lambda: hf_generate(hf, prompts[:batch], None))
-        peft: Any = PeftModel.from_pretrained(hf, str(adapters[0][1]), adapter_name=adapters[0][0])
-        for name, path in adapters[1:]:
-            peft.load_adapter(str(path), adapter_name=name)
-        peft.eval()
-        measure(f"PEFT mixed-adapter batch {batch}", lambda: hf_generate(peft, prompts[:batch], names[:batch]))
-    peft = hf = None  # frees their GPU memory before the next engine
-    engine_runs("torch", [(f"{args.adapters} adapters", names)])
+    batch, baseline_new = min(args.hf_batch, args.requests), args.baseline_tokens
+
+    def baselines() -> None:
+        with torch.inference_mode():
+            hf_generate(hf, prompts[:1], None)  # warm-up
+            measure(f"HF generate batch 1 (first 4 requests, {baseline_new} new tokens)",
+                    lambda: sum(hf_generate(hf, [p], None) for p in prompts[:4]))  # fmt: skip
+            measure(f"HF generate padded batch {batch} ({baseline_new} new tokens)",
+                    lambda: hf_generate(hf, prompts[:batch], None))  # fmt: skip
+            peft: Any = PeftModel.from_pretrained(hf, str(adapters[0][1]), adapter_name=adapters[0][0])
+            for name, path in adapters[1:]:
+                peft.load_adapter(str(path), adapter_name=name)
+            peft.eval()
+            measure(f"PEFT mixed-adapter batch {batch} ({baseline_new} new tokens)",
+                    lambda: hf_generate(peft, prompts[:batch], names[:batch]))  # fmt: skip
+
+    if args.baselines:
+        guarded(baselines, "HF and PEFT baselines")
+    hf = None  # frees its GPU memory before the next engine
+    free_gpu_cache()
+    if args.torch_references:
+        guarded(lambda: engine_runs("torch", [(f"{args.adapters} adapters", names)]), "torch references")
 
 
 def part_profile(args: argparse.Namespace) -> None:
@@ -429,13 +463,13 @@ def part_host_overhead(args: argparse.Namespace) -> None:
         record(f"host_overhead_{kernels}", result)
 
 
-PARTS: dict[str, Callable[[argparse.Namespace], None]] = {
+PARTS: dict[str, Callable[[argparse.Namespace], None]] = {  # in order of what a short GPU slot needs most
     "tests": part_tests,
-    "exact": part_exact,
-    "attention": part_attention,
     "kernels": part_kernels,
     "throughput": part_throughput,
+    "exact": part_exact,
     "profile": part_profile,
+    "attention": part_attention,
     "host_overhead": part_host_overhead,
 }
 
@@ -457,12 +491,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, default=64)
+    parser.add_argument("--baseline-tokens", type=int, default=32, help="new tokens per HF/PEFT request (tok/s)")
+    parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
+                        help="throughput also of HF generate and PEFT's mixed-adapter batch")  # fmt: skip
+    parser.add_argument("--torch-references", action=argparse.BooleanOptionalAction, default=True,
+                        help="throughput also of the engine on its torch reference kernels")  # fmt: skip
+    parser.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers for the tests part")
     parser.add_argument("--pool-mb", type=int, default=24000)
-    parser.add_argument("--timeout", type=int, default=300, help="seconds for the tests part")
+    parser.add_argument("--timeout", type=int, default=180, help="seconds for the tests part")
     args = parser.parse_args(argv)
     if args.smoke:
         args.requests, args.adapters, args.max_tokens, args.min_prompt, args.max_prompt = 6, 3, 4, 8, 24
         args.hf_batch, args.pool_mb, args.max_num_seqs, args.exact_tokens = 3, 256, 8, 6
+        args.baseline_tokens = 4
     return args
 
 

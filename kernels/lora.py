@@ -17,6 +17,7 @@ reference that every implementation (and the GPU kernels) is tested against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -90,3 +91,24 @@ def lora_reference(
         v = x[t].float() @ lora_a[index].float().T  # [rank]
         delta[t] = scales[index] * (v @ lora_b[index].float().T)
     return delta
+
+
+SLOT_TILE = 16  # tokens per tile of the slot kernel (kernels/triton_lora_slots.py)
+
+
+@dataclass(frozen=True)
+class SlotGrouping:
+    """The step's tokens grouped by adapter slot (device tensors, made by ``sort_by_slot``)."""
+
+    order: torch.Tensor  # [num_tokens] int64: token indices, sorted by slot (slot -1 first)
+    starts: torch.Tensor  # [num_slots + 1] int64: slot s's tokens are order[starts[s] : starts[s + 1]]
+    tile_ends: torch.Tensor  # [num_slots] int64: cumulative count of SLOT_TILE-token tiles, slot by slot
+
+
+def sort_by_slot(token_slots: torch.Tensor, num_slots: int) -> SlotGrouping:
+    """Group tokens by slot on the device: no host copy, fixed shapes (a CUDA graph records it)."""
+    sorted_slots, order = torch.sort(token_slots, stable=True)  # [num_tokens] each
+    bounds = torch.arange(num_slots + 1, device=token_slots.device)  # [num_slots + 1]
+    starts = torch.searchsorted(sorted_slots, bounds)  # first sorted position of each slot
+    tiles = torch.div(starts[1:] - starts[:-1] + SLOT_TILE - 1, SLOT_TILE, rounding_mode="floor")  # [num_slots]
+    return SlotGrouping(order, starts, torch.cumsum(tiles, 0))

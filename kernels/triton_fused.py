@@ -161,7 +161,7 @@ def _rope_heads(
     return new_lo, new_hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _rope_write_kv_kernel(
     query_ptr,
     key_ptr,

@@ -40,7 +40,7 @@ from loraserve.kernels.page_checks import check_range
 from loraserve.kernels.triton_attention import runs_interpreted
 
 BLOCK_T = 16  # tokens per tile (tl.dot needs at least 16)
-SHRINK_BLOCK_R, SHRINK_BLOCK_K = 32, 64
+SHRINK_BLOCK_R, SHRINK_BLOCK_K = 32, 128
 EXPAND_BLOCK_N, EXPAND_BLOCK_R = 64, 16
 # The segment metadata layout (kernels/lora.py: SegmentMeta), as constants the kernels can read.
 META_A_OFFSET = tl.constexpr(SegmentMeta.A_OFFSET)
@@ -67,7 +67,7 @@ def _dot(lhs, rhs, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     return tl.dot(lhs, rhs, acc, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["bounds_ptr", "page_tables_ptr", "meta_ptr"])
 def _shrink_kernel(
     x_ptr,
     v_ptr,
@@ -118,7 +118,7 @@ def _shrink_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["bounds_ptr", "page_tables_ptr", "meta_ptr", "scales_ptr"])
 def _expand_kernel(
     v_ptr,
     out0_ptr,

@@ -1,5 +1,5 @@
-"""LoRA by per-token adapter slot, read straight from pool pages (BGMV-style): the kernel of
-graph-captured decode steps, whose launch never depends on the step's adapters or ranks.
+"""LoRA by per-token adapter slot, read straight from pool pages: the kernel of graph-captured
+decode steps, whose launch never depends on the step's adapters or ranks.
 
 Semantics, identical to ``lora.lora_reference`` per module: for token ``t`` with adapter slot
 ``s = token_slots[t]`` (``-1``: the base model, nothing added) and each module ``m`` of the
@@ -7,14 +7,21 @@ layer's input group that slot ``s``'s adapter adapts (rank ``r_m > 0``),
 
     out_m[t, :] += scale_m,s * (x[t] @ A_m,s^T) @ Bt_m,s      A_m,s = stacked A rows c_m .. c_m + r_m
 
-The rank loop runs inside the kernel (``BLOCK_R`` rank rows at a time: their shrink over the
-input, then their expand into this program's output columns), so there is no maximum rank and
-nothing is padded; the grid, ``(num_tokens, num_modules * N_SPLIT)``, depends only on the
-batch's (padded) size and the group's shapes. A slot's weights are found element by element
-through its page table (``weights[page_table[e // page_elems], e % page_elems]`` for element
-``e`` of the adapter's flat layer buffer, ``lora/layout.py``), wherever its pages are.
+Tokens are grouped by slot on the device first (``sort_by_slot``: a stable sort, each slot's
+range of the sorted order, its tiles of ``BLOCK_T`` tokens), so a program takes up to ``BLOCK_T``
+tokens of one adapter and both products are ``tl.dot`` s: an adapter's weights are read once per
+tile of its tokens, not once per token (Punica's SGMV, with the grouping done in the graph). The
+grid, ``(num_tokens / BLOCK_T + num_slots, num_modules * N_SPLIT)``, is an upper bound on the
+tiles of any grouping; a program finds its slot by binary search over the slots' tile counts and
+returns when it has none, so the launch depends only on the batch's (padded) size and the group's
+shapes. The rank loop runs inside the kernel (``BLOCK_R`` rank rows at a time: their shrink over
+the input, then their expand into this program's output columns), so there is no maximum rank and
+nothing is padded. A slot's weights are found element by element through its page table
+(``weights[page_table[e // page_elems], e % page_elems]`` for element ``e`` of the adapter's flat
+layer buffer, ``lora/layout.py``), wherever its pages are.
 
-Arguments (``x``, ``outputs`` and ``weights`` share one float dtype; float32 accumulation):
+Arguments (``x``, ``outputs`` and ``weights`` share one float dtype; float32 accumulation, the
+shrink's result rounded to that dtype before the expand, as the segment kernels do):
 
 * ``x``            ``[num_tokens, in_features]`` row-major
 * ``outputs``      1-3 tensors ``[num_tokens, out_features_m]``, updated in place
@@ -24,11 +31,12 @@ Arguments (``x``, ``outputs`` and ``weights`` share one float dtype; float32 acc
 * ``meta``         ``[num_slots, 14]`` int64, ``kernels/lora.py: SegmentMeta`` per slot (this layer
                    and group; rank 0: module not adapted)
 * ``scales``       ``[num_slots, num_modules]`` float32
+* ``grouping``     ``sort_by_slot(token_slots, num_slots)``, computed once per step (optional)
 
 Each program owns the output columns ``n`` with ``n // BLOCK_N ≡ split (mod N_SPLIT)`` of one
-module for one token: no two programs write the same element (no atomics). The shrink of a
-rank tile is recomputed by the ``N_SPLIT`` programs of a module, which keeps decode steps of
-few tokens parallel; for the small ranks of LoRA this costs less than a round trip through memory.
+module for its tokens: no two programs write the same element (no atomics). The shrink of a
+rank tile is recomputed by the ``N_SPLIT`` programs of a module, which keeps steps of few
+tokens parallel; for the small ranks of LoRA this costs less than a round trip through memory.
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraserve.kernels.lora import SLOT_TILE, SlotGrouping, sort_by_slot
 from loraserve.kernels.page_checks import check_range
+from loraserve.kernels.triton_attention import runs_interpreted
 from loraserve.kernels.triton_lora import (
     META_A_OFFSET,
     META_B_OFFSET,
@@ -45,27 +55,56 @@ from loraserve.kernels.triton_lora import (
     META_MODULE_STRIDE,
     META_OUT_FEATURES,
     META_RANK,
+    _dot,
     _load_from_pages,
     check_arguments,
 )
 
-BLOCK_R = 16  # rank rows per step of the rank loop
+BLOCK_T = SLOT_TILE  # tokens of one slot per program (tl.dot needs at least 16 rows)
+BLOCK_R = 64  # rank rows per step of the rank loop (one step up to rank 64: the loop is latency-bound)
 BLOCK_K = 128  # input columns per step of the shrink
-BLOCK_N = 128  # output columns per step of the expand
-MAX_SPLIT = 4  # programs per (token, module), each taking every MAX_SPLIT-th column tile
+BLOCK_N = 64  # output columns per step of the expand
+MAX_SPLIT = 8  # programs per (token tile, module), each taking every MAX_SPLIT-th column tile
 
 
 @triton.jit
+def _find_slot(tile_ends_ptr, num_slots, tile):
+    """The first slot ``s`` with ``tile_ends[s] > tile`` (binary search); ``num_slots`` if none."""
+    low = 0
+    high = num_slots
+    while low < high:
+        mid = (low + high) // 2
+        if tl.load(tile_ends_ptr + mid) <= tile:
+            low = mid + 1
+        else:
+            high = mid
+    return low
+
+
+@triton.jit(
+    do_not_specialize=["num_slots"],
+    do_not_specialize_on_alignment=[
+        "order_ptr",
+        "starts_ptr",
+        "tile_ends_ptr",
+        "page_tables_ptr",
+        "meta_ptr",
+        "scales_ptr",
+    ],
+)
 def _lora_slots_kernel(
     x_ptr,
     out0_ptr,
     out1_ptr,
     out2_ptr,
     weights_ptr,
-    token_slots_ptr,
+    order_ptr,
+    starts_ptr,
+    tile_ends_ptr,
     page_tables_ptr,
     meta_ptr,
     scales_ptr,
+    num_slots,
     in_features,
     stride_x,
     stride_out0,
@@ -76,15 +115,23 @@ def _lora_slots_kernel(
     stride_scales,
     PAGE_ELEMS: tl.constexpr,
     N_SPLIT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    tile_index = tl.program_id(0)
     module = tl.program_id(1) // N_SPLIT
     split = tl.program_id(1) % N_SPLIT
-    slot = tl.load(token_slots_ptr + token)
-    if slot >= 0:
+    slot = _find_slot(tile_ends_ptr, num_slots, tile_index)
+    if slot < num_slots:
+        first_tile = tl.load(tile_ends_ptr + slot - 1, mask=slot > 0, other=0)  # tiles of the slots before
+        slot_end = tl.load(starts_ptr + slot + 1)
+        positions = tl.load(starts_ptr + slot) + (tile_index - first_tile) * BLOCK_T + tl.arange(0, BLOCK_T)
+        token_mask = positions < slot_end  # [BLOCK_T]
+        tokens = tl.load(order_ptr + positions, mask=token_mask, other=0)  # [BLOCK_T]
         slot_meta = meta_ptr + slot * stride_meta
         module_meta = slot_meta + META_MODULE_BASE + META_MODULE_STRIDE * module
         a_offset = tl.load(slot_meta + META_A_OFFSET)
@@ -95,32 +142,38 @@ def _lora_slots_kernel(
         scale = tl.load(scales_ptr + slot * stride_scales + module)
         table = page_tables_ptr + slot * stride_table
         if module == 0:
-            out_row = out0_ptr + token * stride_out0
+            out_rows = out0_ptr + tokens * stride_out0
         elif module == 1:
-            out_row = out1_ptr + token * stride_out1
+            out_rows = out1_ptr + tokens * stride_out1
         else:
-            out_row = out2_ptr + token * stride_out2
+            out_rows = out2_ptr + tokens * stride_out2
         num_col_tiles = tl.cdiv(out_features, BLOCK_N)
         for r in range(0, rank, BLOCK_R):
             ranks = r + tl.arange(0, BLOCK_R)  # [BLOCK_R]
             rank_mask = ranks < rank
-            v = tl.zeros((BLOCK_R,), tl.float32)
+            v = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
             for k in range(0, in_features, BLOCK_K):
                 cols = k + tl.arange(0, BLOCK_K)  # [BLOCK_K]
                 col_mask = cols < in_features
-                x = tl.load(x_ptr + token * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
+                x = tl.load(
+                    x_ptr + tokens[:, None] * stride_x + cols[None, :],
+                    mask=token_mask[:, None] & col_mask[None, :],
+                    other=0.0,
+                )  # [BLOCK_T, BLOCK_K]
                 elems = a_offset + (column + ranks[:, None]) * in_features + cols[None, :]  # [BLOCK_R, BLOCK_K]
                 a = _load_from_pages(weights_ptr, table, elems, rank_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
-                v += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-            v = v * scale
+                v = _dot(x, tl.trans(a), v, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_R]
+            v_low = (v * scale).to(x_ptr.dtype.element_ty)
             for tile in range(split, num_col_tiles, N_SPLIT):
                 outs = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-                out_mask = outs < out_features
+                out_mask = token_mask[:, None] & (outs < out_features)[None, :]
                 elems = b_offset + ranks[:, None] * out_features + outs[None, :]  # [BLOCK_R, BLOCK_N]
-                b = _load_from_pages(weights_ptr, table, elems, rank_mask[:, None] & out_mask[None, :], PAGE_ELEMS)
-                delta = tl.sum(v[:, None] * b.to(tl.float32), axis=0)  # [BLOCK_N]
-                old = tl.load(out_row + outs, mask=out_mask, other=0.0).to(tl.float32)
-                tl.store(out_row + outs, (old + delta).to(out0_ptr.dtype.element_ty), mask=out_mask)
+                b_mask = rank_mask[:, None] & (outs < out_features)[None, :]
+                b = _load_from_pages(weights_ptr, table, elems, b_mask, PAGE_ELEMS)
+                delta = _dot(v_low, b, tl.zeros((BLOCK_T, BLOCK_N), tl.float32), PRECISION, DOT_FP32)
+                out_ptrs = out_rows[:, None] + outs[None, :]  # [BLOCK_T, BLOCK_N]
+                old = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+                tl.store(out_ptrs, (old + delta).to(out0_ptr.dtype.element_ty), mask=out_mask)
 
 
 def num_splits(outputs: tuple[torch.Tensor, ...]) -> int:
@@ -136,25 +189,33 @@ def lora_slots(
     page_tables: torch.Tensor,  # [num_slots, max_pages] int64
     meta: torch.Tensor,  # [num_slots, 14] int64
     scales: torch.Tensor,  # [num_slots, num_modules] float32
+    grouping: SlotGrouping | None = None,
 ) -> None:
     """Add each token's adapter delta to ``outputs`` (see the module docstring)."""
     check_arguments("lora_slots", x, outputs, weights, page_tables)
-    num_tokens = x.shape[0]
+    num_tokens, num_slots = x.shape[0], page_tables.shape[0]
     if num_tokens == 0:
         return
-    check_range("lora_slots token_slots", token_slots, -1, page_tables.shape[0])
+    check_range("lora_slots token_slots", token_slots, -1, num_slots)
+    grouping = grouping if grouping is not None else sort_by_slot(token_slots, num_slots)
+    # Triton's interpreter (3.9) multiplies 16-bit dots wrongly: there they run in float32.
+    dot_fp32 = x.dtype != torch.float32 and runs_interpreted()
     split = num_splits(outputs)
     padded = (*outputs, *(outputs[0],) * (3 - len(outputs)))  # absent modules: no program runs them
-    _lora_slots_kernel[(num_tokens, len(outputs) * split)](
+    grid = (triton.cdiv(num_tokens, BLOCK_T) + min(num_tokens, num_slots), len(outputs) * split)
+    _lora_slots_kernel[grid](
         x,
         padded[0],
         padded[1],
         padded[2],
         weights,
-        token_slots,
+        grouping.order,
+        grouping.starts,
+        grouping.tile_ends,
         page_tables,
         meta,
         scales,
+        num_slots,
         x.shape[1],
         x.stride(0),
         padded[0].stride(0),
@@ -165,7 +226,10 @@ def lora_slots(
         scales.stride(0),
         PAGE_ELEMS=weights.shape[1],
         N_SPLIT=split,
+        BLOCK_T=BLOCK_T,
         BLOCK_R=BLOCK_R,
         BLOCK_K=BLOCK_K,
         BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32",
+        DOT_FP32=dot_fp32,
     )

@@ -68,7 +68,10 @@ def _find_sequence(query_starts_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     return low - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])
+@triton.jit(
+    do_not_specialize=["num_seqs", "stride_table_seq"],
+    do_not_specialize_on_alignment=["query_starts_ptr", "seq_lens_ptr", "block_tables_ptr"],
+)
 def _unified_attention_kernel(
     query_ptr,
     kv_ptr,
@@ -181,7 +184,7 @@ def _unified_attention_kernel(
         tl.store(partial_out_ptr + stat[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["query_starts_ptr"])
 def _merge_splits_kernel(
     partial_out_ptr,
     partial_max_ptr,

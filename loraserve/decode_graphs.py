@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from loraserve.forward_batch import ForwardBatch
+from loraserve.kernels.lora import sort_by_slot
 from loraserve.kernels.triton_compilations import compiled_variants
 from loraserve.lora.batch import LoRABatch
 from loraserve.lora.slots import AdapterSlots
@@ -113,7 +114,9 @@ class DecodeGraphs:
         b = self.buffers
         lora = None
         if with_lora:
-            lora = LoRABatch((), {}, token_slots=b.token_slots[:size], slots=self.slots.tables)
+            token_slots = b.token_slots[:size]
+            grouping = sort_by_slot(token_slots, self.slots.num_slots)  # in the graph: replayed every step
+            lora = LoRABatch((), {}, token_slots=token_slots, slots=self.slots.tables, slot_grouping=grouping)
         return ForwardBatch(
             input_ids=b.input_ids[:size],
             positions=b.positions[:size],
@@ -165,17 +168,19 @@ class DecodeGraphs:
         with_lora = batch.lora is not None
         if batch.lora is not None and batch.lora.token_slots is None:
             return None  # adapters without slots (not expected from the runner): run eagerly
+        if self.capture and self.slots.generation != self._generation:  # the slot tables were reallocated
+            logger.info("adapter slot tables grew: capturing the decode graphs again")
+            self._graphs.clear()  # their memory pool goes with the last of them: captures start a new one
+            self._outputs.clear()
+            self._pool = None
+            self._generation = self.slots.generation
+            self.warm_up()  # every size now, not one by one in later steps (it overwrites the buffers)
         self.fill(batch, size)
         self.num_steps += 1
         if self.num_steps % CHECK_COMPILATIONS_EVERY == 0:
             self.check_compilations()
         if not self.capture:
             return self.forward(size, with_lora).index_select(0, batch.logits_indices)
-        if self.slots.generation != self._generation:  # the slot tables were reallocated
-            logger.info("adapter slot tables grew: capturing the decode graphs again")
-            self._graphs.clear()
-            self._outputs.clear()
-            self._generation = self.slots.generation
         key = (size, with_lora)
         if key not in self._graphs:
             self._capture(key)

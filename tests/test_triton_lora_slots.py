@@ -31,27 +31,32 @@ def slot_kernel(
     scales: torch.Tensor,  # [L, G, S, 3]
     reverse_slots: bool = False,
     dtype: torch.dtype = torch.float32,
+    shuffle: bool = False,
 ) -> None:
     """``kernel_cases.SegmentsKernel`` over ``lora_slots``: segment ``s``'s adapter sits in slot ``s``
-    (or, ``reverse_slots``, in slot ``S - 1 - s``), its tokens point at that slot."""
+    (or, ``reverse_slots``, in slot ``S - 1 - s``), its tokens point at that slot; ``shuffle``
+    permutes the tokens first (as a decode batch has them: one adapter's tokens interleaved with
+    others'), and back after."""
     num_segments = bounds.shape[0]
     order = list(reversed(range(num_segments))) if reverse_slots else list(range(num_segments))
     token_slots = torch.full((x.shape[0],), -1, dtype=torch.long)
     for s, (start, end, _, _) in enumerate(bounds.tolist()):
         token_slots[start:end] = order[s]
     inverse = torch.tensor(order).argsort()  # slot -> segment
-    on_device = tuple(out.to(DEVICE, dtype) for out in outputs)
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(7)) if shuffle else None
+    rows = perm if perm is not None else torch.arange(x.shape[0])
+    on_device = tuple(out[rows].to(DEVICE, dtype) for out in outputs)
     slots_kernel.lora_slots(
-        x.to(DEVICE, dtype),
+        x[rows].to(DEVICE, dtype),
         on_device,
         storage[layer].to(DEVICE, dtype),
-        token_slots.to(DEVICE),
+        token_slots[rows].to(DEVICE),
         page_tables[inverse].contiguous().to(DEVICE),
         meta[layer, group][inverse].contiguous().to(DEVICE),
         scales[layer, group][inverse].contiguous().to(DEVICE),
     )
     for out, result in zip(outputs, on_device, strict=True):
-        out.copy_(result.float().cpu())
+        out[rows] = result.float().cpu()
 
 
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
@@ -111,3 +116,23 @@ def test_any_rank_crossing_rank_tiles_and_pages(rank: int) -> None:
     expected = 0.5 * (x @ a.T) @ bt
     expected[1] = 0
     torch.testing.assert_close(on_device[0].cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "distinct", "with-base"])
+def test_tokens_of_a_slot_interleaved_with_others(pattern: str) -> None:
+    """A decode batch's order: each adapter's tokens scattered among the others' (and the base's)."""
+    indices = POPULARITY[pattern](random.Random(pattern))
+    shuffled = functools.partial(slot_kernel, shuffle=True)
+    run_segments(shuffled, indices, seed=3, scattered=True, layer=1)
+
+
+def test_sort_by_slot_groups_tokens_and_counts_tiles() -> None:
+    from loraserve.kernels.lora import SLOT_TILE, sort_by_slot
+
+    token_slots = torch.tensor([2, -1, 0, 2, 2, -1, 0] + [1] * (SLOT_TILE + 1))
+    grouping = sort_by_slot(token_slots, num_slots=4)
+    assert grouping.order[:2].tolist() == [1, 5]  # base-model tokens first, in their order
+    assert grouping.order[2:4].tolist() == [2, 6]  # slot 0, stable
+    assert grouping.order[-3:].tolist() == [0, 3, 4]  # slot 2; slot 3 has none
+    assert grouping.starts.tolist() == [2, 4, 4 + SLOT_TILE + 1, 4 + SLOT_TILE + 4, 4 + SLOT_TILE + 4]
+    assert grouping.tile_ends.tolist() == [1, 3, 4, 4]  # slot 1's 17 tokens take two tiles

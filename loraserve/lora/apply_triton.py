@@ -59,6 +59,7 @@ class TritonLoRAApplier(PerBatchLoRAHook[TritonSegments]):
             tables.page_tables,
             tables.meta[layer, g],
             tables.scales[layer, g],
+            lora.slot_grouping,
         )
 
     def __init__(self, storage: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from loraserve.adapters import LoRAAdapter
 from loraserve.lora.layout import AdapterLayout
 
 if TYPE_CHECKING:
+    from loraserve.kernels.lora import SlotGrouping
     from loraserve.lora.slots import SlotTables
 
 
@@ -55,6 +56,7 @@ class LoRABatch:
     adapters: Mapping[str, AdapterPages]  # every adapter of ``segments``
     token_slots: torch.Tensor | None = None  # [num_tokens] int64, -1: base model
     slots: SlotTables | None = None
+    slot_grouping: SlotGrouping | None = None  # the tokens grouped by slot, once per step (on the device)
     # The LoRA hook's data for this step, built by the runner from the step's one upload (a hook
     # with ``upload_parts``, the Triton one); None: the hook prepares it in the forward.
     prepared: Any = None
