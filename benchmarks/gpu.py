@@ -354,6 +354,12 @@ def part_throughput(args: argparse.Namespace) -> None:
             log(f"{key}: {results[key]}")
             record("throughput", results)
         graphs = llm.engine.runner.decode_graphs
+        if graphs is not None and graphs.capture:  # the GPU time alone of a full decode step
+            for label, request_adapters in runs:
+                key = f"loraserve[{kernels}{mode}] decode step GPU time (graph replay), {label}"
+                results[key] = {"ms": graphs.replay_ms(args.max_num_seqs, request_adapters is not None)}
+                log(f"{key}: {results[key]}")
+                record("throughput", results)
         if graphs is not None:
             results[f"loraserve[{kernels}{mode}] graphs"] = {"captures": graphs.num_captures,
                                                              "replays": graphs.num_replays}  # fmt: skip

@@ -224,6 +224,21 @@ class DecodeGraphs:
             self._compiled_at_warm_up,
         )
 
+    def replay_ms(self, size: int, with_lora: bool, repeats: int = 20) -> float | None:
+        """GPU milliseconds of one replay of a captured graph over the buffers as the last step
+        left them (it rewrites that step's KV with the same values), or None if not captured."""
+        graph = self._graphs.get((size, with_lora))
+        if graph is None:
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()  # warm
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+
     def check_compilations(self) -> int:
         """Triton compilations since the warm-up (logged when they grow; 0 in steady state)."""
         if self._compiled_at_warm_up is None:
