@@ -40,7 +40,7 @@ from loraserve.kernels.page_checks import check_range
 from loraserve.kernels.triton_attention import runs_interpreted
 
 BLOCK_T = 16  # tokens per tile (tl.dot needs at least 16)
-SHRINK_BLOCK_R, SHRINK_BLOCK_K = 32, 128
+SHRINK_BLOCK_R, SHRINK_BLOCK_K = 32, 64
 EXPAND_BLOCK_N, EXPAND_BLOCK_R = 64, 16
 # The segment metadata layout (kernels/lora.py: SegmentMeta), as constants the kernels can read.
 META_A_OFFSET = tl.constexpr(SegmentMeta.A_OFFSET)

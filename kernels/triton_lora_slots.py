@@ -61,8 +61,8 @@ from loraserve.kernels.triton_lora import (
 )
 
 BLOCK_T = SLOT_TILE  # tokens of one slot per program (tl.dot needs at least 16 rows)
-BLOCK_R = 64  # rank rows per step of the rank loop (one step up to rank 64: the loop is latency-bound)
-BLOCK_K = 128  # input columns per step of the shrink
+BLOCK_R = 16  # rank rows per step of the rank loop
+BLOCK_K = 64  # input columns per step of the shrink
 BLOCK_N = 64  # output columns per step of the expand
 MAX_SPLIT = 8  # programs per (token tile, module), each taking every MAX_SPLIT-th column tile
 
