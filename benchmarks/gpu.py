@@ -24,52 +24,28 @@ on when one fails; ``--out`` also gets a JSON of every figure.
 The parts run in this order (what a short GPU slot needs most first); ``results.json`` is
 rewritten after every figure, so a run stopped at its time limit keeps what it measured.
 
-Run: ``python -m benchmarks.gpu --out DIR`` (``--smoke`` for a minute-long CPU dry run of
+Run: ``python -m benchmarks.gpu --out DIR`` (``--smoke`` for a CPU dry run of
 the code paths, with tiny shapes, under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from benchmarks._gpu_report import OUT, free_gpu_cache, log, record
 from benchmarks._random_models import make_adapters, make_model, random_prompts, setup_default_model_dir
 from benchmarks._workload import ROOT
-
-RESULTS: dict[str, Any] = {}
-OUT: list[Path] = []  # where results.json goes (--out), rewritten after every figure
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def free_gpu_cache() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def record(key: str, value: Any) -> None:
-    RESULTS[key] = value
-    if OUT:
-        OUT[0].mkdir(parents=True, exist_ok=True)
-        (OUT[0] / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+from benchmarks.gpu_kernels import part_kernels
+from benchmarks.gpu_throughput import part_throughput
 
 
 def part_tests(args: argparse.Namespace) -> None:
@@ -167,261 +143,6 @@ def part_attention(args: argparse.Namespace) -> None:
         log(f"attention bf16 seqs={num_seqs} ctx={context}: max |triton-ref| {error:.2e}; triton {t_triton:.3f} ms "
             f"({gbps:.0f} GB/s of KV), torch reference {t_torch:.3f} ms")  # fmt: skip
     record("attention", rows)
-
-
-def part_kernels(args: argparse.Namespace) -> None:
-    """The step's kernels against their yardsticks (bf16, ``do_bench`` medians): one-launch paged
-    attention for decode against SDPA on a contiguous cache of the same shape, its split-KV path
-    for few long sequences, a mixed prefill + decode step; the per-token-slot LoRA kernel
-    (ranks 8-64 mixed) against one dense matmul pair of the same total rank."""
-    import torch.nn.functional as F
-    import triton.testing
-    from loraserve.kernels import triton_lora_slots, triton_unified_attention
-    from loraserve.kernels.lora import sort_by_slot
-
-    dev, bf16 = args.device, torch.bfloat16
-    heads, kv_heads, head_dim, block = 32, 8, 64, 16
-    rows: dict[str, Any] = {}
-
-    def bench(fn: Callable[[], Any]) -> float:
-        if args.smoke:  # runs the code path once, times nothing
-            fn()
-            return 0.0
-        return float(triton.testing.do_bench(fn))
-
-    cases = [(4, 40, 1)] if args.smoke else [(256, 512, 1), (64, 1024, 1), (256, 2048, 1), (4, 8192, 1), (4, 8192, 8)]
-    for num_seqs, context, splits in cases:
-        blocks = -(-context // block)
-        num_pages = num_seqs * blocks + 1
-        kv = torch.randn(num_pages, 2, block, kv_heads, head_dim, device=dev, dtype=bf16)
-        tables = torch.randperm(num_pages - 1, device=dev)[: num_seqs * blocks].view(num_seqs, blocks) + 1
-        query = torch.randn(num_seqs, heads, head_dim, device=dev, dtype=bf16)
-        lens = torch.full((num_seqs,), context, device=dev)
-        starts = torch.arange(num_seqs + 1, device=dev)
-        paged = (query, kv, starts, lens, tables, 0.125)
-        keys = torch.randn(num_seqs, kv_heads, context, head_dim, device=dev, dtype=bf16)
-        values = torch.randn_like(keys)
-        q4 = query.unsqueeze(2)  # [num_seqs, heads, 1, head_dim]
-        t_paged = bench(partial(triton_unified_attention.unified_attention, *paged, num_splits=splits))
-        t_sdpa = bench(partial(F.scaled_dot_product_attention, q4, keys, values, enable_gqa=True))
-        key = f"decode seqs={num_seqs} ctx={context} splits={splits}"
-        rows[key] = {"paged_ms": t_paged, "sdpa_contiguous_ms": t_sdpa, "ratio": t_paged / t_sdpa if t_sdpa else None}
-        log(f"attention {key}: unified paged {t_paged:.3f} ms, SDPA contiguous {t_sdpa:.3f} ms")
-    # A mixed step: 192 decode tokens (ctx 512) and 4 prefill chunks of 512 over 256 cached tokens.
-    num_decode, chunks, chunk, cached = (2, 1, 8, 8) if args.smoke else (192, 4, 512, 256)
-    mixed_lens = [512] * num_decode + [cached + chunk] * chunks
-    q_rows = [1] * num_decode + [chunk] * chunks
-    blocks = -(-max(mixed_lens) // block)
-    num_pages = len(mixed_lens) * blocks + 1
-    kv = torch.randn(num_pages, 2, block, kv_heads, head_dim, device=dev, dtype=bf16)
-    tables = torch.randperm(num_pages - 1, device=dev)[: len(mixed_lens) * blocks].view(len(mixed_lens), blocks) + 1
-    query = torch.randn(sum(q_rows), heads, head_dim, device=dev, dtype=bf16)
-    starts = torch.tensor([0, *torch.tensor(q_rows).cumsum(0).tolist()], device=dev)
-    mixed = (query, kv, starts, torch.tensor(mixed_lens, device=dev), tables, 0.125)
-    rows["mixed step"] = {"unified_ms": bench(partial(triton_unified_attention.unified_attention, *mixed))}
-    log(f"attention mixed step ({num_decode} decode + {chunks} x {chunk} prefill): {rows['mixed step']}")
-
-    # LoRA by slot: 256 tokens, 32 adapters of ranks 8-64 (q/k/v-like group of 2048 -> 2048/512/512).
-    tokens, hidden, outs, page_elems = (
-        (8, 64, (64, 16, 16), 256) if args.smoke else (256, 2048, (2048, 512, 512), 2 * block * kv_heads * head_dim)
-    )
-    ranks = [[8, 16, 32, 64][i % 4] for i in range(32)]
-    flat_sizes = [r * 3 * hidden + sum(r * o for o in outs) for r in ranks]
-    pages_each = [-(-size // page_elems) for size in flat_sizes]
-    weights = torch.randn(sum(pages_each) + 1, page_elems, device=dev, dtype=bf16) * 0.01
-    table_width = max(pages_each)
-    page_tables = torch.zeros(32, table_width, dtype=torch.long)
-    meta = torch.zeros(32, 14, dtype=torch.long)
-    first = 1
-    for a, (rank, count) in enumerate(zip(ranks, pages_each, strict=True)):
-        page_tables[a, :count] = torch.arange(first, first + count)
-        first += count
-        meta[a, :2] = torch.tensor([0, 3 * rank])
-        offset = 3 * rank * hidden
-        for m, out in enumerate(outs):
-            meta[a, 2 + 4 * m : 6 + 4 * m] = torch.tensor([m * rank, rank, offset, out])
-            offset += rank * out
-    token_slots = torch.arange(tokens, device=dev) % 32
-    x = torch.randn(tokens, hidden, device=dev, dtype=bf16)
-    outputs = tuple(torch.zeros(tokens, out, device=dev, dtype=bf16) for out in outs)
-    scales = torch.ones(32, 3, device=dev)
-    grouping = sort_by_slot(token_slots, 32)  # once per step in the engine, for all its layers
-    slot_args = (x, outputs, weights, token_slots, page_tables.to(dev), meta.to(dev), scales, grouping)
-    t_slots = bench(partial(triton_lora_slots.lora_slots, *slot_args))
-    t_grouping = bench(partial(sort_by_slot, token_slots, 32))
-    mean_rank = sum(ranks) // len(ranks)
-    dense_a = torch.randn(3 * mean_rank, hidden, device=dev, dtype=bf16)
-    dense_b = torch.randn(sum(outs), mean_rank, device=dev, dtype=bf16)
-    t_dense = bench(lambda: (x @ dense_a.T)[:, :mean_rank] @ dense_b.T)
-    rows["lora slots"] = {"tokens": tokens, "adapters": 32, "slots_ms": t_slots, "dense_same_rank_ms": t_dense,
-                          "ratio": t_slots / t_dense if t_dense else None, "grouping_ms": t_grouping}  # fmt: skip
-    log(f"LoRA by slot, {tokens} tokens x 32 adapters (ranks 8-64, interleaved): {t_slots:.3f} ms; one dense "
-        f"shrink+expand of rank {mean_rank}: {t_dense:.3f} ms; grouping the tokens by slot (once per step) "
-        f"{t_grouping:.3f} ms")  # fmt: skip
-    record("kernels", rows)
-
-
-def triton_compilations() -> int | None:
-    from loraserve.kernels.triton_compilations import compiled_variants
-
-    return compiled_variants()
-
-
-def timed_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] | None, steps: int) -> dict[str, float]:
-    """ms per step of a full decode batch: every prompt admitted and past its prefill first."""
-    from loraserve import SamplingParams
-
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"decode-{i}", prompt, params, names[i] if names else None)
-    while engine.scheduler.num_waiting or any(
-        seq.num_computed_tokens < seq.num_prompt_tokens for r in engine.requests.values() for seq in r.seqs
-    ):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    synchronize()
-    wall = time.perf_counter() - start
-    while engine.has_unfinished_requests():
-        engine.step()
-    return {"ms_per_step": wall / steps * 1e3, "seqs": len(prompts)}
-
-
-def timed_generate(llm: Any, prompts: list[list[int]], names: list[str] | None, new: int) -> dict[str, float]:
-    from loraserve import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    # Warm-up: compiles the kernels and makes every adapter resident (a request of each), so the
-    # timed run serves resident adapters rather than reading their files.
-    warm = list(dict.fromkeys(names)) if names else [None] * 4
-    warm_names = None if names is None else [name for name in warm if name is not None]
-    llm.generate([prompts[i % len(prompts)] for i in range(len(warm))],
-                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), adapters=warm_names,
-                 use_tqdm=False)  # fmt: skip
-    synchronize()
-    start, cpu = time.perf_counter(), time.process_time()
-    outputs = llm.generate(prompts, params, adapters=names, use_tqdm=False)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    tokens = sum(len(o.token_ids) for o in outputs)
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tok_per_s": tokens / wall}
-
-
-def part_throughput(args: argparse.Namespace) -> None:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from loraserve import LLM
-
-    shape = "tiny" if args.smoke else "llama-1b"
-    dtype = torch.bfloat16
-    model_dir = make_model(shape, args.tokenizer, args.work / f"{shape}-bf16", dtype, args.device)
-    ranks = [[8, 16, 32, 64][i % 4] for i in range(args.adapters)]
-    adapters = make_adapters(model_dir, args.work / f"{shape}-adapters", ranks)
-    gen = torch.Generator().manual_seed(2)
-    lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.requests,), generator=gen).tolist()
-    hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
-    prompts = random_prompts(lens, hf.config.vocab_size, seed=3)
-    names = [adapters[i % len(adapters)][0] for i in range(args.requests)]
-    new = args.max_tokens
-    results: dict[str, Any] = {"workload": f"{args.requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
-                               f"{new} new tokens, {args.adapters} adapters of ranks 8-64 on all projections, "
-                               f"bfloat16, random {shape}"}  # fmt: skip
-    engine_options = dict(device=args.device, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=8192, memory_budget_mb=args.pool_mb)  # fmt: skip
-
-    def engine_runs(kernels: str, runs: list[tuple[str, list[str] | None]], **extra: Any) -> None:
-        llm = LLM(str(model_dir), kernels=kernels, **engine_options, **extra)
-        for name, path in adapters:
-            llm.add_adapter(name, path)
-        mode = " eager" if extra.get("enforce_eager") else ""
-        for label, request_adapters in runs:
-            key = f"loraserve[{kernels}{mode}] {label}"
-            compiled = triton_compilations()
-            results[key] = timed_generate(llm, prompts, request_adapters, new)
-            after = triton_compilations()
-            results[key]["compilations_during_run"] = None if compiled is None or after is None else after - compiled
-            log(f"{key}: {results[key]}")
-            record("throughput", results)
-        for label, request_adapters in runs:  # one full decode batch, ms per step
-            key = f"loraserve[{kernels}{mode}] decode step, {label}"
-            results[key] = timed_decode_steps(llm, prompts[: args.max_num_seqs], request_adapters, 16 if args.smoke
-                                              else 50)  # fmt: skip
-            log(f"{key}: {results[key]}")
-            record("throughput", results)
-        graphs = llm.engine.runner.decode_graphs
-        if graphs is not None and graphs.capture:  # the GPU time alone of a full decode step
-            for label, request_adapters in runs:
-                key = f"loraserve[{kernels}{mode}] decode step GPU time (graph replay), {label}"
-                results[key] = {"ms": graphs.replay_ms(args.max_num_seqs, request_adapters is not None)}
-                log(f"{key}: {results[key]}")
-                record("throughput", results)
-        if graphs is not None:
-            results[f"loraserve[{kernels}{mode}] graphs"] = {"captures": graphs.num_captures,
-                                                             "replays": graphs.num_replays}  # fmt: skip
-        del llm
-        free_gpu_cache()
-
-    def guarded(run: Callable[[], None], what: str) -> None:  # one failing engine leaves the others measured
-        try:
-            run()
-        except Exception:
-            log(f"throughput, {what} FAILED:\n{traceback.format_exc()}")
-            results[f"{what} error"] = traceback.format_exc()[-2000:]
-            free_gpu_cache()
-
-    runs = [("no adapters", None), (f"{args.adapters} adapters", names)]
-    guarded(lambda: engine_runs("triton", runs), "triton with graphs")
-    guarded(lambda: engine_runs("triton", runs, enforce_eager=True), "triton eager")
-
-    def hf_generate(model: Any, batch: list[list[int]], adapter_names: list[str] | None) -> int:
-        width = max(map(len, batch))
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(batch):  # left padding
-            ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
-        extra = {"adapter_names": adapter_names} if adapter_names else {}
-        out = model.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
-                             max_new_tokens=baseline_new, min_new_tokens=baseline_new, do_sample=False, pad_token_id=0,
-                             **extra)  # fmt: skip
-        return (out.shape[1] - width) * len(batch)
-
-    def measure(key: str, fn: Callable[[], int]) -> None:
-        synchronize()
-        start = time.perf_counter()
-        tokens = fn()
-        synchronize()
-        wall = time.perf_counter() - start
-        results[key] = {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall}
-        log(f"{key}: {results[key]}")
-        record("throughput", results)
-
-    batch, baseline_new = min(args.hf_batch, args.requests), args.baseline_tokens
-
-    def baselines() -> None:
-        with torch.inference_mode():
-            hf_generate(hf, prompts[:1], None)  # warm-up
-            measure(f"HF generate batch 1 (first 4 requests, {baseline_new} new tokens)",
-                    lambda: sum(hf_generate(hf, [p], None) for p in prompts[:4]))  # fmt: skip
-            measure(f"HF generate padded batch {batch} ({baseline_new} new tokens)",
-                    lambda: hf_generate(hf, prompts[:batch], None))  # fmt: skip
-            peft: Any = PeftModel.from_pretrained(hf, str(adapters[0][1]), adapter_name=adapters[0][0])
-            for name, path in adapters[1:]:
-                peft.load_adapter(str(path), adapter_name=name)
-            peft.eval()
-            measure(f"PEFT mixed-adapter batch {batch} ({baseline_new} new tokens)",
-                    lambda: hf_generate(peft, prompts[:batch], names[:batch]))  # fmt: skip
-
-    if args.baselines:
-        guarded(baselines, "HF and PEFT baselines")
-    hf = None  # frees its GPU memory before the next engine
-    free_gpu_cache()
-    if args.torch_references:
-        guarded(lambda: engine_runs("torch", [(f"{args.adapters} adapters", names)]), "torch references")
 
 
 def part_profile(args: argparse.Namespace) -> None:

@@ -67,7 +67,10 @@ def _dot(lhs, rhs, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     return tl.dot(lhs, rhs, acc, input_precision=PRECISION)
 
 
-@triton.jit(do_not_specialize_on_alignment=["bounds_ptr", "page_tables_ptr", "meta_ptr"])
+@triton.jit(
+    do_not_specialize=["stride_v", "stride_table"],
+    do_not_specialize_on_alignment=["bounds_ptr", "page_tables_ptr", "meta_ptr"],
+)
 def _shrink_kernel(
     x_ptr,
     v_ptr,
@@ -118,7 +121,10 @@ def _shrink_kernel(
         )
 
 
-@triton.jit(do_not_specialize_on_alignment=["bounds_ptr", "page_tables_ptr", "meta_ptr", "scales_ptr"])
+@triton.jit(
+    do_not_specialize=["stride_v", "stride_table"],
+    do_not_specialize_on_alignment=["bounds_ptr", "page_tables_ptr", "meta_ptr", "scales_ptr"],
+)
 def _expand_kernel(
     v_ptr,
     out0_ptr,

@@ -82,7 +82,7 @@ def _find_slot(tile_ends_ptr, num_slots, tile):
 
 
 @triton.jit(
-    do_not_specialize=["num_slots"],
+    do_not_specialize=["num_slots", "stride_table"],
     do_not_specialize_on_alignment=[
         "order_ptr",
         "starts_ptr",

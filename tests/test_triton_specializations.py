@@ -107,3 +107,33 @@ def test_one_variant_per_kernel_whatever_the_steps_hold(
     several = {f"{kernel} {dict(constexprs)}": sorted(map(str, keys))
                for (kernel, constexprs), keys in launches.items() if len(keys) > 1}  # fmt: skip
     assert not several, f"kernels compiled more than once for one constexpr set: {several}"
+
+
+# Integers whose value a step chooses (how many sequences or slots, how wide this step's page
+# tables and LoRA intermediate are): a value equal to 1 or divisible by 16 would select a new
+# variant mid-run. The engine run above meets such values only by chance, so they are listed.
+PER_STEP_INTEGERS = {
+    "loraserve.kernels.triton_unified_attention": {
+        "_unified_attention_kernel": {"num_seqs", "stride_table_seq"},
+        "_merge_splits_kernel": {"num_seqs"},
+    },
+    "loraserve.kernels.triton_lora": {  # v's row stride: the most rank rows of the step's adapters
+        "_shrink_kernel": {"stride_v", "stride_table"},
+        "_expand_kernel": {"stride_v", "stride_table"},
+    },
+    "loraserve.kernels.triton_lora_slots": {"_lora_slots_kernel": {"num_slots", "stride_table"}},
+}
+
+
+@pytest.mark.parametrize("module", sorted(PER_STEP_INTEGERS))
+def test_per_step_integers_are_not_specialised(module: str) -> None:
+    import importlib
+
+    for name, integers in PER_STEP_INTEGERS[module].items():
+        kernel = getattr(importlib.import_module(module), name)
+        options = getattr(kernel, "kwargs", None)  # interpreted: the triton.jit options
+        if options is None:  # compiled: JITFunction's own record of them
+            params = {p.name: p for p in kernel.params}
+            assert all(params[n].do_not_specialize for n in integers), name
+        else:
+            assert integers <= set(options.get("do_not_specialize") or ()), name

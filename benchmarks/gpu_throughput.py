@@ -1,0 +1,178 @@
+"""``benchmarks.gpu``'s ``throughput`` part: the engine on a Llama-3.2-1B-shaped model in
+bfloat16, with and without adapters, decode CUDA graphs and eager, against HF and PEFT."""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks._gpu_report import free_gpu_cache, log, record, synchronize
+from benchmarks._random_models import make_adapters, make_model, random_prompts
+
+
+def triton_compilations() -> int | None:
+    from loraserve.kernels.triton_compilations import compiled_variants
+
+    return compiled_variants()
+
+
+def timed_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] | None, steps: int) -> dict[str, float]:
+    """ms per step of a full decode batch: every prompt admitted and past its prefill first."""
+    from loraserve import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"decode-{i}", prompt, params, names[i] if names else None)
+    while engine.scheduler.num_waiting or any(
+        seq.num_computed_tokens < seq.num_prompt_tokens for r in engine.requests.values() for seq in r.seqs
+    ):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    synchronize()
+    wall = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"ms_per_step": wall / steps * 1e3, "seqs": len(prompts)}
+
+
+def timed_generate(llm: Any, prompts: list[list[int]], names: list[str] | None, new: int) -> dict[str, float]:
+    from loraserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    # Warm-up: compiles the kernels and makes every adapter resident (a request of each), so the
+    # timed run serves resident adapters rather than reading their files.
+    warm = list(dict.fromkeys(names)) if names else [None] * 4
+    warm_names = None if names is None else [name for name in warm if name is not None]
+    llm.generate([prompts[i % len(prompts)] for i in range(len(warm))],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), adapters=warm_names,
+                 use_tqdm=False)  # fmt: skip
+    synchronize()
+    start, cpu = time.perf_counter(), time.process_time()
+    outputs = llm.generate(prompts, params, adapters=names, use_tqdm=False)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tok_per_s": tokens / wall}
+
+
+def part_throughput(args: argparse.Namespace) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loraserve import LLM
+
+    shape = "tiny" if args.smoke else "llama-1b"
+    dtype = torch.bfloat16
+    model_dir = make_model(shape, args.tokenizer, args.work / f"{shape}-bf16", dtype, args.device)
+    ranks = [[8, 16, 32, 64][i % 4] for i in range(args.adapters)]
+    adapters = make_adapters(model_dir, args.work / f"{shape}-adapters", ranks)
+    gen = torch.Generator().manual_seed(2)
+    lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.requests,), generator=gen).tolist()
+    hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+    prompts = random_prompts(lens, hf.config.vocab_size, seed=3)
+    names = [adapters[i % len(adapters)][0] for i in range(args.requests)]
+    new = args.max_tokens
+    results: dict[str, Any] = {"workload": f"{args.requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
+                               f"{new} new tokens, {args.adapters} adapters of ranks 8-64 on all projections, "
+                               f"bfloat16, random {shape}"}  # fmt: skip
+    engine_options = dict(device=args.device, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=8192, memory_budget_mb=args.pool_mb)  # fmt: skip
+
+    def engine_runs(kernels: str, runs: list[tuple[str, list[str] | None]], **extra: Any) -> None:
+        llm = LLM(str(model_dir), kernels=kernels, **engine_options, **extra)
+        for name, path in adapters:
+            llm.add_adapter(name, path)
+        mode = " eager" if extra.get("enforce_eager") else ""
+        for label, request_adapters in runs:
+            key = f"loraserve[{kernels}{mode}] {label}"
+            compiled = triton_compilations()
+            results[key] = timed_generate(llm, prompts, request_adapters, new)
+            after = triton_compilations()
+            results[key]["compilations_during_run"] = None if compiled is None or after is None else after - compiled
+            log(f"{key}: {results[key]}")
+            record("throughput", results)
+        for label, request_adapters in runs:  # one full decode batch, ms per step
+            key = f"loraserve[{kernels}{mode}] decode step, {label}"
+            results[key] = timed_decode_steps(llm, prompts[: args.max_num_seqs], request_adapters, 16 if args.smoke
+                                              else 50)  # fmt: skip
+            log(f"{key}: {results[key]}")
+            record("throughput", results)
+        graphs = llm.engine.runner.decode_graphs
+        if graphs is not None and graphs.capture:  # the GPU time alone of a full decode step
+            for label, request_adapters in runs:
+                key = f"loraserve[{kernels}{mode}] decode step GPU time (graph replay), {label}"
+                results[key] = {"ms": graphs.replay_ms(args.max_num_seqs, request_adapters is not None)}
+                log(f"{key}: {results[key]}")
+                record("throughput", results)
+        if graphs is not None:
+            results[f"loraserve[{kernels}{mode}] graphs"] = {"captures": graphs.num_captures,
+                                                             "replays": graphs.num_replays}  # fmt: skip
+        del llm
+        free_gpu_cache()
+
+    def guarded(run: Callable[[], None], what: str) -> None:  # one failing engine leaves the others measured
+        try:
+            run()
+        except Exception:
+            log(f"throughput, {what} FAILED:\n{traceback.format_exc()}")
+            results[f"{what} error"] = traceback.format_exc()[-2000:]
+            free_gpu_cache()
+
+    runs = [("no adapters", None), (f"{args.adapters} adapters", names)]
+    guarded(lambda: engine_runs("triton", runs), "triton with graphs")
+    guarded(lambda: engine_runs("triton", runs, enforce_eager=True), "triton eager")
+
+    def hf_generate(model: Any, batch: list[list[int]], adapter_names: list[str] | None) -> int:
+        width = max(map(len, batch))
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(batch):  # left padding
+            ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
+        extra = {"adapter_names": adapter_names} if adapter_names else {}
+        out = model.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
+                             max_new_tokens=baseline_new, min_new_tokens=baseline_new, do_sample=False, pad_token_id=0,
+                             **extra)  # fmt: skip
+        return (out.shape[1] - width) * len(batch)
+
+    def measure(key: str, fn: Callable[[], int]) -> None:
+        synchronize()
+        start = time.perf_counter()
+        tokens = fn()
+        synchronize()
+        wall = time.perf_counter() - start
+        results[key] = {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall}
+        log(f"{key}: {results[key]}")
+        record("throughput", results)
+
+    batch, baseline_new = min(args.hf_batch, args.requests), args.baseline_tokens
+
+    def baselines() -> None:
+        with torch.inference_mode():
+            hf_generate(hf, prompts[:1], None)  # warm-up
+            measure(f"HF generate batch 1 (first 4 requests, {baseline_new} new tokens)",
+                    lambda: sum(hf_generate(hf, [p], None) for p in prompts[:4]))  # fmt: skip
+            measure(f"HF generate padded batch {batch} ({baseline_new} new tokens)",
+                    lambda: hf_generate(hf, prompts[:batch], None))  # fmt: skip
+            peft: Any = PeftModel.from_pretrained(hf, str(adapters[0][1]), adapter_name=adapters[0][0])
+            for name, path in adapters[1:]:
+                peft.load_adapter(str(path), adapter_name=name)
+            peft.eval()
+            measure(f"PEFT mixed-adapter batch {batch} ({baseline_new} new tokens)",
+                    lambda: hf_generate(peft, prompts[:batch], names[:batch]))  # fmt: skip
+
+    if args.baselines:
+        guarded(baselines, "HF and PEFT baselines")
+    hf = None  # frees its GPU memory before the next engine
+    free_gpu_cache()
+    if args.torch_references:
+        guarded(lambda: engine_runs("torch", [(f"{args.adapters} adapters", names)]), "torch references")
