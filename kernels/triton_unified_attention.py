@@ -200,7 +200,7 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
 ):
     """``out = Σ_i e^{m_i - M} acc_i / Σ_i e^{m_i - M} l_i`` over the splits of one (token, head)."""
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # stat * HEAD_DIM_PAD passes 2**31 on long prompts
     head = tl.program_id(1)
     if token >= tl.load(query_starts_ptr + num_seqs):
         return  # a row no sequence covers (padding): left as it is

@@ -47,6 +47,7 @@ class InputBatch:
         self._rows: dict[int, int] = {}  # seq_id -> row
         self._free_rows = list(reversed(range(max_num_seqs)))
         self._staging: torch.Tensor | None = None  # pinned host buffer of the uploads (CUDA)
+        self._staging_copied: torch.cuda.Event | None = None  # recorded after the last upload's copy
         self.num_uploads = 0  # host-to-device copies made (one per step with tokens)
 
     @property
@@ -156,9 +157,14 @@ class InputBatch:
         if self.device.type != "cpu":
             if self._staging is None or self._staging.numel() < host.size:
                 self._staging = torch.empty(max(host.size, 4096), dtype=torch.long, pin_memory=True)
+            if self._staging_copied is not None:  # a step that sampled nothing did not wait for it
+                self._staging_copied.synchronize()
             staging = self._staging[: host.size]
             staging.copy_(buffer)
             buffer = staging.to(self.device, non_blocking=True)
+            if self.device.type == "cuda":
+                self._staging_copied = torch.cuda.Event()
+                self._staging_copied.record()
         self.num_uploads += 1
         views: list[torch.Tensor] = []
         offset = 0

@@ -27,6 +27,7 @@ from loraserve.input_processor import InputProcessor, RequestError
 from loraserve.kernel_backend import select_backend
 from loraserve.kernels import cpu
 from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, tokens_at_most
+from loraserve.lora.layout import max_rank_pages
 from loraserve.lora.residency import AdapterManager
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.gemm_choice import GemmPolicy
@@ -146,6 +147,8 @@ class LLMEngine:
             self.max_model_len,
             eos_token_ids,
             decode_graphs=self.kernels.decode_graphs and not config.enforce_eager,
+            # Slot rows wide enough for rank 64 on every module: common adapters never regrow them.
+            adapter_slot_pages=max_rank_pages(shapes.module_shapes, 64, self.layout.page_elems),
         )
         if self.runner.decode_graphs is not None:
             self.runner.decode_graphs.warm_up()  # CUDA: every padded decode size captured now

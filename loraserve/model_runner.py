@@ -80,9 +80,12 @@ class ModelRunner:
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
         decode_graphs: bool = False,
+        adapter_slot_pages: int = 8,
     ) -> None:
         """``decode_graphs``: run decode-only steps padded on static buffers with adapters by slot
-        (``decode_graphs.py``; the Triton backend), captured as CUDA graphs on a CUDA device."""
+        (``decode_graphs.py``; the Triton backend), captured as CUDA graphs on a CUDA device.
+        ``adapter_slot_pages``: the slot tables' first row width (a wider adapter grows them, and
+        the graphs are captured again)."""
         self.model = model
         self.layout = layout
         self.device = device
@@ -107,7 +110,7 @@ class ModelRunner:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
         self.split_kv = decode_graphs  # the backend's attention takes split-KV shares (Triton)
         if decode_graphs:
-            self.adapter_slots = AdapterSlots(max_num_seqs, layout.num_layers, device)
+            self.adapter_slots = AdapterSlots(max_num_seqs, layout.num_layers, device, adapter_slot_pages)
             self.decode_graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
@@ -235,7 +238,8 @@ class ModelRunner:
             prefill=None if num_decode == count else PrefillBatch(query_starts, cached, block_tables[num_decode:]),
             logits_indices=logits_rows,
             lora=lora,
-            attention_splits=self.attention_splits(count, int(ends.max())),
+            # Prefills have query blocks enough to fill the GPU; splitting them would only add partials.
+            attention_splits=self.attention_splits(count, int(ends.max())) if num_decode == count else 1,
         )
         if token_slots is not None and forward_batch.lora is not None and self.adapter_slots is not None:
             slotted = replace(forward_batch.lora, token_slots=token_slots, slots=self.adapter_slots.tables)
