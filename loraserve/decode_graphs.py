@@ -96,7 +96,8 @@ class DecodeGraphs:
             torch.arange(size, device=device),
         )
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}  # views of _logits
+        self._logits: torch.Tensor | None = None  # [max_size, vocab], what every graph writes
         self._generation = slots.generation
         self._pool: Any = None  # the graphs' shared memory pool
         self._compiled_at_warm_up: int | None = None  # Triton kernel variants after warm_up (CUDA)
@@ -193,11 +194,15 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.forward(size, with_lora)  # warm-up: compiles the kernels of this size outside the graph
+            warm = self.forward(size, with_lora)  # warm-up: compiles the kernels of this size outside the graph
         torch.cuda.current_stream().wait_stream(stream)
+        if self._logits is None:  # one output buffer for every graph: their own outputs die with the capture
+            self._logits = torch.empty(self.sizes[-1], warm.shape[1], dtype=warm.dtype, device=warm.device)
+        del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._outputs[key] = self.forward(size, with_lora)
+            self._logits[:size].copy_(self.forward(size, with_lora))
+        self._outputs[key] = self._logits[:size]
         self._pool = graph.pool()
         self._graphs[key] = graph
         self.num_captures += 1
