@@ -19,7 +19,7 @@ def part_kernels(args: argparse.Namespace) -> None:
     (ranks 8-64 mixed) against one dense matmul pair of the same total rank."""
     import torch.nn.functional as F
     import triton.testing
-    from loraserve.kernels import triton_lora_slots, triton_unified_attention
+    from loraserve.kernels import triton_lora, triton_lora_slots, triton_unified_attention
     from loraserve.kernels.lora import sort_by_slot
 
     dev, bf16 = args.device, torch.bfloat16
@@ -96,9 +96,16 @@ def part_kernels(args: argparse.Namespace) -> None:
     dense_a = torch.randn(3 * mean_rank, hidden, device=dev, dtype=bf16)
     dense_b = torch.randn(sum(outs), mean_rank, device=dev, dtype=bf16)
     t_dense = bench(lambda: (x @ dense_a.T)[:, :mean_rank] @ dense_b.T)
+    # The same tokens for the eager steps' segment kernels (triton_lora.py): each adapter's tokens contiguous.
+    per = max(1, tokens // 32)
+    used = min(32, tokens // per)
+    bounds = torch.tensor([[a * per, (a + 1) * per, 0, 0] for a in range(used)], device=dev)
+    segment_args = (x, outputs, weights, bounds, page_tables[:used].to(dev), meta[:used].to(dev), scales[:used])
+    t_segments = bench(partial(triton_lora.lora_segments, *segment_args, per, 3 * max(ranks[:used])))
     rows["lora slots"] = {"tokens": tokens, "adapters": 32, "slots_ms": t_slots, "dense_same_rank_ms": t_dense,
-                          "ratio": t_slots / t_dense if t_dense else None, "grouping_ms": t_grouping}  # fmt: skip
+                          "ratio": t_slots / t_dense if t_dense else None, "grouping_ms": t_grouping,
+                          "segments_ms": t_segments}  # fmt: skip
     log(f"LoRA by slot, {tokens} tokens x 32 adapters (ranks 8-64, interleaved): {t_slots:.3f} ms; one dense "
         f"shrink+expand of rank {mean_rank}: {t_dense:.3f} ms; grouping the tokens by slot (once per step) "
-        f"{t_grouping:.3f} ms")  # fmt: skip
+        f"{t_grouping:.3f} ms; the segment kernels (eager steps, tokens grouped) {t_segments:.3f} ms")  # fmt: skip
     record("kernels", rows)
