@@ -5,6 +5,8 @@ what it measured; and the CUDA helpers its parts share."""
 from __future__ import annotations
 
 import json
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +35,14 @@ def record(key: str, value: Any) -> None:
     if OUT:
         OUT[0].mkdir(parents=True, exist_ok=True)
         (OUT[0] / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def guarded(what: str, run: Callable[[], None]) -> None:
+    """Run one part of the benchmark; a failure is logged and recorded as ``{what}_error`` and the
+    benchmark goes on (what failed leaves the other figures measured)."""
+    try:
+        run()
+    except Exception:
+        log(f"{what} FAILED:\n{traceback.format_exc()}")
+        record(f"{what}_error", traceback.format_exc()[-2000:])
+        free_gpu_cache()

@@ -35,13 +35,13 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from benchmarks._gpu_report import OUT, free_gpu_cache, log, record
+from benchmarks._gpu_report import OUT, free_gpu_cache, guarded, log, record
 from benchmarks._random_models import make_adapters, make_model, random_prompts, setup_default_model_dir
 from benchmarks._workload import ROOT
 from benchmarks.gpu_kernels import part_kernels
@@ -252,11 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     log(f"machine: {info}")
     for name in args.parts.split(","):
         start = time.perf_counter()
-        try:
-            PARTS[name](args)
-        except Exception:
-            log(f"part {name} FAILED:\n{traceback.format_exc()}")
-            record(f"{name}_error", traceback.format_exc()[-2000:])
+        guarded(name, partial(PARTS[name], args))
         log(f"part {name}: {time.perf_counter() - start:.1f} s")
 
 

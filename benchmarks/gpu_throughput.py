@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from benchmarks._gpu_report import free_gpu_cache, log, record, synchronize
+from benchmarks._gpu_report import free_gpu_cache, guarded, log, record, synchronize
 from benchmarks._random_models import make_adapters, make_model, random_prompts
 
 
@@ -120,17 +119,9 @@ def part_throughput(args: argparse.Namespace) -> None:
         del llm
         free_gpu_cache()
 
-    def guarded(run: Callable[[], None], what: str) -> None:  # one failing engine leaves the others measured
-        try:
-            run()
-        except Exception:
-            log(f"throughput, {what} FAILED:\n{traceback.format_exc()}")
-            results[f"{what} error"] = traceback.format_exc()[-2000:]
-            free_gpu_cache()
-
     runs = [("no adapters", None), (f"{args.adapters} adapters", names)]
-    guarded(lambda: engine_runs("triton", runs), "triton with graphs")
-    guarded(lambda: engine_runs("triton", runs, enforce_eager=True), "triton eager")
+    guarded("throughput, triton with graphs", lambda: engine_runs("triton", runs))
+    guarded("throughput, triton eager", lambda: engine_runs("triton", runs, enforce_eager=True))
 
     def hf_generate(model: Any, batch: list[list[int]], adapter_names: list[str] | None) -> int:
         width = max(map(len, batch))
@@ -171,8 +162,8 @@ def part_throughput(args: argparse.Namespace) -> None:
                     lambda: hf_generate(peft, prompts[:batch], names[:batch]))  # fmt: skip
 
     if args.baselines:
-        guarded(baselines, "HF and PEFT baselines")
+        guarded("throughput, HF and PEFT baselines", baselines)
     hf = None  # frees its GPU memory before the next engine
     free_gpu_cache()
     if args.torch_references:
-        guarded(lambda: engine_runs("torch", [(f"{args.adapters} adapters", names)]), "torch references")
+        guarded("throughput, torch references", lambda: engine_runs("torch", [(f"{args.adapters} adapters", names)]))

@@ -96,7 +96,6 @@ class DecodeGraphs:
             torch.arange(size, device=device),
         )
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}  # views of _logits
         self._logits: torch.Tensor | None = None  # [max_size, vocab], what every graph writes
         self._generation = slots.generation
         self._pool: Any = None  # the graphs' shared memory pool
@@ -172,7 +171,6 @@ class DecodeGraphs:
         if self.capture and self.slots.generation != self._generation:  # the slot tables were reallocated
             logger.info("adapter slot tables grew: capturing the decode graphs again")
             self._graphs.clear()  # their memory pool goes with the last of them: captures start a new one
-            self._outputs.clear()
             self._pool = None
             self._generation = self.slots.generation
             self.warm_up()  # every size now, not one by one in later steps (it overwrites the buffers)
@@ -187,7 +185,8 @@ class DecodeGraphs:
             self._capture(key)
         self._graphs[key].replay()
         self.num_replays += 1
-        return self._outputs[key].index_select(0, batch.logits_indices)  # the sampled rows
+        assert self._logits is not None  # written by the capture
+        return self._logits.index_select(0, batch.logits_indices)  # the sampled rows (all below this size)
 
     def _capture(self, key: tuple[int, bool]) -> None:
         size, with_lora = key
@@ -202,7 +201,6 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             self._logits[:size].copy_(self.forward(size, with_lora))
-        self._outputs[key] = self._logits[:size]
         self._pool = graph.pool()
         self._graphs[key] = graph
         self.num_captures += 1

@@ -125,9 +125,10 @@ class ModelRunner:
         self.num_downloads = 0  # device-to-host copies of sampled ids (one per step that samples)
         self.eos_token_ids = eos_token_ids  # banned before a request's min_tokens
 
-    def attention_splits(self, num_seqs: int, max_context: int) -> int:
-        """Split-KV shares for a step of ``num_seqs`` sequences (``forward_batch.attention_splits``)."""
-        if not self.split_kv:
+    def attention_splits(self, num_seqs: int, max_context: int, decode_only: bool = True) -> int:
+        """Split-KV shares for a step of ``num_seqs`` sequences (``forward_batch.attention_splits``);
+        1 for a step with prefills, whose query blocks fill the GPU (splits would only add partials)."""
+        if not self.split_kv or not decode_only:
             return 1
         return attention_splits(num_seqs * self.layout.num_kv_heads, max_context, self.num_sms)
 
@@ -238,8 +239,7 @@ class ModelRunner:
             prefill=None if num_decode == count else PrefillBatch(query_starts, cached, block_tables[num_decode:]),
             logits_indices=logits_rows,
             lora=lora,
-            # Prefills have query blocks enough to fill the GPU; splitting them would only add partials.
-            attention_splits=self.attention_splits(count, int(ends.max())) if num_decode == count else 1,
+            attention_splits=self.attention_splits(count, int(ends.max()), decode_only=num_decode == count),
         )
         if token_slots is not None and forward_batch.lora is not None and self.adapter_slots is not None:
             slotted = replace(forward_batch.lora, token_slots=token_slots, slots=self.adapter_slots.tables)
