@@ -227,6 +227,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pool-mb", type=int, default=24000)
     parser.add_argument("--timeout", type=int, default=180, help="seconds for the tests part")
     args = parser.parse_args(argv)
+    for option in ("requests", "adapters", "max_tokens", "hf_batch", "baseline_tokens", "test_workers", "timeout"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    if not 1 <= args.min_prompt <= args.max_prompt:
+        parser.error(f"prompts of {args.min_prompt}-{args.max_prompt} tokens: need 1 <= --min-prompt <= --max-prompt")
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; the parts are {list(PARTS)}")
     if args.smoke:
         args.requests, args.adapters, args.max_tokens, args.min_prompt, args.max_prompt = 6, 3, 4, 8, 24
         args.hf_batch, args.pool_mb, args.max_num_seqs, args.exact_tokens = 3, 256, 8, 6

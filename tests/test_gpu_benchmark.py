@@ -24,3 +24,17 @@ def test_kernels_and_exact_parts_run_and_record(tmp_path: Path, default_model_di
     assert {"slots_ms", "segments_ms", "dense_same_rank_ms", "grouping_ms"} <= set(results["kernels"]["lora slots"])
     for kernels in ("triton", "torch"):  # the tiny model's greedy tokens equal HF + PEFT's
         assert results[f"exact_{kernels}"]["equal"] == results[f"exact_{kernels}"]["requests"] == 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--baseline-tokens", "0"], "--baseline-tokens must be at least 1"), (["--parts", "tests,nope"], "unknown parts"),
+     (["--min-prompt", "9", "--max-prompt", "3"], "--min-prompt <= --max-prompt")],
+)  # fmt: skip
+def test_bad_options_are_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import gpu
+
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
