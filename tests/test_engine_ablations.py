@@ -94,7 +94,15 @@ def test_fixed_region_holds_at_most_max_loras_adapters_and_keeps_kv_out(
     fixed = run(llm, adapter_dirs, watch)
     assert fixed == unified  # the same tokens
     assert max(seen) == 2  # three adapters wanted, two slots
-    assert engine.stats().num_adapter_loads > 3  # so adapters were evicted and loaded again
+    loads = engine.stats().num_adapter_loads
+    assert loads >= 3  # each adapter at least once; more depends on when the background loads land
+    # One request at a time on each adapter in turn: two slots hold two of the three, so the third
+    # must evict one and be loaded again, whatever the timing of the run above.
+    for name in adapter_dirs:
+        out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False, adapters=name)
+        assert len(out[0].outputs[0].token_ids) == 2
+        watch(engine)
+    assert engine.stats().num_adapter_loads > loads  # so an adapter was evicted and loaded again
     stats = engine.stats()
     assert stats.num_pages == 200 and sum(stats.pages_by_kind.values()) == 200
 
