@@ -91,6 +91,7 @@ def part_kernels(args: argparse.Namespace) -> None:
     grouping = sort_by_slot(token_slots, 32)  # once per step in the engine, for all its layers
     slot_args = (x, outputs, weights, token_slots, page_tables.to(dev), meta.to(dev), scales, grouping)
     t_slots = bench(partial(triton_lora_slots.lora_slots, *slot_args))
+    t_slots_gathered = bench(partial(triton_lora_slots.lora_slots, *slot_args, gather_elements=True))
     t_grouping = bench(partial(sort_by_slot, token_slots, 32))
     mean_rank = sum(ranks) // len(ranks)
     dense_a = torch.randn(3 * mean_rank, hidden, device=dev, dtype=bf16)
@@ -102,10 +103,16 @@ def part_kernels(args: argparse.Namespace) -> None:
     bounds = torch.tensor([[a * per, (a + 1) * per, 0, 0] for a in range(used)], device=dev)
     segment_args = (x, outputs, weights, bounds, page_tables[:used].to(dev), meta[:used].to(dev), scales[:used])
     t_segments = bench(partial(triton_lora.lora_segments, *segment_args, per, 3 * max(ranks[:used])))
+    t_segments_gathered = bench(
+        partial(triton_lora.lora_segments, *segment_args, per, 3 * max(ranks[:used]), gather_elements=True)
+    )
     rows["lora slots"] = {"tokens": tokens, "adapters": 32, "slots_ms": t_slots, "dense_same_rank_ms": t_dense,
                           "ratio": t_slots / t_dense if t_dense else None, "grouping_ms": t_grouping,
-                          "segments_ms": t_segments}  # fmt: skip
+                          "segments_ms": t_segments, "slots_gathered_ms": t_slots_gathered,
+                          "segments_gathered_ms": t_segments_gathered}  # fmt: skip
     log(f"LoRA by slot, {tokens} tokens x 32 adapters (ranks 8-64, interleaved): {t_slots:.3f} ms; one dense "
         f"shrink+expand of rank {mean_rank}: {t_dense:.3f} ms; grouping the tokens by slot (once per step) "
-        f"{t_grouping:.3f} ms; the segment kernels (eager steps, tokens grouped) {t_segments:.3f} ms")  # fmt: skip
+        f"{t_grouping:.3f} ms; the segment kernels (eager steps, tokens grouped) {t_segments:.3f} ms; "
+        f"element by element (before aligned tiles): slots {t_slots_gathered:.3f} ms, segments "
+        f"{t_segments_gathered:.3f} ms")  # fmt: skip
     record("kernels", rows)

@@ -38,6 +38,14 @@ class SegmentMeta:
     WIDTH = MODULE_BASE + MODULE_STRIDE * MAX_MODULES  # 14
 
 
+WEIGHT_ALIGN = 64
+"""A group's stacked A or a module's B^T whose rows are a multiple of this many elements long
+starts at a multiple of it in an adapter's flat layer buffer (``lora/layout.py`` pads to it).
+Where a page holds a multiple of it too, no run of ``WEIGHT_ALIGN`` elements at an aligned
+column of such a matrix crosses a page: the Triton kernels then find one page per row and tile,
+and load the tile contiguously (``triton_lora.aligned_tiles``)."""
+
+
 class OutputSlice(NamedTuple):
     """Where module m's rank columns sit in ``v`` and its expand weights."""
 

@@ -25,3 +25,14 @@ def check_range(name: str, ids: torch.Tensor, low: int, high: int) -> None:
     if smallest < low or largest >= high:
         bad = smallest if smallest < low else largest
         raise ValueError(f"{name}: {bad} is outside [{low}, {high}) (a page id or slot outside the pool)")
+
+
+def check_multiples(name: str, values: torch.Tensor, factor: int) -> None:
+    """With the debug mode on: every element of ``values`` a multiple of ``factor``, or a ValueError."""
+    if not ENABLED or values.numel() == 0:
+        return
+    if values.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    bad = values[values % factor != 0]
+    if bad.numel():
+        raise ValueError(f"{name}: {int(bad[0])} is not a multiple of {factor} (not as lora/layout.py lays weights)")

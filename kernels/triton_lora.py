@@ -13,7 +13,11 @@ row and column tiles past them).
 The weights are never copied out of the pool. An adapter's flat layer buffer (see
 ``lora/layout.py``) is its pages concatenated, so element ``e`` of it sits at
 ``weights[page_table[e // page_elems], e % page_elems]``, which both kernels follow for
-every element they load; rows may cross page boundaries.
+every element they load; rows may cross page boundaries. Where a matrix's rows and the page
+are multiples of the kernel's tile width (``aligned_tiles``: every projection of real models),
+each tile of a row lies inside one page, as ``lora/layout.py`` aligns every matrix to
+``WEIGHT_ALIGN``: the kernels then look up one page per row and tile and load the tile as one
+contiguous run (16-byte asynchronous copies, pipelined across the loop, on the GPU).
 
 Arguments (``x``, ``outputs`` and ``weights`` share one float dtype; float32 dots run in
 IEEE precision so results match the float32 reference to rounding):
@@ -35,8 +39,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from loraserve.kernels.lora import SegmentMeta
-from loraserve.kernels.page_checks import check_range
+from loraserve.kernels.lora import WEIGHT_ALIGN, SegmentMeta
+from loraserve.kernels.page_checks import check_multiples, check_range
 from loraserve.kernels.triton_attention import runs_interpreted
 
 BLOCK_T = 16  # tokens per tile (tl.dot needs at least 16)
@@ -58,6 +62,16 @@ def _load_from_pages(weights_ptr, table, elems, mask, PAGE_ELEMS: tl.constexpr):
     """Elements ``elems`` of an adapter's flat layer buffer, found through its page table."""
     pages = tl.load(table + elems // PAGE_ELEMS, mask=mask, other=0)
     return tl.load(weights_ptr + pages * PAGE_ELEMS + elems % PAGE_ELEMS, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_tiles_from_pages(weights_ptr, table, starts, row_mask, WIDTH: tl.constexpr, PAGE_ELEMS: tl.constexpr):
+    """``[len(starts), WIDTH]``: elements ``starts[i] .. starts[i] + WIDTH`` of an adapter's flat
+    layer buffer, each run inside one page (the caller's guarantee: ``WIDTH`` divides every start
+    and ``PAGE_ELEMS``), so one page id per row and contiguous, vectorised loads."""
+    pages = tl.load(table + starts // PAGE_ELEMS, mask=row_mask, other=0)  # [R]
+    bases = tl.multiple_of(pages * PAGE_ELEMS + starts % PAGE_ELEMS, WIDTH)  # [R]
+    return tl.load(weights_ptr + bases[:, None] + tl.arange(0, WIDTH)[None, :], mask=row_mask[:, None], other=0.0)
 
 
 @triton.jit
@@ -89,6 +103,7 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     segment = tl.program_id(0)
     first_token = tl.load(bounds_ptr + segment * 4) + tl.program_id(1) * BLOCK_T
@@ -111,8 +126,12 @@ def _shrink_kernel(
                 mask=token_mask[:, None] & col_mask[None, :],
                 other=0.0,
             )  # [BLOCK_T, BLOCK_K]
-            elems = a_offset + rows[:, None] * in_features + cols[None, :]  # [BLOCK_R, BLOCK_K]
-            a = _load_from_pages(weights_ptr, table, elems, row_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
+            if ALIGNED:
+                starts = a_offset + rows * in_features + k  # [BLOCK_R]
+                a = _load_tiles_from_pages(weights_ptr, table, starts, row_mask, BLOCK_K, PAGE_ELEMS)
+            else:
+                elems = a_offset + rows[:, None] * in_features + cols[None, :]  # [BLOCK_R, BLOCK_K]
+                a = _load_from_pages(weights_ptr, table, elems, row_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
             acc = _dot(x, tl.trans(a), acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_R]
         tl.store(
             v_ptr + tokens[:, None] * stride_v + rows[None, :],
@@ -149,6 +168,7 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     segment = tl.program_id(0)
     first_token = tl.load(bounds_ptr + segment * 4) + tl.program_id(1) * BLOCK_T
@@ -175,8 +195,12 @@ def _expand_kernel(
                 mask=token_mask[:, None] & rank_mask[None, :],
                 other=0.0,
             )  # [BLOCK_T, BLOCK_R]
-            elems = b_offset + ranks[:, None] * out_features + cols[None, :]  # [BLOCK_R, BLOCK_N]
-            b = _load_from_pages(weights_ptr, table, elems, rank_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
+            if ALIGNED:
+                starts = b_offset + ranks * out_features + first_col  # [BLOCK_R]
+                b = _load_tiles_from_pages(weights_ptr, table, starts, rank_mask, BLOCK_N, PAGE_ELEMS)
+            else:
+                elems = b_offset + ranks[:, None] * out_features + cols[None, :]  # [BLOCK_R, BLOCK_N]
+                b = _load_from_pages(weights_ptr, table, elems, rank_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
             acc = _dot(v, b, acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_N]
         scale = tl.load(scales_ptr + segment * stride_scales + module)
         if module == 0:
@@ -201,6 +225,34 @@ def check_arguments(
     check_range(f"{name} page_tables", page_tables, 0, weights.shape[0])
 
 
+def aligned_tiles(row_length: int, page_elems: int, width: int) -> bool:
+    """Whether every ``width``-element tile at a multiple of ``width`` along a row of
+    ``row_length`` elements lies inside one page, for matrices starting at multiples of
+    ``WEIGHT_ALIGN`` (as ``lora/layout.py`` places them)."""
+    return WEIGHT_ALIGN % width == 0 and row_length % width == 0 and page_elems % width == 0
+
+
+def alignment(
+    name: str,
+    x: torch.Tensor,  # [num_tokens, in_features]
+    outputs: tuple[torch.Tensor, ...],  # 1-3 of [num_tokens, out_features_m]
+    page_elems: int,
+    meta: torch.Tensor,  # [S, 14] int64
+    widths: tuple[int, int],
+) -> tuple[bool, bool]:
+    """Whether the shrink's A tiles (``widths[0]`` wide) and the expand's B^T tiles
+    (``widths[1]``) may be loaded as aligned runs; in the debug mode, checks the offsets in
+    ``meta [S, 14]`` that the aligned loads rely on."""
+    a_aligned = aligned_tiles(x.shape[1], page_elems, widths[0])
+    b_aligned = all(aligned_tiles(out.shape[1], page_elems, widths[1]) for out in outputs)
+    if a_aligned:
+        check_multiples(f"{name} A offsets", meta[:, META_A_OFFSET.value], WEIGHT_ALIGN)
+    if b_aligned:
+        modules = META_MODULE_BASE.value + META_MODULE_STRIDE.value * torch.arange(len(outputs), device=meta.device)
+        check_multiples(f"{name} B offsets", meta[:, modules + META_B_OFFSET.value], WEIGHT_ALIGN)
+    return a_aligned, b_aligned
+
+
 def lora_segments(
     x: torch.Tensor,  # [num_tokens, in_features]
     outputs: tuple[torch.Tensor, ...],  # 1-3 of [num_tokens, out_features_m], updated in place
@@ -211,8 +263,10 @@ def lora_segments(
     scales: torch.Tensor,  # [num_segments, num_modules] float32
     max_segment_len: int,
     max_rows: int,
+    gather_elements: bool = False,
 ) -> None:
-    """Add every segment's LoRA delta to its rows of ``outputs`` (see the module docstring)."""
+    """Add every segment's LoRA delta to its rows of ``outputs`` (see the module docstring).
+    ``gather_elements``: load element by element even where the tiles are aligned (to compare)."""
     check_arguments("lora_segments", x, outputs, weights, page_tables)
     num_segments = bounds.shape[0]
     if num_segments == 0 or max_rows == 0:
@@ -223,6 +277,8 @@ def lora_segments(
     num_token_tiles = triton.cdiv(max_segment_len, BLOCK_T)
     v = torch.empty(x.shape[0], max_rows, dtype=x.dtype, device=x.device)  # [num_tokens, max_rows]
     page_elems = weights.shape[1]
+    a_aligned, b_aligned = alignment("lora_segments", x, outputs, page_elems, meta, (SHRINK_BLOCK_K, EXPAND_BLOCK_N))
+    a_aligned, b_aligned = a_aligned and not gather_elements, b_aligned and not gather_elements
     _shrink_kernel[(num_segments, num_token_tiles, triton.cdiv(max_rows, SHRINK_BLOCK_R))](
         x,
         v,
@@ -241,6 +297,7 @@ def lora_segments(
         BLOCK_R=SHRINK_BLOCK_R,
         BLOCK_K=SHRINK_BLOCK_K,
         DOT_FP32=dot_fp32,
+        ALIGNED=a_aligned,
     )
     padded = (*outputs, *(outputs[0],) * (3 - len(outputs)))  # absent modules have rank 0 in meta
     num_col_blocks = triton.cdiv(max(out.shape[1] for out in outputs), EXPAND_BLOCK_N)
@@ -268,4 +325,5 @@ def lora_segments(
         BLOCK_N=EXPAND_BLOCK_N,
         BLOCK_R=EXPAND_BLOCK_R,
         DOT_FP32=dot_fp32,
+        ALIGNED=b_aligned,
     )

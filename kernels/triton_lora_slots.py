@@ -16,9 +16,10 @@ tiles of any grouping; a program finds its slot by binary search over the slots'
 returns when it has none, so the launch depends only on the batch's (padded) size and the group's
 shapes. The rank loop runs inside the kernel (``BLOCK_R`` rank rows at a time: their shrink over
 the input, then their expand into this program's output columns), so there is no maximum rank and
-nothing is padded. A slot's weights are found element by element through its page table
+nothing is padded. A slot's weights are found through its page table
 (``weights[page_table[e // page_elems], e % page_elems]`` for element ``e`` of the adapter's flat
-layer buffer, ``lora/layout.py``), wherever its pages are.
+layer buffer, ``lora/layout.py``), wherever its pages are: one page per row and tile where the
+tiles are aligned (``triton_lora.aligned_tiles``), element by element otherwise.
 
 Arguments (``x``, ``outputs`` and ``weights`` share one float dtype; float32 accumulation, the
 shrink's result rounded to that dtype before the expand, as the segment kernels do):
@@ -57,6 +58,8 @@ from loraserve.kernels.triton_lora import (
     META_RANK,
     _dot,
     _load_from_pages,
+    _load_tiles_from_pages,
+    alignment,
     check_arguments,
 )
 
@@ -121,6 +124,8 @@ def _lora_slots_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    A_ALIGNED: tl.constexpr,
+    B_ALIGNED: tl.constexpr,
 ):
     tile_index = tl.program_id(0)
     module = tl.program_id(1) // N_SPLIT
@@ -160,16 +165,25 @@ def _lora_slots_kernel(
                     mask=token_mask[:, None] & col_mask[None, :],
                     other=0.0,
                 )  # [BLOCK_T, BLOCK_K]
-                elems = a_offset + (column + ranks[:, None]) * in_features + cols[None, :]  # [BLOCK_R, BLOCK_K]
-                a = _load_from_pages(weights_ptr, table, elems, rank_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
+                if A_ALIGNED:
+                    starts = a_offset + (column + ranks) * in_features + k  # [BLOCK_R]
+                    a = _load_tiles_from_pages(weights_ptr, table, starts, rank_mask, BLOCK_K, PAGE_ELEMS)
+                else:
+                    elems = a_offset + (column + ranks[:, None]) * in_features + cols[None, :]  # [BLOCK_R, BLOCK_K]
+                    a_mask = rank_mask[:, None] & col_mask[None, :]
+                    a = _load_from_pages(weights_ptr, table, elems, a_mask, PAGE_ELEMS)
                 v = _dot(x, tl.trans(a), v, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_R]
             v_low = (v * scale).to(x_ptr.dtype.element_ty)
             for tile in range(split, num_col_tiles, N_SPLIT):
                 outs = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
                 out_mask = token_mask[:, None] & (outs < out_features)[None, :]
-                elems = b_offset + ranks[:, None] * out_features + outs[None, :]  # [BLOCK_R, BLOCK_N]
-                b_mask = rank_mask[:, None] & (outs < out_features)[None, :]
-                b = _load_from_pages(weights_ptr, table, elems, b_mask, PAGE_ELEMS)
+                if B_ALIGNED:
+                    starts = b_offset + ranks * out_features + tile * BLOCK_N  # [BLOCK_R]
+                    b = _load_tiles_from_pages(weights_ptr, table, starts, rank_mask, BLOCK_N, PAGE_ELEMS)
+                else:
+                    elems = b_offset + ranks[:, None] * out_features + outs[None, :]  # [BLOCK_R, BLOCK_N]
+                    b_mask = rank_mask[:, None] & (outs < out_features)[None, :]
+                    b = _load_from_pages(weights_ptr, table, elems, b_mask, PAGE_ELEMS)
                 delta = _dot(v_low, b, tl.zeros((BLOCK_T, BLOCK_N), tl.float32), PRECISION, DOT_FP32)
                 out_ptrs = out_rows[:, None] + outs[None, :]  # [BLOCK_T, BLOCK_N]
                 old = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
@@ -190,8 +204,10 @@ def lora_slots(
     meta: torch.Tensor,  # [num_slots, 14] int64
     scales: torch.Tensor,  # [num_slots, num_modules] float32
     grouping: SlotGrouping | None = None,
+    gather_elements: bool = False,
 ) -> None:
-    """Add each token's adapter delta to ``outputs`` (see the module docstring)."""
+    """Add each token's adapter delta to ``outputs`` (see the module docstring).
+    ``gather_elements``: load element by element even where the tiles are aligned (to compare)."""
     check_arguments("lora_slots", x, outputs, weights, page_tables)
     num_tokens, num_slots = x.shape[0], page_tables.shape[0]
     if num_tokens == 0:
@@ -201,6 +217,8 @@ def lora_slots(
     # Triton's interpreter (3.9) multiplies 16-bit dots wrongly: there they run in float32.
     dot_fp32 = x.dtype != torch.float32 and runs_interpreted()
     split = num_splits(outputs)
+    a_aligned, b_aligned = alignment("lora_slots", x, outputs, weights.shape[1], meta, (BLOCK_K, BLOCK_N))
+    a_aligned, b_aligned = a_aligned and not gather_elements, b_aligned and not gather_elements
     padded = (*outputs, *(outputs[0],) * (3 - len(outputs)))  # absent modules: no program runs them
     grid = (triton.cdiv(num_tokens, BLOCK_T) + min(num_tokens, num_slots), len(outputs) * split)
     _lora_slots_kernel[grid](
@@ -232,4 +250,6 @@ def lora_slots(
         BLOCK_N=BLOCK_N,
         PRECISION="ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32",
         DOT_FP32=dot_fp32,
+        A_ALIGNED=a_aligned,
+        B_ALIGNED=b_aligned,
     )

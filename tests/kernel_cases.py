@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 from loraserve.kernels.lora import lora_reference
 
+from loraserve.lora.layout import aligned
+
 # (x, outputs, storage [L, P, E], layer, group, bounds, page_tables, meta [L, G, S, 14], scales [L, G, S, 3])
 SegmentsKernel = Callable[..., None]
 
@@ -78,7 +80,8 @@ def random_adapters(
 def pack(
     adapters: list, scattered: bool, seed: int, outs: tuple[int, ...] = OUTS
 ) -> tuple[torch.Tensor, list[list[int]], torch.Tensor]:
-    """Lay adapters out in storage ``[L, P, E]`` as lora/layout.py does (layer l holds weights * (l + 1)).
+    """Lay adapters out in storage ``[L, P, E]`` as lora/layout.py does (layer l holds weights * (l + 1);
+    the padding before an aligned B^T is NaN, so a kernel that reads it fails the check).
 
     Each adapter gets consecutive pages, or (``scattered``) pages in shuffled order across the
     pool. Returns the storage, each adapter's page ids and ``meta [L, 1, NUM_ADAPTERS, 14]``.
@@ -93,9 +96,10 @@ def pack(
                 meta += [0, 0, 0, 0]
                 continue
             rank = mod[0].shape[0]
-            meta += [column, rank, offset, out]
-            flat.append(mod[1].T.reshape(-1))
-            column, offset = column + rank, offset + rank * out
+            start = aligned(offset, out)  # B^T placed as lora/layout.py places it
+            meta += [column, rank, start, out]
+            flat += [torch.full((start - offset,), float("nan")), mod[1].T.reshape(-1)]
+            column, offset = column + rank, start + rank * out
         flats.append(torch.cat(flat))
         metas.append(meta)
     counts = [-(-flat.numel() // PAGE_ELEMS) for flat in flats]

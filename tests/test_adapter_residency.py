@@ -130,7 +130,9 @@ def test_weights_from_contiguous_and_fragmented_pages(tmp_path: Path, base: Any)
     env = Env(tmp_path, base, num_pages=40)
     contiguous = env.add("contiguous", 2, rank_pattern={"k_proj": 3, "model.layers.1.mlp.down_proj": 1})
     num_pages = env.manager.num_pages(contiguous)
-    assert env.manager.layout(contiguous).layer_elems == (2144, 1952) and num_pages == 9
+    # k's B^T of rank 3 and v's of rank 2 (rows of 32) end at 160 past a multiple of 64: B_o^T
+    # (rows of 64) starts 32 elements later, at a multiple of 64 (lora/layout.py: WEIGHT_ALIGN)
+    assert env.manager.layout(contiguous).layer_elems == (2144 + 32, 1952 + 32) and num_pages == 9
     assert env.manager.acquire(contiguous)
     assert env.manager.resident[contiguous].page_ids == list(range(9))
     env.check_weights("contiguous", contiguous)

@@ -14,7 +14,17 @@ import random
 
 import pytest
 import torch
-from kernel_cases import ATTENTION_CASES, ATTENTION_IDS, BS, HIDDEN, POPULARITY, decode_case, make_paged, run_segments
+from kernel_cases import (
+    ATTENTION_CASES,
+    ATTENTION_IDS,
+    BS,
+    HIDDEN,
+    PAGE_ELEMS,
+    POPULARITY,
+    decode_case,
+    make_paged,
+    run_segments,
+)
 from loraserve.kernels.paged_attention import paged_decode_attention
 
 triton_attention = pytest.importorskip("loraserve.kernels.triton_attention")
@@ -101,6 +111,35 @@ def test_lora_segments_any_width_and_tile_remainders(hidden: int, outs: tuple[in
     any tile, and several column tiles per module."""
     indices = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1] + [5] * 16 + [6] * 17 + [7] * 33
     run_segments(triton_segments, indices, seed=5, scattered=True, layer=1, hidden=hidden, outs=outs)
+
+
+@pytest.mark.parametrize(
+    "hidden, outs, expected",
+    [(128, (128, 64, 64), (True, True)), (64, (192, 32, 64), (True, False)), (48, (128,), (False, True))],
+    ids=["aligned", "aligned-shrink-only", "aligned-expand-only"],
+)
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
+def test_lora_segments_aligned_tiles(hidden: int, outs: tuple[int, ...], expected: tuple, scattered: bool) -> None:
+    """Widths that are multiples of the tiles: the kernels load each tile of a row from one page
+    (``aligned_tiles``), here over rows that start mid-page and adapters on several pages."""
+    x, meta = torch.zeros(1, hidden), torch.zeros(1, 14, dtype=torch.long)
+    widths = (triton_lora.SHRINK_BLOCK_K, triton_lora.EXPAND_BLOCK_N)
+    outputs = tuple(torch.zeros(1, out) for out in outs)
+    assert triton_lora.alignment("test", x, outputs, PAGE_ELEMS, meta, widths) == expected
+    indices = POPULARITY["skewed"](random.Random(4)) + [-1, 2, 2] + [5] * 17
+    run_segments(triton_segments, indices, seed=6, scattered=scattered, layer=1, hidden=hidden, outs=outs)
+
+
+def test_aligned_loads_refuse_misaligned_offsets_in_debug_mode() -> None:
+    """The aligned loads rely on lora/layout.py's alignment; the debug mode checks it."""
+    meta = torch.zeros(2, 14, dtype=torch.long)
+    meta[1, 0] = 64 * 3 + 8  # a group's A not at a multiple of WEIGHT_ALIGN
+    args = ("lora_segments", torch.zeros(1, 64), (torch.zeros(1, 64),), PAGE_ELEMS, meta, (64, 64))
+    with pytest.raises(ValueError, match="A offsets: 200 is not a multiple of 64"):
+        triton_lora.alignment(*args)
+    meta[1, 0], meta[0, 4] = 0, 96  # module 0's B^T
+    with pytest.raises(ValueError, match="B offsets: 96"):
+        triton_lora.alignment(*args)
 
 
 def test_lora_segments_bfloat16_close_to_float32_reference() -> None:

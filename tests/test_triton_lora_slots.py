@@ -78,6 +78,17 @@ def test_any_width_and_several_column_tiles(hidden: int, outs: tuple[int, ...]) 
     run_segments(slot_kernel, indices, seed=5, scattered=True, layer=1, hidden=hidden, outs=outs)
 
 
+@pytest.mark.parametrize(
+    "hidden, outs", [(128, (128, 64, 64)), (64, (192, 32, 64)), (48, (128,))], ids=["both", "shrink", "expand"]
+)
+def test_aligned_tiles(hidden: int, outs: tuple[int, ...]) -> None:
+    """Widths that are multiples of the tiles: each tile of a row read from one page
+    (``triton_lora.aligned_tiles``; which loads are aligned is checked in test_triton_kernels)."""
+    indices = [*POPULARITY["uniform"](random.Random(8)), -1, 3, 3]
+    shuffled = functools.partial(slot_kernel, shuffle=True)
+    run_segments(shuffled, indices, seed=8, scattered=True, layer=1, hidden=hidden, outs=outs)
+
+
 def test_float16_close_to_float32_reference() -> None:
     indices = POPULARITY["skewed"](random.Random(1))[:12]
     fp16 = functools.partial(slot_kernel, dtype=torch.float16)

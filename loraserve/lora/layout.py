@@ -8,8 +8,12 @@ weights, rank rows back to back (a row may cross a page boundary)::
 
 ``A_m`` is ``[r_m, in_m]`` and ``B_m^T`` is ``[r_m, out_m]``, both row-major. The A
 blocks of projections that share an input (q/k/v and gate/up) are adjacent, so one
-view gives their stacked shrink matrix. A layer takes ``sum_m r_m * (in_m + out_m)``
-elements: memory grows linearly with rank, with no padding to a maximum rank.
+view gives their stacked shrink matrix. A block (a group's stacked A, a module's B^T) whose
+rows are a multiple of ``WEIGHT_ALIGN`` (64) elements long starts at a multiple of 64, which
+lets the GPU kernels load aligned tiles (``kernels/lora.py``); in real models, every
+projection's sizes being multiples of 64, that adds nothing. A layer takes
+``sum_m r_m * (in_m + out_m)`` elements plus less than 64 per block: memory grows linearly
+with rank, with no padding to a maximum rank.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.adapters import LoRAAdapter
+from loraserve.kernels.lora import WEIGHT_ALIGN
 
 # Projections grouped by the input they read, in the order the model applies them.
 LORA_GROUPS: dict[str, tuple[str, ...]] = {
@@ -71,10 +76,13 @@ class AdapterLayout:
             a_slots: dict[str, tuple[int, int, int]] = {}  # module -> (a_offset, rank, in)
             offset = 0
             for modules in LORA_GROUPS.values():
+                group_start = True  # the group's A blocks are adjacent: one stacked matrix
                 for module in modules:
                     weights = adapter.weights.get((layer, module))
                     if weights is not None:
                         rank, in_features = weights.lora_a.shape
+                        offset = aligned(offset, in_features) if group_start else offset
+                        group_start = False
                         a_slots[module] = (offset, rank, in_features)
                         offset += rank * in_features
             groups: dict[str, GroupSlot] = {}
@@ -91,6 +99,7 @@ class AdapterLayout:
                     if group_offset < 0:
                         group_offset, group_in = a_offset, in_features
                     out_features = weights.lora_b.shape[0]
+                    offset = aligned(offset, out_features)
                     slots.append(
                         ModuleSlot(module, rank, in_features, out_features, a_offset, offset, column, weights.scale)
                     )
@@ -115,8 +124,23 @@ class AdapterLayout:
                 buffer[slot.b_offset : slot.b_offset + b_size].copy_(weights.lora_b.T.reshape(-1))
 
 
+def aligned(offset: int, row_length: int) -> int:
+    """Where a block of rows ``row_length`` long starts at ``offset`` or after: rounded up to a
+    multiple of ``WEIGHT_ALIGN`` if its rows are a multiple of it long (else ``offset``)."""
+    if row_length % WEIGHT_ALIGN:
+        return offset
+    return -(-offset // WEIGHT_ALIGN) * WEIGHT_ALIGN
+
+
 def max_rank_pages(module_shapes: dict[str, tuple[int, int]], rank: int, page_elems: int) -> int:
     """Pages of an adapter of every projection (``(in, out)`` each) at ``rank``: the size of one
     slot of a fixed adapter region (``adapter_region="fixed"``)."""
-    layer_elems = sum(rank * (in_features + out_features) for in_features, out_features in module_shapes.values())
-    return max(1, -(-layer_elems // page_elems))
+    present = [[module for module in modules if module in module_shapes] for modules in LORA_GROUPS.values()]
+    offset = 0
+    for modules in present:  # placed as for_adapter places them
+        if modules:
+            offset = aligned(offset, module_shapes[modules[0]][0])
+            offset += sum(rank * module_shapes[module][0] for module in modules)
+    for module in (module for modules in present for module in modules):
+        offset = aligned(offset, module_shapes[module][1]) + rank * module_shapes[module][1]
+    return max(1, -(-offset // page_elems))
