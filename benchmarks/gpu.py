@@ -56,7 +56,7 @@ def part_tests(args: argparse.Namespace) -> None:
         raise RuntimeError("no default model directory for the test fixtures (see LORASERVE_GPU_TOKENIZER)")
     files = ["tests/test_triton_kernels.py", "tests/test_triton_unified_attention.py", "tests/test_triton_fused.py",
              "tests/test_triton_lora_slots.py", "tests/test_triton_engine.py",
-             "tests/test_decode_graphs.py"]  # fmt: skip
+             "tests/test_decode_graphs.py", "tests/test_decode_path.py"]  # fmt: skip
     import importlib.util
 
     workers = ["-n", str(args.test_workers)] if args.test_workers > 1 and importlib.util.find_spec("xdist") else []

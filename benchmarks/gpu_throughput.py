@@ -114,8 +114,12 @@ def part_throughput(args: argparse.Namespace) -> None:
                 log(f"{key}: {results[key]}")
                 record("throughput", results)
         if graphs is not None:
-            results[f"loraserve[{kernels}{mode}] graphs"] = {"captures": graphs.num_captures,
-                                                             "replays": graphs.num_replays}  # fmt: skip
+            results[f"loraserve[{kernels}{mode}] graphs"] = {
+                "captures": graphs.num_captures,
+                "replays": graphs.num_replays,
+                # decode steps with adapters: the path timed faster per padded size (decode_path.py)
+                "adapter_decode_paths": llm.engine.stats().adapter_decode_paths,
+            }
         del llm
         free_gpu_cache()
 

@@ -180,6 +180,8 @@ def _expand_kernel(
     rank = tl.load(module_meta + META_RANK)
     b_offset = tl.load(module_meta + META_B_OFFSET)
     out_features = tl.load(module_meta + META_OUT_FEATURES)
+    if ALIGNED:  # a multiple of the tile: whole tiles in or out, so the output masks are per row
+        out_features = tl.multiple_of(out_features, BLOCK_N)
     if (first_token < end) & (rank > 0) & (first_col < out_features):
         tokens = first_token + tl.arange(0, BLOCK_T)  # [BLOCK_T]
         cols = first_col + tl.arange(0, BLOCK_N)  # [BLOCK_N]

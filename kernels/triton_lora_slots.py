@@ -144,6 +144,8 @@ def _lora_slots_kernel(
         rank = tl.load(module_meta + META_RANK)
         b_offset = tl.load(module_meta + META_B_OFFSET)
         out_features = tl.load(module_meta + META_OUT_FEATURES)
+        if B_ALIGNED:  # a multiple of the tile: whole tiles in or out, so the output masks are per row
+            out_features = tl.multiple_of(out_features, BLOCK_N)
         scale = tl.load(scales_ptr + slot * stride_scales + module)
         table = page_tables_ptr + slot * stride_table
         if module == 0:

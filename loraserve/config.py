@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from loraserve.decode_path import ADAPTER_DECODE_PATHS
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -54,6 +56,9 @@ class EngineConfig:
     Both non-default values exist to measure what the defaults buy (``benchmarks.many_adapters``).
     ``enforce_eager``: under the ``triton`` kernels, run decode steps eagerly as they come instead
     of padded to a captured size and replayed as CUDA graphs (``decode_graphs.py``).
+    ``adapter_decode_path``: with decode graphs, how decode-only steps with adapters run:
+    ``graph`` (replayed, adapters by slot), ``eager`` (adapters by segment) or ``auto`` (both
+    timed on the first such steps of each batch size, the faster kept; ``decode_path.py``).
     """
 
     model: str | None = None
@@ -76,6 +81,7 @@ class EngineConfig:
     kernels: str = "auto"
     cpu_gemm: str = "auto"
     enforce_eager: bool = False
+    adapter_decode_path: str = "auto"
     max_lora_rank: int = 512
     max_adapters: int = 10_000
     adapter_region: str = "unified"
@@ -134,6 +140,14 @@ class EngineConfig:
         )
         _require(
             self.host_adapter_cache_mb >= 0, f"host_adapter_cache_mb must be >= 0, got {self.host_adapter_cache_mb}"
+        )
+        _require(
+            self.adapter_decode_path in ADAPTER_DECODE_PATHS,
+            f"adapter_decode_path must be one of {ADAPTER_DECODE_PATHS}, got {self.adapter_decode_path!r}",
+        )
+        _require(
+            not (self.enforce_eager and self.adapter_decode_path == "graph"),
+            "adapter_decode_path='graph' replays decode graphs, which enforce_eager turns off",
         )
         _require(self.kernels in KERNEL_CHOICES, f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         _require(

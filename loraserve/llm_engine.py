@@ -21,6 +21,7 @@ from loraserve.adapters import (
     make_store,
 )
 from loraserve.config import ConfigError, EngineConfig
+from loraserve.decode_path import DecodePathChoice
 from loraserve.detokenizer import Detokenizer
 from loraserve.host_memory import keep_freed_blocks
 from loraserve.input_processor import InputProcessor, RequestError
@@ -135,6 +136,12 @@ class LLMEngine:
             self.adapters,
             StopChecker(self.detokenizer, eos_token_ids, self.max_model_len),
         )
+        decode_graphs = self.kernels.decode_graphs and not config.enforce_eager
+        if config.adapter_decode_path != "auto" and not decode_graphs:
+            raise ConfigError(
+                f"adapter_decode_path={config.adapter_decode_path!r} chooses between decode graphs and eager "
+                f"steps: it needs the triton kernels without enforce_eager (kernels: {self.kernels.name})"
+            )
         self.runner = ModelRunner(
             self.model,
             self.layout,
@@ -146,9 +153,10 @@ class LLMEngine:
             config.max_num_seqs,
             self.max_model_len,
             eos_token_ids,
-            decode_graphs=self.kernels.decode_graphs and not config.enforce_eager,
+            decode_graphs=decode_graphs,
             # Slot rows wide enough for rank 64 on every module: common adapters never regrow them.
             adapter_slot_pages=max_rank_pages(shapes.module_shapes, 64, self.layout.page_elems),
+            adapter_decode=DecodePathChoice(config.adapter_decode_path),
         )
         if self.runner.decode_graphs is not None:
             self.runner.decode_graphs.warm_up()  # CUDA: every padded decode size captured now
@@ -278,6 +286,7 @@ class LLMEngine:
             num_kv_tokens=sum(seq.num_computed_tokens for seq in running),
             num_running_adapters=len({seq.adapter_id for seq in running if seq.adapter_id is not None}),
             adapter_region_pages=self.pools.adapter_region_pages,
+            adapter_decode_paths={size: path.value for size, path in self.runner.adapter_decode.chosen.items()},
         )
 
     def has_unfinished_requests(self) -> bool:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from loraserve.decode_graphs import DecodeGraphs
+from loraserve.decode_path import DecodePath, DecodePathChoice
 from loraserve.forward_batch import ForwardBatch, PrefillBatch, attention_splits
 from loraserve.input_batch import InputBatch
 from loraserve.logits_adjustments import LogitsAdjustments
@@ -64,6 +65,7 @@ class PreparedStep:
     sampled_rows: np.ndarray  # [num_sampled] int64: input-batch rows of the sequences that sample
     sampled_positions: np.ndarray  # [num_sampled] int64: where their new tokens go in those rows
     sampling_index: list[int]  # indices into batch.seqs of the sequences that sample, in logits-row order
+    decode_path: tuple[int, DecodePath] | None = None  # (padded size, path) of a decode step with adapters
 
 
 class ModelRunner:
@@ -81,11 +83,13 @@ class ModelRunner:
         eos_token_ids: frozenset[int] = frozenset(),
         decode_graphs: bool = False,
         adapter_slot_pages: int = 8,
+        adapter_decode: DecodePathChoice | None = None,
     ) -> None:
         """``decode_graphs``: run decode-only steps padded on static buffers with adapters by slot
         (``decode_graphs.py``; the Triton backend), captured as CUDA graphs on a CUDA device.
         ``adapter_slot_pages``: the slot tables' first row width (a wider adapter grows them, and
-        the graphs are captured again)."""
+        the graphs are captured again). ``adapter_decode``: how decode-only steps with adapters
+        run under ``decode_graphs`` (``decode_path.py``; default: timed, the faster kept)."""
         self.model = model
         self.layout = layout
         self.device = device
@@ -122,6 +126,7 @@ class ModelRunner:
                 capture=device.type == "cuda",
                 splits_for_size=lambda size: self.attention_splits(size, max_model_len),
             )
+        self.adapter_decode = adapter_decode or DecodePathChoice()
         self.num_downloads = 0  # device-to-host copies of sampled ids (one per step that samples)
         self.eos_token_ids = eos_token_ids  # banned before a request's min_tokens
 
@@ -197,8 +202,13 @@ class ModelRunner:
             rows_of.min_ps[sampled_rows],
         ]
         slots_of: dict[str, int] | None = None
-        if self.adapter_slots is not None and num_decode == count and batch.adapters:
-            # A decode step that may replay a graph: adapters by slot, each token's slot uploaded.
+        decode_path: tuple[int, DecodePath] | None = None
+        graph_size = self.decode_graphs.padded_size(count) if self.decode_graphs is not None else None
+        if self.adapter_slots is not None and num_decode == count and batch.adapters and graph_size is not None:
+            decode_path = (graph_size, self.adapter_decode.path(graph_size))
+        if decode_path is not None and decode_path[1] is DecodePath.GRAPH:
+            # A decode step that replays a graph: adapters by slot, each token's slot uploaded.
+            assert self.adapter_slots is not None
             slots_of = self.adapter_slots.assign(batch.adapters)
             parts.append(np.array([slots_of.get(s.adapter_id or "", -1) for s in seqs], np.int64))
         adjusts = bool(rows_of.adjusts[sampled_rows].any())
@@ -257,7 +267,7 @@ class ModelRunner:
             prompt_spans=prompt_spans,
         )
         sampling_index = np.asarray(order, dtype=np.int64)[samples].tolist()
-        return PreparedStep(forward_batch, sampling, sampled_rows, totals[samples], sampling_index)
+        return PreparedStep(forward_batch, sampling, sampled_rows, totals[samples], sampling_index, decode_path)
 
     @staticmethod
     def _prompt_logprob_rows(
@@ -287,6 +297,7 @@ class ModelRunner:
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not batch.seqs:
             return sampled
+        started = self.adapter_decode.clock()
         step = self.prepare(batch)
         forward_batch, sampling = step.forward, step.sampling
         logits = self.decode_graphs.run(forward_batch) if self.decode_graphs is not None else None
@@ -305,6 +316,8 @@ class ModelRunner:
                 record_logprobs(logits, [batch.seqs[i] for i in sampling_index], tokens)
             for i, token in zip(sampling_index, tokens, strict=True):
                 sampled[i] = token
+        if step.decode_path is not None:  # the tokens are on the host: the step's GPU work is done
+            self.adapter_decode.record(*step.decode_path, started, len(batch.seqs))
         return sampled
 
 

@@ -37,6 +37,7 @@ class EngineStats:
     num_kv_tokens: int = 0  # tokens whose KV the running sequences hold (KV utilisation: / kv pages' slots)
     num_running_adapters: int = 0  # distinct adapters among the running sequences
     adapter_region_pages: int = 0  # pages of a fixed adapter region (adapter_region="fixed"); 0: unified
+    adapter_decode_paths: dict[int, str] = field(default_factory=dict)  # padded size -> path measured faster
 
     @property
     def num_adapter_evictions(self) -> int:

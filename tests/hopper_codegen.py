@@ -44,8 +44,9 @@ def compile_for_hopper(kernel: Any, constexprs: dict[str, Any]) -> str:
 
 
 def loads(ptx: str) -> dict[str, int]:
-    """Global loads by kind: ``ld.global.b16`` (one bf16), ``cp.async:16`` (a 16-byte async copy), ..."""
-    counts: Counter[str] = Counter(re.findall(r"ld\.global(?:\.[a-z0-9]+)+", ptx))
+    """Global loads and stores by kind: ``ld.global.b16`` (one bf16), ``st.global.v4.b32`` (16 bytes),
+    ``cp.async:16`` (a 16-byte async copy), ..."""
+    counts: Counter[str] = Counter(re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9]+)+", ptx))
     for size in re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", ptx):
         counts[f"cp.async:{int(size, 16)}"] += 1
     return dict(counts)

@@ -87,7 +87,7 @@ def test_graph_path_equals_eager_and_torch(
         raise AssertionError("per-sequence SDPA called under the triton kernels")
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", refuse)
-    graphed, llm = _generate(tiny_model_dir, adapter_dirs, "triton", **chunked)
+    graphed, llm = _generate(tiny_model_dir, adapter_dirs, "triton", adapter_decode_path="graph", **chunked)
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and graphs.num_steps >= 9  # decode steps took the padded path
     assert graphed == expected
@@ -98,7 +98,8 @@ def test_graph_path_equals_eager_and_torch(
 
 
 def _decoding(model_dir: Path, adapters: dict[str, Path], count: int, offset: int) -> LLMEngine:
-    llm = LLM(str(model_dir), kernels="triton", device=DEVICE, block_size=4, num_pages=300, max_num_seqs=8)
+    llm = LLM(str(model_dir), kernels="triton", device=DEVICE, block_size=4, num_pages=300, max_num_seqs=8,
+              adapter_decode_path="graph")  # fmt: skip
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     names: list[str | None] = [None, "r4-qv", "r24-all"]
@@ -221,7 +222,8 @@ def test_split_kv_decode_graphs_equal_torch(tiny_model_dir: Path, adapter_dirs: 
     """Decode steps whose attention is split into 4 shares per context (what a GPU with more
     multiprocessors than programs gets) give the torch references' tokens."""
     expected, _ = _generate(tiny_model_dir, adapter_dirs, "torch")
-    llm = LLM(str(tiny_model_dir), kernels="triton", device=DEVICE, block_size=4, num_pages=300, max_num_seqs=8)
+    llm = LLM(str(tiny_model_dir), kernels="triton", device=DEVICE, block_size=4, num_pages=300, max_num_seqs=8,
+              adapter_decode_path="graph")  # fmt: skip
     runner = llm.engine.runner
     graphs = runner.decode_graphs
     assert graphs is not None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from loraserve.config import CPU_GEMM_CHOICES, DTYPES, KERNEL_CHOICES, EngineConfig
+from loraserve.decode_path import ADAPTER_DECODE_PATHS
 from loraserve.entrypoints.startup_heap import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,14 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
         str,
         f"GEMM kernel of the linear layers on the CPU, one of {CPU_GEMM_CHOICES} (default auto: timed on this "
         "CPU per layer shape and row count at the first start, the choice cached per CPU kind)",
+    ),
+    (
+        "--adapter-decode-path",
+        "adapter_decode_path",
+        str,
+        f"Triton kernels with decode graphs: decode steps with adapters, one of {ADAPTER_DECODE_PATHS}: graph "
+        "(replayed, adapters by slot), eager (adapters by segment); default auto: both timed on the first "
+        "steps of each batch size, the faster kept",
     ),
 )
 
