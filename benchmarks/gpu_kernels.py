@@ -92,6 +92,20 @@ def part_kernels(args: argparse.Namespace) -> None:
     slot_args = (x, outputs, weights, token_slots, page_tables.to(dev), meta.to(dev), scales, grouping)
     t_slots = bench(partial(triton_lora_slots.lora_slots, *slot_args))
     t_slots_gathered = bench(partial(triton_lora_slots.lora_slots, *slot_args, gather_elements=True))
+    # Tile shapes of the slot kernel, for the next choice of its constants (rank rows per step of
+    # its rank loop, programs per token tile and module); each compiles once, here.
+    tile_sweep: dict[str, float] = {}
+    saved = triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT
+    tiles = [(32, 8), (64, 8)] if args.smoke else [(r, s) for r in (16, 32, 64) for s in (4, 8, 16)]
+    try:
+        for block_r, max_split in tiles:
+            triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT = block_r, max_split
+            tile_sweep[f"BLOCK_R={block_r} MAX_SPLIT={max_split}"] = bench(
+                partial(triton_lora_slots.lora_slots, *slot_args)
+            )
+    finally:
+        triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT = saved
+    log(f"slot LoRA tile sweep (ms; main: BLOCK_R={saved[0]} MAX_SPLIT={saved[1]}): {tile_sweep}")
     t_grouping = bench(partial(sort_by_slot, token_slots, 32))
     mean_rank = sum(ranks) // len(ranks)
     dense_a = torch.randn(3 * mean_rank, hidden, device=dev, dtype=bf16)
@@ -109,7 +123,7 @@ def part_kernels(args: argparse.Namespace) -> None:
     rows["lora slots"] = {"tokens": tokens, "adapters": 32, "slots_ms": t_slots, "dense_same_rank_ms": t_dense,
                           "ratio": t_slots / t_dense if t_dense else None, "grouping_ms": t_grouping,
                           "segments_ms": t_segments, "slots_gathered_ms": t_slots_gathered,
-                          "segments_gathered_ms": t_segments_gathered}  # fmt: skip
+                          "segments_gathered_ms": t_segments_gathered, "slots_tile_sweep_ms": tile_sweep}  # fmt: skip
     log(f"LoRA by slot, {tokens} tokens x 32 adapters (ranks 8-64, interleaved): {t_slots:.3f} ms; one dense "
         f"shrink+expand of rank {mean_rank}: {t_dense:.3f} ms; grouping the tokens by slot (once per step) "
         f"{t_grouping:.3f} ms; the segment kernels (eager steps, tokens grouped) {t_segments:.3f} ms; "

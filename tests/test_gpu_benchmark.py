@@ -22,7 +22,7 @@ def test_kernels_and_exact_parts_run_and_record(tmp_path: Path, default_model_di
     assert "kernels_error" not in results and "exact_error" not in results, results
     assert {"decode seqs=4 ctx=40 splits=1", "mixed step", "lora slots"} <= set(results["kernels"])
     lora_keys = {"slots_ms", "segments_ms", "dense_same_rank_ms", "grouping_ms"}
-    lora_keys |= {"slots_gathered_ms", "segments_gathered_ms"}  # the element-by-element loads, to compare
+    lora_keys |= {"slots_gathered_ms", "segments_gathered_ms", "slots_tile_sweep_ms"}  # comparisons
     assert lora_keys <= set(results["kernels"]["lora slots"])
     for kernels in ("triton", "torch"):  # the tiny model's greedy tokens equal HF + PEFT's
         assert results[f"exact_{kernels}"]["equal"] == results[f"exact_{kernels}"]["requests"] == 3
