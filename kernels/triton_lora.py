@@ -229,9 +229,10 @@ def check_arguments(
 
 def aligned_tiles(row_length: int, page_elems: int, width: int) -> bool:
     """Whether every ``width``-element tile at a multiple of ``width`` along a row of
-    ``row_length`` elements lies inside one page, for matrices starting at multiples of
-    ``WEIGHT_ALIGN`` (as ``lora/layout.py`` places them)."""
-    return WEIGHT_ALIGN % width == 0 and row_length % width == 0 and page_elems % width == 0
+    ``row_length`` elements lies inside one page: ``lora/layout.py`` starts a matrix whose rows
+    are a multiple of ``WEIGHT_ALIGN`` at a multiple of it, and ``width`` divides both that and
+    the page."""
+    return WEIGHT_ALIGN % width == 0 and row_length % WEIGHT_ALIGN == 0 and page_elems % width == 0
 
 
 def alignment(

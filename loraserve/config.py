@@ -146,8 +146,9 @@ class EngineConfig:
             f"adapter_decode_path must be one of {ADAPTER_DECODE_PATHS}, got {self.adapter_decode_path!r}",
         )
         _require(
-            not (self.enforce_eager and self.adapter_decode_path == "graph"),
-            "adapter_decode_path='graph' replays decode graphs, which enforce_eager turns off",
+            not (self.enforce_eager and self.adapter_decode_path != "auto"),
+            f"adapter_decode_path={self.adapter_decode_path!r} chooses how decode steps with adapters use the "
+            "decode graphs, which enforce_eager turns off",
         )
         _require(self.kernels in KERNEL_CHOICES, f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         _require(

@@ -81,6 +81,12 @@ class LLMEngine:
             )
         elif config.cpu_gemm != "auto":
             raise ConfigError(f"cpu_gemm={config.cpu_gemm!r} needs the compiled CPU kernels (kernels 'cpu')")
+        decode_graphs = self.kernels.decode_graphs and not config.enforce_eager
+        if config.adapter_decode_path != "auto" and not decode_graphs:
+            raise ConfigError(
+                f"adapter_decode_path={config.adapter_decode_path!r} chooses between decode graphs and eager "
+                f"steps: it needs the triton kernels (kernels: {self.kernels.name})"
+            )
         # The CPU GEMM kernel of each linear layer shape and row bucket (empty off the cpu backend).
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
         self.model, self.gemm_plan = load_model(
@@ -136,12 +142,6 @@ class LLMEngine:
             self.adapters,
             StopChecker(self.detokenizer, eos_token_ids, self.max_model_len),
         )
-        decode_graphs = self.kernels.decode_graphs and not config.enforce_eager
-        if config.adapter_decode_path != "auto" and not decode_graphs:
-            raise ConfigError(
-                f"adapter_decode_path={config.adapter_decode_path!r} chooses between decode graphs and eager "
-                f"steps: it needs the triton kernels without enforce_eager (kernels: {self.kernels.name})"
-            )
         self.runner = ModelRunner(
             self.model,
             self.layout,

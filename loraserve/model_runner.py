@@ -316,7 +316,7 @@ class ModelRunner:
                 record_logprobs(logits, [batch.seqs[i] for i in sampling_index], tokens)
             for i, token in zip(sampling_index, tokens, strict=True):
                 sampled[i] = token
-        if step.decode_path is not None:  # the tokens are on the host: the step's GPU work is done
+        if step.decode_path is not None and sampling_index:  # tokens on the host: the step's GPU work is done
             self.adapter_decode.record(*step.decode_path, started, len(batch.seqs))
         return sampled
 

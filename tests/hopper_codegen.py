@@ -55,6 +55,8 @@ def loads(ptx: str) -> dict[str, int]:
 def main() -> None:
     shrink = dict(PAGE_ELEMS=PAGE_ELEMS, PRECISION="tf32", BLOCK_T=16, DOT_FP32=False,
                   BLOCK_R=triton_lora.SHRINK_BLOCK_R, BLOCK_K=triton_lora.SHRINK_BLOCK_K)  # fmt: skip
+    expand = dict(PAGE_ELEMS=PAGE_ELEMS, PRECISION="tf32", BLOCK_T=16, DOT_FP32=False,
+                  BLOCK_N=triton_lora.EXPAND_BLOCK_N, BLOCK_R=triton_lora.EXPAND_BLOCK_R)  # fmt: skip
     slots = triton_lora_slots
     slot = dict(PAGE_ELEMS=PAGE_ELEMS, N_SPLIT=8, BLOCK_T=slots.BLOCK_T, BLOCK_R=slots.BLOCK_R, BLOCK_K=slots.BLOCK_K,
                 BLOCK_N=slots.BLOCK_N, PRECISION="tf32", DOT_FP32=False)  # fmt: skip
@@ -62,6 +64,8 @@ def main() -> None:
     for aligned in (True, False):
         shrink_ptx = compile_for_hopper(triton_lora._shrink_kernel, dict(shrink, ALIGNED=aligned))
         result[f"shrink aligned={aligned}"] = loads(shrink_ptx)
+        expand_ptx = compile_for_hopper(triton_lora._expand_kernel, dict(expand, ALIGNED=aligned))
+        result[f"expand aligned={aligned}"] = loads(expand_ptx)
         constexprs = dict(slot, A_ALIGNED=aligned, B_ALIGNED=aligned)
         result[f"slots aligned={aligned}"] = loads(compile_for_hopper(slots._lora_slots_kernel, constexprs))
     print(json.dumps(result))

@@ -43,7 +43,7 @@ def test_every_option(tmp_path: Path) -> None:
         "--max-num-batched-tokens", "128", "--device", "cpu", "--dtype", "bfloat16", "--no-enable-prefix-caching",
         "--max-lora-rank", "32", "--max-adapters", "7", "--enforce-eager", "--max-request-body-mb", "2",
         "--max-n", "3", "--max-prompt-tokens", "100", "--max-output-tokens", "50", "--max-requests-per-key", "9",
-        "--shutdown-timeout", "5", "--adapter-decode-path", "eager",
+        "--shutdown-timeout", "5",
     )  # fmt: skip
     config = build_engine_config(args)
     assert config.enable_prefix_caching is False
@@ -54,7 +54,7 @@ def test_every_option(tmp_path: Path) -> None:
     assert settings.allowed_lora_dirs == (str(tmp_path.resolve()), str((tmp_path / "b").resolve()))
     assert settings.max_upload_bytes == 3 * 2**20
     assert (config.max_lora_rank, config.max_adapters, config.enforce_eager) == (32, 7, True)
-    assert config.adapter_decode_path == "eager"
+    assert build_engine_config(parse("--adapter-decode-path", "eager")).adapter_decode_path == "eager"
     assert (settings.max_request_body_bytes, settings.max_n, settings.max_requests_per_key) == (2 * 2**20, 3, 9)
     assert (settings.max_prompt_tokens, settings.max_output_tokens, args.shutdown_timeout) == (100, 50, 5.0)
 

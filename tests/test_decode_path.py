@@ -2,7 +2,7 @@
 both paths are timed on the first such steps of each padded size (each path's first step not
 counted) and the faster kept; ``graph`` or ``eager`` fixes it. The engine tests make one path look
 slower through the choice's clock and check which path later steps take, the tokens (equal to
-the torch references either way), ``stats()`` and ``/health``'s source; options are validated."""
+the torch references either way) and ``stats()`` (what ``/health`` shows); options are validated."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ class ManualClock:
 
 
 def run_steps(choice: DecodePathChoice, clock: ManualClock, size: int, seconds: dict[DecodePath, float], steps: int,
-              num_seqs: int = 4, first: float = 0.0) -> list[DecodePath]:  # fmt: skip
-    """``steps`` steps at ``size``, each taking ``seconds[path]`` (``first`` more for a path's first)."""
+              num_seqs: int = 4, first: dict[DecodePath, float] | None = None) -> list[DecodePath]:  # fmt: skip
+    """``steps`` steps at ``size``, each taking ``seconds[path]`` (``first[path]`` more for a path's first)."""
     paths = []
     for _ in range(steps):
         path = choice.path(size)
         started = clock()
-        clock.now += seconds[path] + (first if path not in paths else 0.0)
+        clock.now += seconds[path] + ((first or {}).get(path, 0.0) if path not in paths else 0.0)
         choice.record(size, path, started, num_seqs)
         paths.append(path)
     return paths
@@ -57,7 +57,7 @@ def test_first_step_of_a_path_is_not_counted() -> None:
     """A path's first step compiles kernels or captures graphs: were it counted, the graphs would lose."""
     clock = ManualClock()
     choice = DecodePathChoice("auto", trials=1, clock=clock)
-    run_steps(choice, clock, 4, {GRAPH: 1.0, EAGER: 2.0}, steps=4, first=100.0)
+    run_steps(choice, clock, 4, {GRAPH: 1.0, EAGER: 2.0}, steps=4, first={GRAPH: 100.0})
     assert choice.chosen == {4: GRAPH}
 
 
@@ -81,12 +81,13 @@ def test_fixed_paths_and_bad_options() -> None:
         DecodePathChoice("fastest")
     with pytest.raises(ConfigError, match="adapter_decode_path must be one of"):
         EngineConfig(adapter_decode_path="fastest")
-    with pytest.raises(ConfigError, match="enforce_eager"):
-        EngineConfig(adapter_decode_path="graph", enforce_eager=True)
+    for mode in ("graph", "eager"):
+        with pytest.raises(ConfigError, match="enforce_eager"):
+            EngineConfig(adapter_decode_path=mode, enforce_eager=True)
 
 
 def test_a_fixed_path_needs_decode_graphs(tiny_model_dir: Path) -> None:
-    with pytest.raises(ConfigError, match="needs the triton kernels without enforce_eager"):
+    with pytest.raises(ConfigError, match="needs the triton kernels"):
         LLM(str(tiny_model_dir), kernels="torch", num_pages=50, adapter_decode_path="eager")
 
 

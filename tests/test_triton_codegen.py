@@ -50,6 +50,13 @@ def test_shrink_loads_aligned_tiles_by_async_16_byte_copies(hopper_loads: dict[s
     assert aligned.get("cp.async:16", 0) > gathered.get("cp.async:16", 0)
 
 
+def test_expand_loads_aligned_tiles_by_async_16_byte_copies(hopper_loads: dict[str, dict[str, int]]) -> None:
+    aligned, gathered = hopper_loads["expand aligned=True"], hopper_loads["expand aligned=False"]
+    assert aligned.get("cp.async:16", 0) > gathered.get("cp.async:16", 0)
+    # what stays 2-byte is the read of v (its row stride is a per-step integer, not specialised)
+    assert aligned.get("ld.global.b16", 0) < gathered.get("ld.global.b16", 0) / 4
+
+
 def test_slot_kernel_moves_aligned_tiles_16_bytes_at_a_time(hopper_loads: dict[str, dict[str, int]]) -> None:
     aligned, gathered = hopper_loads["slots aligned=True"], hopper_loads["slots aligned=False"]
     # A and B^T tiles as 16-byte async copies, the outputs read and written 16 bytes at a time
