@@ -5,14 +5,15 @@ run eagerly with adapters by segment (``triton_lora``). Which is faster depends 
 model and the adapters' ranks, so by default (``adapter_decode_path="auto"``) the runner times
 both: for each padded batch size, the first such steps alternate between the two paths; each
 path's first step is not counted (it compiles kernels, captures graphs); after ``trials`` timed
-steps of each, the path with the lower median time per sequence is kept for that size. Steps
-without adapters always replay the graphs. ``graph`` or ``eager`` fixes the path instead.
+steps of each, the path whose fastest step took less time per sequence is kept for that size (a
+later compilation or capture, when the slot tables grow, only makes a step slower, so the
+fastest is the path's own cost). Steps without adapters always replay the graphs. ``graph`` or
+``eager`` fixes the path instead.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from enum import Enum
@@ -66,7 +67,7 @@ class DecodePathChoice:
         self._seconds.setdefault(key, []).append(seconds / num_seqs)
         timed = [self._seconds.get((size, p), []) for p in (DecodePath.GRAPH, DecodePath.EAGER)]
         if min(len(t) for t in timed) >= self.trials:
-            graph_us, eager_us = (1e6 * statistics.median(t) for t in timed)
+            graph_us, eager_us = (1e6 * min(t) for t in timed)
             self.chosen[size] = DecodePath.GRAPH if graph_us <= eager_us else DecodePath.EAGER
             logger.info(
                 "decode steps with adapters at batch size %d: %s (per sequence: graph %.1f us, eager %.1f us)",

@@ -61,6 +61,18 @@ def test_first_step_of_a_path_is_not_counted() -> None:
     assert choice.chosen == {4: GRAPH}
 
 
+def test_a_slow_timed_step_does_not_decide() -> None:
+    """A graph step that captures every graph again (the slot tables grew) is slow once; the
+    path's fastest step is its cost."""
+    clock = ManualClock()
+    choice = DecodePathChoice("auto", trials=2, clock=clock)
+    for path, seconds in [(GRAPH, 9.0), (EAGER, 9.0), (GRAPH, 1.0), (EAGER, 2.0), (GRAPH, 50.0), (EAGER, 2.0)]:
+        started = clock()
+        clock.now += seconds
+        choice.record(8, path, started, 1)
+    assert choice.chosen == {8: GRAPH}
+
+
 def test_time_is_compared_per_sequence() -> None:
     clock = ManualClock()
     choice = DecodePathChoice("auto", trials=1, clock=clock)
