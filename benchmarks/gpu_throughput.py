@@ -119,6 +119,7 @@ def part_throughput(args: argparse.Namespace) -> None:
                 "replays": graphs.num_replays,
                 # decode steps with adapters: the path timed faster per padded size (decode_path.py)
                 "adapter_decode_paths": llm.engine.stats().adapter_decode_paths,
+                "adapter_decode_us_graph_eager": llm.engine.runner.adapter_decode.measured_us,
             }
         del llm
         free_gpu_cache()

@@ -41,6 +41,7 @@ class DecodePathChoice:
         self.trials = trials
         self.clock = clock
         self.chosen: dict[int, DecodePath] = {}  # padded size -> the path measured faster
+        self.measured_us: dict[int, tuple[float, float]] = {}  # padded size -> (graph, eager) us per sequence
         self._warmed: set[tuple[int, DecodePath]] = set()
         self._seconds: dict[tuple[int, DecodePath], list[float]] = {}  # per sequence, each timed step
 
@@ -68,6 +69,7 @@ class DecodePathChoice:
         timed = [self._seconds.get((size, p), []) for p in (DecodePath.GRAPH, DecodePath.EAGER)]
         if min(len(t) for t in timed) >= self.trials:
             graph_us, eager_us = (1e6 * min(t) for t in timed)
+            self.measured_us[size] = (graph_us, eager_us)
             self.chosen[size] = DecodePath.GRAPH if graph_us <= eager_us else DecodePath.EAGER
             logger.info(
                 "decode steps with adapters at batch size %d: %s (per sequence: graph %.1f us, eager %.1f us)",

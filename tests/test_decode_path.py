@@ -47,7 +47,7 @@ def test_auto_alternates_then_keeps_the_faster_per_size() -> None:
     choice = DecodePathChoice("auto", trials=2, clock=clock)
     paths = run_steps(choice, clock, 8, {GRAPH: 3.0, EAGER: 1.0}, steps=8)
     assert paths == [GRAPH, EAGER] * 3 + [EAGER, EAGER]  # a warm step and two timed steps of each, then eager
-    assert choice.chosen == {8: EAGER}
+    assert choice.chosen == {8: EAGER} and choice.measured_us == {8: (3e6 / 4, 1e6 / 4)}  # per sequence
     assert choice.path(16) is GRAPH  # another size is measured on its own
     run_steps(choice, clock, 16, {GRAPH: 1.0, EAGER: 2.0}, steps=6)
     assert choice.chosen == {8: EAGER, 16: GRAPH}
