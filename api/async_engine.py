@@ -25,14 +25,22 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from loraserve.llm_engine import LLMEngine
 from loraserve.outputs import RequestOutput
 from loraserve.request import make_output
 from loraserve.sampling_params import SamplingParams
 
+from .engine_commands import (
+    AbortCommand,
+    AddCommand,
+    CallCommand,
+    EngineCommand,
+    EngineObserver,
+    FinishAllCommand,
+    StopCommand,
+)
 from .request_stream import (
     EngineDeadError,
     EngineDrainingError,
@@ -63,57 +71,13 @@ _THREAD_NAME = "loraserve-engine"
 _IDLE_WAKE_S = 0.5
 
 
-class EngineObserver(Protocol):
-    """Receives request events on the engine thread (used for metrics); must not block."""
-
-    def request_started(self, request_id: str, adapter_name: str | None, arrival_time: float) -> None: ...
-
-    def request_output(self, output: RequestOutput, now: float) -> None: ...
-
-    def request_ended(self, request_id: str) -> None: ...
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    adapter_name: str | None
-    stream: RequestStream
-    accepted: concurrent.futures.Future[None]
-    arrival_time: float
-    cache_salt: str | None = None
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    result: concurrent.futures.Future[Any]
-
-
-class _FinishAll:
-    """End every request in flight now, each with its output so far and finish reason ``abort``."""
-
-
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Call | _FinishAll | _Stop
-
-
 class AsyncEngine:
     """Runs ``engine.step()`` on a background thread while there is work; see the module docstring."""
 
     def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None) -> None:
         self.engine = engine
         self.observer = observer
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -167,7 +131,7 @@ class AsyncEngine:
         """End every request in flight at once: each gets its output so far, finished with reason
         ``abort`` (the end of a drain that ran out of time)."""
         if self.is_running:
-            self._commands.put(_FinishAll())
+            self._commands.put(FinishAllCommand())
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine loop; requests still in flight are aborted and their streams fail.
@@ -179,7 +143,7 @@ class AsyncEngine:
             self._stopped = True
             thread = self._thread
         if thread is not None and thread.is_alive():
-            self._commands.put(_Stop())
+            self._commands.put(StopCommand())
             if thread.name != _THREAD_NAME or thread is threading.current_thread():
                 return
             thread.join(timeout)
@@ -203,7 +167,7 @@ class AsyncEngine:
         """
         stream = RequestStream(request_id, asyncio.get_running_loop(), self.post_abort)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._post(_Add(request_id, prompt, params, adapter_name, stream, accepted, time.monotonic(), cache_salt))
+        self._post(AddCommand(request_id, prompt, params, adapter_name, stream, accepted, time.monotonic(), cache_salt))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -238,15 +202,15 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (or raise)."""
         result: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._post(_Call(fn, result))
+        self._post(CallCommand(fn, result))
         return await asyncio.wrap_future(result)
 
     def post_abort(self, request_id: str) -> None:
         """Abort a request (no-op when unknown or finished). Never blocks, never raises."""
         if self.is_running:
-            self._commands.put(_Abort(request_id))
+            self._commands.put(AbortCommand(request_id))
 
-    def _post(self, command: _Command) -> None:
+    def _post(self, command: EngineCommand) -> None:
         self.start()
         self._commands.put(command)
 
@@ -276,7 +240,7 @@ class AsyncEngine:
         except queue.Empty:
             return True
         while True:
-            if isinstance(command, _Stop):
+            if isinstance(command, StopCommand):
                 return False
             self._execute(command)
             try:
@@ -284,8 +248,8 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _execute(self, command: _Command) -> None:
-        if isinstance(command, _Add):
+    def _execute(self, command: EngineCommand) -> None:
+        if isinstance(command, AddCommand):
             if not command.accepted.set_running_or_notify_cancel():
                 return  # the caller gave up before we got here; its abort follows
             if self.draining:
@@ -303,13 +267,13 @@ class AsyncEngine:
             self._streams[command.request_id] = command.stream
             self._notify("request_started", command.request_id, command.adapter_name, command.arrival_time)
             command.accepted.set_result(None)
-        elif isinstance(command, _Abort):
+        elif isinstance(command, AbortCommand):
             stream = self._streams.pop(command.request_id, None)
             self.engine.abort_request(command.request_id)
             if stream is not None:
                 self._notify("request_ended", command.request_id)
                 stream.deliver(RequestAbortedError(f"request {command.request_id} was aborted"))
-        elif isinstance(command, _FinishAll):
+        elif isinstance(command, FinishAllCommand):
             streams, self._streams = self._streams, {}
             for request_id, stream in streams.items():
                 request = self.engine.requests.get(request_id)
@@ -319,7 +283,7 @@ class AsyncEngine:
                     stream.deliver(RequestAbortedError(f"request {request_id} was aborted"))
                 else:  # its samples now carry finish reason abort
                     stream.deliver(make_output(request))
-        elif isinstance(command, _Call):
+        elif isinstance(command, CallCommand):
             if not command.result.set_running_or_notify_cancel():
                 return
             try:
@@ -359,7 +323,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            future = command.accepted if isinstance(command, _Add) else getattr(command, "result", None)
+            future = command.accepted if isinstance(command, AddCommand) else getattr(command, "result", None)
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError("the engine loop stopped"))
 
