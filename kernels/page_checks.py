@@ -15,12 +15,18 @@ import torch
 ENABLED = os.environ.get("LORASERVE_CHECK_PAGE_IDS") == "1"
 
 
+def _checks(values: torch.Tensor) -> bool:
+    """Whether to check ``values`` now: the debug mode is on, and no CUDA graph is being recorded
+    (it may not read the device; its eager warm-up was checked)."""
+    if not ENABLED or values.numel() == 0:
+        return False
+    return not (values.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def check_range(name: str, ids: torch.Tensor, low: int, high: int) -> None:
     """With the debug mode on: every element of ``ids`` in ``[low, high)``, or a ValueError."""
-    if not ENABLED or ids.numel() == 0:
+    if not _checks(ids):
         return
-    if ids.is_cuda and torch.cuda.is_current_stream_capturing():
-        return  # a CUDA graph being recorded may not read the device; its eager warm-up checked
     smallest, largest = int(ids.min()), int(ids.max())
     if smallest < low or largest >= high:
         bad = smallest if smallest < low else largest
@@ -29,9 +35,7 @@ def check_range(name: str, ids: torch.Tensor, low: int, high: int) -> None:
 
 def check_multiples(name: str, values: torch.Tensor, factor: int) -> None:
     """With the debug mode on: every element of ``values`` a multiple of ``factor``, or a ValueError."""
-    if not ENABLED or values.numel() == 0:
-        return
-    if values.is_cuda and torch.cuda.is_current_stream_capturing():
+    if not _checks(values):
         return
     bad = values[values % factor != 0]
     if bad.numel():

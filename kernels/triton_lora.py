@@ -58,20 +58,34 @@ META_OUT_FEATURES = tl.constexpr(SegmentMeta.OUT_FEATURES)
 
 
 @triton.jit
-def _load_from_pages(weights_ptr, table, elems, mask, PAGE_ELEMS: tl.constexpr):
-    """Elements ``elems`` of an adapter's flat layer buffer, found through its page table."""
-    pages = tl.load(table + elems // PAGE_ELEMS, mask=mask, other=0)
-    return tl.load(weights_ptr + pages * PAGE_ELEMS + elems % PAGE_ELEMS, mask=mask, other=0.0)
-
-
-@triton.jit
-def _load_tiles_from_pages(weights_ptr, table, starts, row_mask, WIDTH: tl.constexpr, PAGE_ELEMS: tl.constexpr):
-    """``[len(starts), WIDTH]``: elements ``starts[i] .. starts[i] + WIDTH`` of an adapter's flat
-    layer buffer, each run inside one page (the caller's guarantee: ``WIDTH`` divides every start
-    and ``PAGE_ELEMS``), so one page id per row and contiguous, vectorised loads."""
-    pages = tl.load(table + starts // PAGE_ELEMS, mask=row_mask, other=0)  # [R]
-    bases = tl.multiple_of(pages * PAGE_ELEMS + starts % PAGE_ELEMS, WIDTH)  # [R]
-    return tl.load(weights_ptr + bases[:, None] + tl.arange(0, WIDTH)[None, :], mask=row_mask[:, None], other=0.0)
+def _load_weight_tiles(
+    weights_ptr,
+    table,
+    row_starts,
+    first_col,
+    row_length,
+    row_mask,
+    WIDTH: tl.constexpr,
+    PAGE_ELEMS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """``[R, WIDTH]``: columns ``first_col ..`` of ``R`` rows (row ``i`` starts at element
+    ``row_starts[i]`` of an adapter's flat layer buffer), found through its page table; zeros past
+    the row or for masked rows. ``ALIGNED`` (the caller's guarantee, ``aligned_tiles``): each run
+    lies inside one page, so one page id per row and a contiguous, vectorised load; otherwise
+    the page of every element (``weights[page_table[e // page_elems], e % page_elems]``)."""
+    if ALIGNED:
+        starts = row_starts + first_col  # [R]
+        pages = tl.load(table + starts // PAGE_ELEMS, mask=row_mask, other=0)  # [R]
+        bases = tl.multiple_of(pages * PAGE_ELEMS + starts % PAGE_ELEMS, WIDTH)  # [R]
+        ptrs = weights_ptr + bases[:, None] + tl.arange(0, WIDTH)[None, :]  # [R, WIDTH]
+        return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        cols = first_col + tl.arange(0, WIDTH)  # [WIDTH]
+        elems = row_starts[:, None] + cols[None, :]  # [R, WIDTH]
+        mask = row_mask[:, None] & (cols < row_length)[None, :]
+        pages = tl.load(table + elems // PAGE_ELEMS, mask=mask, other=0)
+        return tl.load(weights_ptr + pages * PAGE_ELEMS + elems % PAGE_ELEMS, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -126,12 +140,10 @@ def _shrink_kernel(
                 mask=token_mask[:, None] & col_mask[None, :],
                 other=0.0,
             )  # [BLOCK_T, BLOCK_K]
-            if ALIGNED:
-                starts = a_offset + rows * in_features + k  # [BLOCK_R]
-                a = _load_tiles_from_pages(weights_ptr, table, starts, row_mask, BLOCK_K, PAGE_ELEMS)
-            else:
-                elems = a_offset + rows[:, None] * in_features + cols[None, :]  # [BLOCK_R, BLOCK_K]
-                a = _load_from_pages(weights_ptr, table, elems, row_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
+            row_starts = a_offset + rows * in_features  # [BLOCK_R]
+            a = _load_weight_tiles(
+                weights_ptr, table, row_starts, k, in_features, row_mask, BLOCK_K, PAGE_ELEMS, ALIGNED
+            )  # [BLOCK_R, BLOCK_K]
             acc = _dot(x, tl.trans(a), acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_R]
         tl.store(
             v_ptr + tokens[:, None] * stride_v + rows[None, :],
@@ -197,12 +209,10 @@ def _expand_kernel(
                 mask=token_mask[:, None] & rank_mask[None, :],
                 other=0.0,
             )  # [BLOCK_T, BLOCK_R]
-            if ALIGNED:
-                starts = b_offset + ranks * out_features + first_col  # [BLOCK_R]
-                b = _load_tiles_from_pages(weights_ptr, table, starts, rank_mask, BLOCK_N, PAGE_ELEMS)
-            else:
-                elems = b_offset + ranks[:, None] * out_features + cols[None, :]  # [BLOCK_R, BLOCK_N]
-                b = _load_from_pages(weights_ptr, table, elems, rank_mask[:, None] & col_mask[None, :], PAGE_ELEMS)
+            row_starts = b_offset + ranks * out_features  # [BLOCK_R]
+            b = _load_weight_tiles(
+                weights_ptr, table, row_starts, first_col, out_features, rank_mask, BLOCK_N, PAGE_ELEMS, ALIGNED
+            )
             acc = _dot(v, b, acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_N]
         scale = tl.load(scales_ptr + segment * stride_scales + module)
         if module == 0:

@@ -57,8 +57,7 @@ from loraserve.kernels.triton_lora import (
     META_OUT_FEATURES,
     META_RANK,
     _dot,
-    _load_from_pages,
-    _load_tiles_from_pages,
+    _load_weight_tiles,
     alignment,
     check_arguments,
 )
@@ -158,6 +157,8 @@ def _lora_slots_kernel(
         for r in range(0, rank, BLOCK_R):
             ranks = r + tl.arange(0, BLOCK_R)  # [BLOCK_R]
             rank_mask = ranks < rank
+            a_rows = a_offset + (column + ranks) * in_features  # [BLOCK_R], where each A row starts
+            b_rows = b_offset + ranks * out_features  # [BLOCK_R], each B^T row
             v = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
             for k in range(0, in_features, BLOCK_K):
                 cols = k + tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -167,25 +168,17 @@ def _lora_slots_kernel(
                     mask=token_mask[:, None] & col_mask[None, :],
                     other=0.0,
                 )  # [BLOCK_T, BLOCK_K]
-                if A_ALIGNED:
-                    starts = a_offset + (column + ranks) * in_features + k  # [BLOCK_R]
-                    a = _load_tiles_from_pages(weights_ptr, table, starts, rank_mask, BLOCK_K, PAGE_ELEMS)
-                else:
-                    elems = a_offset + (column + ranks[:, None]) * in_features + cols[None, :]  # [BLOCK_R, BLOCK_K]
-                    a_mask = rank_mask[:, None] & col_mask[None, :]
-                    a = _load_from_pages(weights_ptr, table, elems, a_mask, PAGE_ELEMS)
+                a = _load_weight_tiles(
+                    weights_ptr, table, a_rows, k, in_features, rank_mask, BLOCK_K, PAGE_ELEMS, A_ALIGNED
+                )  # [BLOCK_R, BLOCK_K]
                 v = _dot(x, tl.trans(a), v, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_R]
             v_low = (v * scale).to(x_ptr.dtype.element_ty)
             for tile in range(split, num_col_tiles, N_SPLIT):
                 outs = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
                 out_mask = token_mask[:, None] & (outs < out_features)[None, :]
-                if B_ALIGNED:
-                    starts = b_offset + ranks * out_features + tile * BLOCK_N  # [BLOCK_R]
-                    b = _load_tiles_from_pages(weights_ptr, table, starts, rank_mask, BLOCK_N, PAGE_ELEMS)
-                else:
-                    elems = b_offset + ranks[:, None] * out_features + outs[None, :]  # [BLOCK_R, BLOCK_N]
-                    b_mask = rank_mask[:, None] & (outs < out_features)[None, :]
-                    b = _load_from_pages(weights_ptr, table, elems, b_mask, PAGE_ELEMS)
+                b = _load_weight_tiles(
+                    weights_ptr, table, b_rows, tile * BLOCK_N, out_features, rank_mask, BLOCK_N, PAGE_ELEMS, B_ALIGNED
+                )  # [BLOCK_R, BLOCK_N]
                 delta = _dot(v_low, b, tl.zeros((BLOCK_T, BLOCK_N), tl.float32), PRECISION, DOT_FP32)
                 out_ptrs = out_rows[:, None] + outs[None, :]  # [BLOCK_T, BLOCK_N]
                 old = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)

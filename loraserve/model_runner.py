@@ -203,9 +203,10 @@ class ModelRunner:
         ]
         slots_of: dict[str, int] | None = None
         decode_path: tuple[int, DecodePath] | None = None
-        graph_size = self.decode_graphs.padded_size(count) if self.decode_graphs is not None else None
-        if self.adapter_slots is not None and num_decode == count and batch.adapters and graph_size is not None:
-            decode_path = (graph_size, self.adapter_decode.path(graph_size))
+        if self.decode_graphs is not None and num_decode == count and batch.adapters:
+            graph_size = self.decode_graphs.padded_size(count)  # a decode step with adapters a graph could take
+            if graph_size is not None:
+                decode_path = (graph_size, self.adapter_decode.path(graph_size))
         if decode_path is not None and decode_path[1] is DecodePath.GRAPH:
             # A decode step that replays a graph: adapters by slot, each token's slot uploaded.
             assert self.adapter_slots is not None
