@@ -20,6 +20,8 @@ import torch
 
 from loraserve.sequence import Sequence
 
+_MAX_CODES = 1 << 16  # adapter codes kept before renumbering the live rows' adapters
+
 
 class InputBatch:
     def __init__(
@@ -42,6 +44,11 @@ class InputBatch:
         self.min_ps = np.zeros(max_num_seqs, dtype=np.float64)
         self.adjusts = np.zeros(max_num_seqs, dtype=bool)  # penalties, logit bias, min_tokens, masks
         self.logprobs = np.zeros(max_num_seqs, dtype=bool)  # asks for the sampled tokens' logprobs
+        # A number per adapter (0: the base model), so a step groups its rows by adapter with one
+        # sort: codes in order of first use, renumbered when more than ``_MAX_CODES`` were given.
+        self.adapter_codes = np.zeros(max_num_seqs, dtype=np.int64)
+        self._adapter_of_row: list[str | None] = [None] * max_num_seqs
+        self._codes: dict[str, int] = {}
         self._num_synced = np.zeros(max_num_seqs, dtype=np.int64)  # leading entries of each row equal to its table
         self._epochs = np.full(max_num_seqs, -1, dtype=np.int64)  # the block_table_epoch they came from
         self._rows: dict[int, int] = {}  # seq_id -> row
@@ -131,7 +138,26 @@ class InputBatch:
             params.has_penalties or bool(params.logit_bias) or params.min_tokens > 0 or params.restricts_tokens
         )
         self.logprobs[row] = params.logprobs is not None
+        self._adapter_of_row[row] = seq.adapter_id
+        self.adapter_codes[row] = self._code(seq.adapter_id)
         return row
+
+    def _code(self, adapter_id: str | None) -> int:
+        if adapter_id is None:
+            return 0
+        code = self._codes.get(adapter_id)
+        if code is None:
+            if len(self._codes) >= _MAX_CODES:  # forget adapters no row uses any more
+                rows = self._rows.values()
+                live = sorted({name for row in rows if (name := self._adapter_of_row[row]) is not None})
+                self._codes = {name: i + 1 for i, name in enumerate(live)}
+                for row in rows:
+                    name = self._adapter_of_row[row]
+                    self.adapter_codes[row] = 0 if name is None else self._codes[name]
+                code = self._codes.get(adapter_id)
+            if code is None:
+                code = self._codes[adapter_id] = len(self._codes) + 1
+        return code
 
     def append_sampled(self, rows: np.ndarray, positions: np.ndarray, tokens: list[int]) -> None:
         """Write each sampled token at its position (the sequence's length when it was sampled) in

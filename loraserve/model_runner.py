@@ -159,17 +159,17 @@ class ModelRunner:
         how to sample each logits row, which sequences sample (in logits-row order), and where the sampled
         tokens go in the rows.
         """
-        groups: dict[tuple[bool, str], list[int]] = {}  # (prefill, adapter) -> indices into batch.seqs
-        for i, (n, s) in enumerate(zip(batch.num_new_tokens, batch.seqs, strict=True)):
-            groups.setdefault((n != 1, s.adapter_id or ""), []).append(i)
-        order = [i for key in sorted(groups) for i in groups[key]]  # a stable sort by key, without comparing rows
-        seqs = [batch.seqs[i] for i in order]
+        rows_of = self.input_batch
+        unordered = rows_of.sync(batch.seqs)  # [n, 3], in the batch's order
+        scheduled = np.array(batch.num_new_tokens, np.int64)  # [n]
+        # Decode sequences first, then prefills; within each, grouped by adapter (one stable sort).
+        order = np.lexsort((rows_of.adapter_codes[unordered[:, 2]], scheduled != 1))  # [n]
+        seqs = [batch.seqs[i] for i in order.tolist()]
         count = len(seqs)
         block_size = self.layout.block_size
-        rows_of = self.input_batch
-        per_seq = rows_of.sync(seqs)  # [n, 3]
+        per_seq = unordered[order]  # [n, 3]
         starts, totals, rows = per_seq[:, 0], per_seq[:, 1], per_seq[:, 2]  # [n] each
-        num_new = np.array(batch.num_new_tokens, np.int64)[order]  # [n]
+        num_new = scheduled[order]  # [n]
         ends = starts + num_new
         num_decode = int(np.count_nonzero(num_new == 1))  # sorted first
         token_ends = np.cumsum(num_new)  # [n], one past each sequence's last row
@@ -267,7 +267,7 @@ class ModelRunner:
             adjustments=adjustments,
             prompt_spans=prompt_spans,
         )
-        sampling_index = np.asarray(order, dtype=np.int64)[samples].tolist()
+        sampling_index = order[samples].tolist()
         return PreparedStep(forward_batch, sampling, sampled_rows, totals[samples], sampling_index, decode_path)
 
     @staticmethod

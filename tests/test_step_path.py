@@ -248,6 +248,27 @@ def test_input_batch_rows_follow_block_tables_incrementally() -> None:
     assert ints.tolist() == [0, 1, 2] and floats.dtype == torch.float64 and floats.tolist() == [0.5, 2.0]
 
 
+def test_input_batch_numbers_adapters_and_renumbers_the_live_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows carry a number per adapter (the base model 0) by which a step groups its sequences;
+    past the bound on numbers given, the live rows' adapters are numbered again from 1."""
+    from loraserve import input_batch
+    from loraserve.sequence import Sequence
+
+    monkeypatch.setattr(input_batch, "_MAX_CODES", 2)
+    rows = input_batch.InputBatch(4, max_blocks_per_seq=2, max_model_len=8, vocab_size=10, device=torch.device("cpu"))
+    seqs = [Sequence(str(i), [1], SamplingParams(), adapter_id=name) for i, name in enumerate(["x", None, "y", "x"])]
+
+    def codes(batch: list[Sequence]) -> list[int]:
+        return [int(c) for c in rows.adapter_codes[rows.sync(batch)[:, 2]]]
+
+    assert codes(seqs) == [1, 0, 2, 1]
+    rows.release([seqs[0].seq_id, seqs[3].seq_id])  # "x" no longer used
+    z = Sequence("z", [1], SamplingParams(), adapter_id="z")
+    assert codes([seqs[1], seqs[2], z]) == [0, 1, 2]  # a third adapter: "y" and "z" renumbered
+    again = Sequence("x2", [1], SamplingParams(), adapter_id="y")
+    assert codes([again]) == [1]  # the same adapter, the same number
+
+
 def test_rows_of_finished_sequences_are_released_across_empty_steps(
     tiny_model_dir: Path, adapter_dirs: dict[str, Path]
 ) -> None:
