@@ -128,7 +128,7 @@ class InputBatch:
         params = seq.params
         self.seeds[row] = seq.seed
         self.num_prompt_tokens[row] = seq.num_prompt_tokens
-        self.top_ks[row] = params.top_k if params.top_k > 0 else self.vocab_size
+        self.top_ks[row] = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size  # k > vocab: all
         self.temperatures[row] = params.temperature
         self.top_ps[row] = params.top_p
         self.greedy[row] = params.is_greedy

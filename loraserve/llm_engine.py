@@ -176,6 +176,12 @@ class LLMEngine:
         return self.pools.kv
 
     @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens (prompt and output) one sequence's KV can take in the pool, alone (less
+        its adapter's pages in a unified pool): a request past it is refused at arrival."""
+        return self.scheduler.max_seq_tokens
+
+    @property
     def adapter_pool(self) -> PagePool:
         """The pool adapters take pages from: ``pool`` itself unless the adapter region is fixed."""
         return self.pools.adapters
@@ -197,7 +203,7 @@ class LLMEngine:
         self.inputs.check(len(token_ids), params)
         bad_words = self.inputs.bad_words_token_ids(params.bad_words)
         adapter_id = self._resolve_adapter(adapter_name)
-        error = self.scheduler.fit_error(len(token_ids), params.max_tokens, adapter_id) if adapter_id else None
+        error = self.scheduler.fit_error(len(token_ids), params.max_tokens, adapter_id)  # base model or adapter
         if error is not None:
             raise RequestError(error)
         seqs = [

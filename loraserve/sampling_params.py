@@ -87,6 +87,9 @@ class SamplingParams:
         _require(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _require(self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _require(
+            self.seed is None or -(2**63) <= self.seed < 2**63, f"seed must be a 64-bit signed integer, got {self.seed}"
+        )
         _require(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _require(
@@ -126,8 +129,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def sample_seed(self, sample_index: int) -> int | None:
-        """Seed of the ``sample_index``-th of the ``n`` samples."""
-        return None if self.seed is None else self.seed + sample_index
+        """Seed of the ``sample_index``-th of the ``n`` samples: ``seed + sample_index``, wrapped to 64-bit
+        signed as int64 arithmetic wraps (so ``seed = 2**63 - 1`` with ``n > 1`` stays a valid seed)."""
+        if self.seed is None:
+            return None
+        return (self.seed + sample_index + 2**63) % 2**64 - 2**63
 
 
 def _require(condition: bool, message: str) -> None:

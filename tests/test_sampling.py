@@ -187,6 +187,25 @@ def test_n_samples_and_logprobs(llm: LLM) -> None:
             assert token in entry and len(entry) >= 2 and all(v <= 0.0 for v in entry.values())
 
 
+def test_extreme_seeds_and_top_k_run_beside_other_requests(llm: LLM) -> None:
+    """Any 64-bit signed seed is valid (vLLM's range): ``seed + i`` of sample ``i`` wraps as int64
+    does, and a top_k above the vocabulary keeps every token. Before, ``seed = 2**63 - 1`` with
+    ``n = 2`` or ``top_k = 2**63`` overflowed the runner's int64 rows inside the step, which failed
+    every request of that step."""
+    assert SamplingParams(seed=2**63 - 1, n=2).sample_seed(1) == -(2**63)
+    with pytest.raises(SamplingParamsError, match="seed"):
+        SamplingParams(seed=2**63)
+    edge = SamplingParams(n=2, seed=2**63 - 1, max_tokens=4, ignore_eos=True)
+    huge_k = SamplingParams(top_k=2**63, seed=5, max_tokens=4, ignore_eos=True)
+    everything = SamplingParams(seed=5, max_tokens=4, ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, [edge, huge_k, plain], use_tqdm=False)
+    assert [len(o.outputs) for o in outputs] == [2, 1, 1]
+    assert outputs[1].outputs[0].token_ids == _tokens(llm, PROMPTS[1:2], everything)[0]  # k > vocab: no filter
+    negative = SamplingParams(seed=-(2**63), max_tokens=4, ignore_eos=True)
+    assert _tokens(llm, PROMPTS[:1], negative) == _tokens(llm, PROMPTS[:1], negative)
+
+
 def test_final_only_requests_are_reported_once_with_the_same_text(llm: LLM) -> None:
     """``output_kind="final_only"`` (what LLM.generate uses): no per-step outputs, and the text
     decoded once at the end equals the token-by-token text of a cumulative request."""
