@@ -35,7 +35,7 @@ class _SamplingFields(_Request):
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, description="loraserve extension")
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # vLLM's range: any 64-bit signed integer
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="loraserve extension: keep generating past EOS")
@@ -70,6 +70,11 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no structured output
+    structured_outputs: dict[str, Any] | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool = False
+    priority: int = 0  # vLLM refuses a priority unless its scheduler runs by priority (here: first come)
 
 
 class CompletionRequest(_SamplingFields):
@@ -81,6 +86,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    add_special_tokens: bool = Field(True, description="vLLM extension: the tokenizer's special tokens (BOS)")
+    prompt_embeds: Any = None
 
 
 class TextContentPart(_Request):
@@ -101,9 +108,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = Field(True, description="loraserve extension (as in vLLM)")
+    continue_final_message: bool = Field(False, description="vLLM extension: the last message left open")
+    add_special_tokens: bool = Field(False, description="vLLM extension: special tokens added to the template's")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: template variables")
     # Declared only to refuse them (see unsupported_fields).
+    chat_template: str | None = None  # vLLM too, unless started with --trust-request-chat-template
+    echo: bool = False
+    documents: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -141,21 +153,34 @@ class DetokenizeResponse(BaseModel):
 
 def unsupported_fields(request: _SamplingFields) -> list[str]:
     """Names of fields set to values loraserve cannot honour."""
-    defaults: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0}
+    defaults: dict[str, Any] = {
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "return_tokens_as_token_ids": False,
+        "priority": 0,
+    }
     bad = [name for name, default in defaults.items() if getattr(request, name) != default]
-    for name in ("truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+    unset = ("truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    for name in (*unset, "structured_outputs", "logits_processors"):
         if getattr(request, name) is not None:
             bad.append(name)
+    if request.response_format and request.response_format.get("type") not in (None, "text"):
+        bad.append("response_format")
     if isinstance(request, CompletionRequest):
         if request.suffix:
             bad.append("suffix")
+        if request.prompt_embeds is not None:
+            bad.append("prompt_embeds")
         if request.best_of is not None and request.best_of != request.n:
             bad.append("best_of")
     if isinstance(request, ChatCompletionRequest):
         if request.tools:
             bad.append("tools")
-        if request.response_format and request.response_format.get("type") not in (None, "text"):
-            bad.append("response_format")
+        if request.echo:
+            bad.append("echo")
+        for name in ("chat_template", "documents"):
+            if getattr(request, name) is not None:
+                bad.append(name)
         if request.tool_choice not in (None, "none", "auto"):  # a tool demanded, and no tools run
             bad.append("tool_choice")
         for name in ("functions", "function_call", "audio", "web_search_options"):
@@ -261,6 +286,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
 
 
 class ChatCompletionChunk(BaseModel):

@@ -71,20 +71,39 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
             texts.append(part.text)
         content = "\n".join(texts)
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    rendered = {"role": role, "content": content or ""}
+    if message.name is not None:  # the template's to use (as vLLM hands it over)
+        rendered["name"] = message.name
+    return rendered
 
 
 def render_chat_prompt(
-    state: ServerState, chat: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool = False
+    state: ServerState,
+    chat: list[ChatMessage],
+    add_generation_prompt: bool,
+    add_special_tokens: bool = False,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Apply the base model's chat template and tokenize (the API's tokenizer, on the event loop)."""
+    """Apply the base model's chat template and tokenize (the API's tokenizer, on the event loop).
+    ``template_kwargs``: extra variables of the template (vLLM's ``chat_template_kwargs``)."""
     messages = [_message_dict(message, i) for i, message in enumerate(chat)]
     if getattr(state.tokenizer, "chat_template", None) is None:
         raise APIError(400, "the base model has no chat template; use /v1/completions", param="messages")
-    try:
-        text = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    if continue_final_message and add_generation_prompt:
+        raise APIError(
+            400, "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message"
         )
+    if continue_final_message and chat[-1].role != "assistant":
+        raise APIError(400, "continue_final_message needs an assistant message last", param="continue_final_message")
+    variables = {
+        **(template_kwargs or {}),
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "tokenize": False,
+    }
+    try:
+        text = state.tokenizer.apply_chat_template(messages, **variables)
     except Exception as error:  # jinja raises for conversations the template refuses
         raise APIError(400, f"the chat template refused the messages: {error}", param="messages") from None
     return [int(token) for token in state.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
@@ -102,7 +121,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     adapter_name = resolve_adapter(state, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
-    prompt_ids = render_chat_prompt(state, body.messages, body.add_generation_prompt)
+    prompt_ids = render_chat_prompt(
+        state,
+        body.messages,
+        body.add_generation_prompt,
+        body.add_special_tokens,
+        body.continue_final_message,
+        body.chat_template_kwargs,
+    )
     asked = body.max_completion_tokens or body.max_tokens
     check_request_limits(state, body.n, [len(prompt_ids)], asked)
     max_tokens = asked or limited_max_tokens(state, state.max_new_tokens(len(prompt_ids)))
@@ -193,7 +219,11 @@ async def _stream(
                         continue  # nothing new (a token whose text is still incomplete still gets its chunk)
                     delta = ChatDelta(content=text)
                     choice = ChatChunkChoice(
-                        index=completion.index, delta=delta, logprobs=logprobs, finish_reason=completion.finish_reason
+                        index=completion.index,
+                        delta=delta,
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason if completion.finish_reason else None,
                     )
                     yield chunk([choice], usage_for([output]) if continuous_usage else None)
         if include_usage and final is not None:

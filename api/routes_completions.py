@@ -86,14 +86,21 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = get_state(request)
     adapter_name = resolve_adapter(state, body.model)
     prompts = _prompts(body.prompt)
+    if not body.add_special_tokens:  # texts tokenized here, without the special tokens the engine would add
+        prompts = [state.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
-    lengths = [] if state.settings.max_prompt_tokens is None else [_prompt_length(state, p) for p in prompts]
-    asked = body.max_tokens if "max_tokens" in body.model_fields_set else None  # (its default is 16)
+    # max_tokens: 16 when not sent (OpenAI's and vLLM's default); sent as null, up to the context
+    # left after the longest prompt (vLLM's rule).
+    up_to_context = "max_tokens" in body.model_fields_set and body.max_tokens is None
+    measured = up_to_context or state.settings.max_prompt_tokens is not None
+    lengths = [_prompt_length(state, p) for p in prompts] if measured else []
+    asked = body.max_tokens if "max_tokens" in body.model_fields_set else None
     check_request_limits(state, body.n, lengths, asked)
-    params = sampling_params(body, asked or limited_max_tokens(state, body.max_tokens or 16), body.logprobs)
+    default = state.max_new_tokens(max(lengths)) if up_to_context else 16
+    params = sampling_params(body, asked or limited_max_tokens(state, default), body.logprobs)
     request_id = new_id("cmpl")
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
     key = InFlightLimiter.key_of(request.headers.get("authorization"))

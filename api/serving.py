@@ -57,7 +57,7 @@ class ServerState:
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The largest max_tokens a prompt of this length can ask for."""
-        limit = min(int(self.engine.max_model_len), int(getattr(self.engine, "max_seq_tokens", 1 << 62)))
+        limit = min(self.engine.max_model_len, self.engine.max_seq_tokens)
         return max(1, limit - num_prompt_tokens)
 
 
@@ -103,6 +103,8 @@ def sampling_params(
     bad = unsupported_fields(request)
     if bad:
         raise APIError(400, f"unsupported parameter(s) {bad}: loraserve does not implement them", param=bad[0])
+    if request.stream_options is not None and not request.stream:
+        raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")
     if request.prompt_logprobs is not None and request.stream:
         raise APIError(400, "prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])

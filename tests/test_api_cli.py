@@ -71,6 +71,24 @@ def test_bad_engine_options_name_the_option() -> None:
         build_engine_config(parse("--block-size", "3"))
 
 
+def test_bad_options_end_serve_with_a_message_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad engine or server option ends ``serve`` with "bad option: ..." naming it (no traceback),
+    before any model is loaded, on one process and on Ray alike."""
+    from loraserve import llm_engine
+    from loraserve.entrypoints.serve import run_serve
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_model)
+    with pytest.raises(SystemExit, match=r"bad option: .*max_num_seqs"):
+        run_serve(parse("--max-num-seqs", "0"))
+    with pytest.raises(SystemExit, match=r"bad option: .*max_n"):
+        run_serve(parse("--max-n", "0"))
+    with pytest.raises(SystemExit, match=r"bad option: .*block_size"):
+        run_serve(parse("--ray-address", "local", "--block-size", "3"))
+
+
 def test_every_option_has_help() -> None:
     parser = argparse.ArgumentParser(prog="loraserve")
     serve = add_serve_parser(parser.add_subparsers(dest="command"))

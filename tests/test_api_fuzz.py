@@ -85,7 +85,7 @@ def test_hand_made_hostile_bodies(server: tuple[str, LLMEngine]) -> None:
         {**base, "max_tokens": -1}, {**base, "max_tokens": 10**12}, {**base, "max_tokens": "many"},
         {**base, "n": 10**9}, {**base, "n": -3}, {**base, "logprobs": 10**6}, {**base, "temperature": "hot"},
         {**base, "prompt": "word " * 5000}, {**base, "prompt": [[]]}, {**base, "prompt": [-5]},
-        {**base, "prompt": {"nested": True}}, {**base, "stop": [1, 2]}, {**base, "seed": -1},
+        {**base, "prompt": {"nested": True}}, {**base, "stop": [1, 2]}, {**base, "seed": 2**63},
         {**base, "logit_bias": {"a": "b"}}, {**base, "stream_options": "yes"}, [], "just a string", 17,
     ]  # fmt: skip
     for body in bodies:

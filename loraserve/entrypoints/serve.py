@@ -246,12 +246,14 @@ def run_serve(args: argparse.Namespace) -> int:
         return _run_on_ray(args)
     if args.num_replicas is not None:
         raise SystemExit("--num-replicas needs --ray-address (one process serves one engine)")
-    config = build_engine_config(args)
-    engine = LLMEngine(config)
-    try:
-        settings = build_settings(args, engine.model_dir)
-    except ValueError as error:
+    from loraserve.models.loader import resolve_model_dir
+
+    try:  # every option checked before the model loads
+        config = build_engine_config(args)
+        settings = build_settings(args, Path(resolve_model_dir(config.model)))
+    except ValueError as error:  # ConfigError included
         raise SystemExit(f"bad option: {error}") from None
+    engine = LLMEngine(config)
     if not _is_loopback(args.host) and settings.adapter_key is None:
         logger.warning("serving on %s without --admin-key or --api-key: anyone can change adapters", args.host)
     app = create_app(engine, settings)
@@ -329,8 +331,10 @@ def _run_on_ray(args: argparse.Namespace) -> int:
         from loraserve.entrypoints.ray_serve import run_ray_serve
     except ImportError as error:
         raise SystemExit(f"--ray-address needs Ray Serve: pip install 'loraserve[ray]' ({error})") from None
-    config = build_engine_config(args)  # validated here, before any replica starts
-    model_dir = resolve_model_dir(config.model)
-    settings = dataclasses.asdict(build_settings(args, Path(model_dir)))
+    try:  # validated here, before any replica starts
+        config = build_engine_config(args)
+        settings = dataclasses.asdict(build_settings(args, Path(resolve_model_dir(config.model))))
+    except ValueError as error:  # ConfigError included
+        raise SystemExit(f"bad option: {error}") from None
     options = engine_options(args) | {"registry": config.registry}
     return run_ray_serve(args, config.model, options, settings)  # SIGTERM and SIGINT: drain, as here
