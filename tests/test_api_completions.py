@@ -306,6 +306,9 @@ def test_chat_template_gets_message_names_and_template_kwargs() -> None:
     ids = render_chat_prompt(state, chat, add_generation_prompt=True, template_kwargs={"greeting": "Hello! "})
     assert tokenizer.decode(ids) == "Hello! [bob] hi[-] yo"
     assert tokenizer.decode(render_chat_prompt(state, chat, add_generation_prompt=True)) == "[bob] hi[-] yo"
+    for key in ("chat_template", "tools", "documents", "tokenize"):  # the call's options, not variables
+        with pytest.raises(APIError, match=key):
+            render_chat_prompt(state, chat, add_generation_prompt=True, template_kwargs={key: "x"})
     tokenizer.chat_template = "{{ raise_exception('no ' + greeting) }}"
     with pytest.raises(APIError, match="no thanks"):
         render_chat_prompt(state, chat, add_generation_prompt=True, template_kwargs={"greeting": "thanks"})
