@@ -97,11 +97,11 @@ def render_chat_prompt(
         )
     if continue_final_message and chat[-1].role != "assistant":
         raise APIError(400, "continue_final_message needs an assistant message last", param="continue_final_message")
-    # Template variables only: not the call's own options (a template, tools, documents, ...).
-    options = set(inspect.signature(state.tokenizer.apply_chat_template).parameters) - {"kwargs"}
-    taken = sorted(options.intersection(template_kwargs or {}))
-    if taken:
-        raise APIError(400, f"chat_template_kwargs may not set {taken}", param="chat_template_kwargs")
+    if template_kwargs:  # template variables only: not the call's own options (a template, tools, ...)
+        options = set(inspect.signature(state.tokenizer.apply_chat_template).parameters) - {"kwargs"}
+        taken = sorted(options.intersection(template_kwargs))
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {taken}", param="chat_template_kwargs")
     variables = {
         **(template_kwargs or {}),
         "add_generation_prompt": add_generation_prompt,
