@@ -95,10 +95,25 @@ class TextContentPart(_Request):
     text: str | None = None
 
 
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str | dict[str, Any] = Field(description="JSON text (OpenAI's form) or an object")
+
+
+class ToolCall(_Request):
+    """A tool call in an assistant message of the history (handed to the chat template)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call this answers
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ from .openai_protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
+    ToolCall,
 )
 from .routes_completions import ERROR_RESPONSES, usage_for
 from .serving import (
@@ -72,9 +74,31 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
             texts.append(part.text)
         content = "\n".join(texts)
     role = "system" if message.role == "developer" else message.role
-    rendered = {"role": role, "content": content or ""}
+    rendered: dict[str, Any] = {"role": role, "content": content or ""}
     if message.name is not None:  # the template's to use (as vLLM hands it over)
         rendered["name"] = message.name
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        if message.role != "assistant":
+            where = f"messages.{index}"
+            raise APIError(400, f"messages[{index}]: only assistant messages have tool_calls", param=where)
+        rendered["tool_calls"] = [_tool_call_dict(call, index, j) for j, call in enumerate(message.tool_calls)]
+    return rendered
+
+
+def _tool_call_dict(call: ToolCall, index: int, number: int) -> dict[str, Any]:
+    """A history tool call as templates read it: the arguments as an object (as vLLM parses them)."""
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as error:
+            where = f"messages.{index}.tool_calls.{number}.function.arguments"
+            raise APIError(400, f"{where} is not JSON: {error}", param=where) from None
+    rendered: dict[str, Any] = {"type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        rendered["id"] = call.id
     return rendered
 
 

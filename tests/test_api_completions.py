@@ -314,6 +314,46 @@ def test_chat_template_gets_message_names_and_template_kwargs() -> None:
         render_chat_prompt(state, chat, add_generation_prompt=True, template_kwargs={"greeting": "thanks"})
 
 
+def test_chat_template_gets_tool_calls_of_the_history() -> None:
+    """An assistant message's ``tool_calls`` (arguments parsed from JSON, as vLLM hands them to
+    templates) and a tool message's ``tool_call_id`` reach the template; bad ones are 400s."""
+    from types import SimpleNamespace
+
+    from loraserve.api.errors import APIError
+    from loraserve.api.openai_protocol import ChatMessage
+    from loraserve.api.routes_chat import render_chat_prompt
+    from transformers import AutoTokenizer
+
+    from loraserve.models.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+        "{% for c in m.get('tool_calls', []) %}<{{ c['id'] }} {{ c['function']['name'] }}"
+        "({{ c['function']['arguments']['city'] }})>{% endfor %}"
+        "{% if m.get('tool_call_id') %}[{{ m['tool_call_id'] }}]{% endif %};{% endfor %}"
+    )
+    state: Any = SimpleNamespace(tokenizer=tokenizer)
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    chat = [
+        ChatMessage(role="user", content="weather?"),
+        ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]}),
+        ChatMessage(role="tool", content="sunny", tool_call_id="c1"),
+    ]
+    text = tokenizer.decode(render_chat_prompt(state, chat, add_generation_prompt=False))
+    assert text == "user:weather?;assistant:<c1 weather(Paris)>;tool:sunny[c1];"
+    as_object = {**call, "function": {"name": "weather", "arguments": {"city": "Rome"}}}
+    chat[1] = ChatMessage.model_validate({"role": "assistant", "tool_calls": [as_object]})
+    assert "weather(Rome)" in tokenizer.decode(render_chat_prompt(state, chat, add_generation_prompt=False))
+    broken = {**call, "function": {"name": "weather", "arguments": "{city: Paris"}}
+    chat[1] = ChatMessage.model_validate({"role": "assistant", "tool_calls": [broken]})
+    with pytest.raises(APIError, match=r"messages\.1\.tool_calls\.0\.function\.arguments is not JSON"):
+        render_chat_prompt(state, chat, add_generation_prompt=False)
+    chat[1] = ChatMessage.model_validate({"role": "user", "content": "x", "tool_calls": [call]})
+    with pytest.raises(APIError, match="only assistant messages have tool_calls"):
+        render_chat_prompt(state, chat, add_generation_prompt=False)
+
+
 def test_errors_use_the_openai_shape(http: httpx.Client, client: openai.OpenAI) -> None:
     error = assert_openai_error(http.post("/v1/completions", json={"model": "no-such", "prompt": "x"}), 404)
     assert error["code"] == "model_not_found" and "no-such" in error["message"]
