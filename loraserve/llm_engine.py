@@ -75,7 +75,7 @@ class LLMEngine:
         if self.kernels.pack_linears:
             gemm_policy = GemmPolicy(
                 config.cpu_gemm,
-                max_rows=config.max_num_batched_tokens,
+                max_rows=config.step_token_budget,
                 row_limits=(("lm_head", config.max_num_seqs),),  # one row per sampled sequence
                 cache_dir=cache_root() / "cpu_gemm",
             )
@@ -137,7 +137,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            config.step_token_budget,
             config.preemption_mode,
             self.adapters,
             StopChecker(self.detokenizer, eos_token_ids, self.max_model_len),

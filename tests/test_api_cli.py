@@ -59,6 +59,15 @@ def test_every_option(tmp_path: Path) -> None:
     assert (settings.max_prompt_tokens, settings.max_output_tokens, args.shutdown_timeout) == (100, 50, 5.0)
 
 
+def test_step_token_budget_defaults_by_device() -> None:
+    """Unset, a step's token budget is 1,024 on a CPU and 2,048 on a GPU; set, it is what was set."""
+    assert build_engine_config(parse()).step_token_budget == 1024
+    assert EngineConfig(device="cuda").step_token_budget == 2048
+    assert EngineConfig(max_num_batched_tokens=300).step_token_budget == 300
+    with pytest.raises(ConfigError, match="max_num_batched_tokens must be positive"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
 def test_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORASERVE_API_KEY", "env-user")
     monkeypatch.setenv("LORASERVE_ADMIN_KEY", "env-admin")

@@ -33,8 +33,8 @@ from torch import nn
 
 from loraserve.kernels import cpu, cpu_features
 
-# A call with r rows uses the bucket nearest r on a log scale; 2,048 is the default prefill chunk
-# (max_num_batched_tokens), where the best kernel can differ from 1,024's.
+# A call with r rows uses the bucket nearest r on a log scale; 1,024 is the default prefill chunk on
+# a CPU (EngineConfig.step_token_budget), and 2,048 a common one, where the best kernel can differ.
 ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048)
 ONEDNN_ROWS_HINT = 64  # the batch-size hint of oneDNN's weight reorder (the layout serves any row count)
 
