@@ -57,3 +57,13 @@ def test_rounds_without_against_is_refused() -> None:
     done = run_benchmark("--rounds", "4")
     assert done.returncode == 2
     assert "--rounds sets the turns of --against" in done.stderr
+
+
+def test_turns_are_32_steps_unless_told() -> None:
+    """With ``--against``, the steps default to 32 a turn (a turn's first step runs cold)."""
+    from benchmarks.host_overhead import parse_args
+
+    assert parse_args([]).steps == 32
+    assert (parse_args(["--against", str(ROOT)]).steps, parse_args(["--against", str(ROOT)]).rounds) == (256, 8)
+    assert parse_args(["--against", str(ROOT), "--rounds", "3"]).steps == 96
+    assert parse_args(["--against", str(ROOT), "--steps", "10"]).steps == 10
