@@ -1,4 +1,4 @@
-"""Pydantic models of the OpenAI-compatible request and response bodies (and the adapter API's).
+"""Pydantic models of the OpenAI-compatible request and response bodies (the adapter API's: adapter_protocol.py).
 
 Unknown request fields are ignored (clients send many optional fields); fields whose
 non-default values loraserve cannot honour are declared so the route can refuse them with a
@@ -16,16 +16,18 @@ MAX_N = 1024  # a ceiling of the schema; the server's own limit is ServerSetting
 MAX_LOGPROBS = 20
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
+    """Base of every request body: unknown fields are ignored (clients send many optional ones)."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage (so far) in every chunk
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str = Field(description="The base model id, or the name of a registered adapter")
@@ -90,17 +92,17 @@ class CompletionRequest(_SamplingFields):
     prompt_embeds: Any = None
 
 
-class TextContentPart(_Request):
+class TextContentPart(RequestBody):
     type: str
     text: str | None = None
 
 
-class ToolCallFunction(_Request):
+class ToolCallFunction(RequestBody):
     name: str
     arguments: str | dict[str, Any] = Field(description="JSON text (OpenAI's form) or an object")
 
 
-class ToolCall(_Request):
+class ToolCall(RequestBody):
     """A tool call in an assistant message of the history (handed to the chat template)."""
 
     id: str | None = None
@@ -108,7 +110,7 @@ class ToolCall(_Request):
     function: ToolCallFunction
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -139,7 +141,7 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: dict[str, Any] | None = None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     """vLLM's ``/tokenize`` body: a ``prompt``, or chat ``messages`` rendered by the chat template."""
 
     model: str | None = None
@@ -157,7 +159,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
@@ -325,39 +327,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-# ---- adapters ------------------------------------------------------------------------------
-class AdapterCard(BaseModel):
-    id: str = Field(description="The adapter's name; pass it as `model` to use the adapter")
-    object: Literal["adapter"] = "adapter"
-    rank: int
-    ranks: Any = Field(None, description="Per-module ranks when they differ")
-    target_modules: list[str]
-    digest: str = Field(description="Content digest of the adapter's weights and config")
-    num_bytes: int
-    num_parameters: int
-
-
-class AdapterList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[AdapterCard]
-
-
-class AdapterDeleted(BaseModel):
-    id: str
-    object: Literal["adapter"] = "adapter"
-    deleted: bool = True
-
-
-class LoadLoRAAdapterRequest(_Request):
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1, description="A directory under one of the server's --allowed-lora-dir")
-
-
-class UnloadLoRAAdapterRequest(_Request):
-    lora_name: str = Field(min_length=1)
-    lora_int_id: int | None = None
 
 
 class ErrorInfo(BaseModel):
