@@ -85,6 +85,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,6 +122,20 @@ def source_digest() -> str:
 
 
 @contextlib.contextmanager
+def environment_tools_first() -> Iterator[None]:
+    """This interpreter's environment's ``bin`` first on ``PATH`` (for the build's ``ninja``). A
+    ninja of another version (the system's, found when the environment is not activated) logs
+    commands under other hashes, so processes that found different ninjas rebuilt the extension
+    for each other, a minute of both cores each time."""
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+@contextlib.contextmanager
 def _exclusive_build(directory: Path) -> Iterator[None]:
     """Holds an exclusive ``flock`` on the build directory; clears torch's stale ``lock`` file."""
     with open(directory / "loraserve-build.flock", "w") as handle:
@@ -153,7 +168,7 @@ def load_extension() -> ModuleType | None:
             directory.mkdir(parents=True, exist_ok=True)
             logger.info("building the CPU kernels (once per CPU: %s) in %s", cpu_features.summary(), directory)
             digest = source_digest()
-            with _exclusive_build(directory):
+            with _exclusive_build(directory), environment_tools_first():
                 module = load(
                     name="loraserve_cpu_kernels",
                     sources=[str(_CSRC / name) for name in _SOURCES],

@@ -305,6 +305,25 @@ def test_a_killed_build_does_not_block_later_loads(tmp_path: Path) -> None:
     assert not (directory / "lock").exists()
 
 
+def test_the_build_uses_the_environments_ninja(tmp_path: Path) -> None:
+    """A process whose PATH finds another ninja first (the system's, when the environment is not
+    activated) still builds with the environment's: two ninjas of different versions made
+    processes rebuild the extension for each other. Here the other ninja is one that fails."""
+    if not (Path(sys.executable).parent / "ninja").exists():
+        pytest.skip("no ninja next to this interpreter (not a virtual environment with ninja installed)")
+    directory = tmp_path / "torch_extensions" / cpu_features.signature()
+    shutil.copytree(cpu.build_dir(), directory)  # the built module (mtimes kept: ninja has nothing to do)
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text(f"#!/bin/sh\ntouch {tmp_path}/other-ninja-ran\nexit 1\n")
+    (other / "ninja").chmod(0o755)
+    load = "from loraserve.kernels import cpu; import sys; sys.exit(0 if cpu.load_extension() is not None else 1)"
+    env = {**os.environ, "LORASERVE_CACHE": str(tmp_path), "PATH": f"{other}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "other-ninja-ran").exists()
+
+
 def test_the_build_directory_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """A build made on another CPU (a shared home directory) is never loaded here: its directory differs."""
     here = cpu.build_dir()
