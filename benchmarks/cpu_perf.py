@@ -331,6 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and KV dtype (default float32)")
     add("--threads", type=int, default=None, help="torch threads for every system (default: torch's)")
     add("--memory-budget-mb", type=int, default=None, help="loraserve page pool size (default: the engine's)")
+    add("--max-num-batched-tokens", type=int, default=None, help="loraserve's tokens a step (default: the engine's)")
     add("--cpu-gemm", choices=CPU_GEMM_CHOICES, default="auto", help="loraserve's GEMM kernel (default auto: timed)")
     add("--peft-batch", type=int, default=16, help="PEFT mixed-adapter batch size (default 16)")
     add("--no-peft", action="store_true", help="skip PEFT (c)")
@@ -358,7 +359,8 @@ def main(argv: list[str] | None = None) -> None:
     adapters = ensure_adapters(args, hf_config)
     info = {**machine_info(), "dtype": args.dtype}
     options = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype, "num_threads": args.threads,
-               "memory_budget_mb": args.memory_budget_mb, "cpu_gemm": args.cpu_gemm}  # fmt: skip
+               "memory_budget_mb": args.memory_budget_mb, "cpu_gemm": args.cpu_gemm,
+               "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     llm = LLM(**{k: v for k, v in options.items() if v is not None})
     info["cpu_gemm"] = llm.engine.gemm_plan.as_dict()
     for name, path in adapters:
