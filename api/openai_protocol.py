@@ -99,7 +99,7 @@ class TextContentPart(RequestBody):
 
 class ToolCallFunction(RequestBody):
     name: str
-    arguments: str | dict[str, Any] = Field(description="JSON text (OpenAI's form) or an object")
+    arguments: str | dict[str, Any] | None = Field(None, description="JSON text (OpenAI's form) or an object")
 
 
 class ToolCall(RequestBody):

@@ -78,24 +78,32 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     if message.name is not None:  # the template's to use (as vLLM hands it over)
         rendered["name"] = message.name
     if message.tool_call_id is not None:
+        if message.role != "tool":
+            where = f"messages.{index}.tool_call_id"
+            raise APIError(400, f"messages[{index}]: only tool messages have a tool_call_id", param=where)
         rendered["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         if message.role != "assistant":
-            where = f"messages.{index}"
+            where = f"messages.{index}.tool_calls"
             raise APIError(400, f"messages[{index}]: only assistant messages have tool_calls", param=where)
         rendered["tool_calls"] = [_tool_call_dict(call, index, j) for j, call in enumerate(message.tool_calls)]
     return rendered
 
 
 def _tool_call_dict(call: ToolCall, index: int, number: int) -> dict[str, Any]:
-    """A history tool call as templates read it: the arguments as an object (as vLLM parses them)."""
-    arguments = call.function.arguments
+    """A history tool call as templates read it: the arguments as an object (JSON text parsed, as
+    vLLM does; absent or empty: ``{}``)."""
+    where = f"messages.{index}.tool_calls.{number}.function.arguments"
+    arguments: Any = call.function.arguments
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as error:
-            where = f"messages.{index}.tool_calls.{number}.function.arguments"
+        except (ValueError, RecursionError) as error:  # bad JSON, too many digits, too deep
             raise APIError(400, f"{where} is not JSON: {error}", param=where) from None
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{where} is not a JSON object", param=where)
     rendered: dict[str, Any] = {"type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
     if call.id is not None:
         rendered["id"] = call.id

@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
                "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     llm = LLM(**{k: v for k, v in options.items() if v is not None})
     info["cpu_gemm"] = llm.engine.gemm_plan.as_dict()
+    info["max_num_batched_tokens"] = llm.engine.config.step_token_budget
     for name, path in adapters:
         llm.add_adapter(name, path)
     names: list[str | None] = [None, *(name for name, _ in adapters)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -39,6 +40,8 @@ PHASES = ("schedule", "prepare", "forward", "sample")
 # With --against, the default steps a turn: a turn's first step runs on caches and OpenMP threads
 # the other engine just left, and in short turns that cold step moves a round's median.
 TURN_STEPS = 32
+TURN_ROUNDS = 8  # with --against, the default rounds
+BLOCK_SIZE = 16
 TURN_PREFIX = "@turn "  # the --worker's protocol lines on stdout (anything else there is not read)
 
 
@@ -104,9 +107,12 @@ class DecodeBench:
     def __init__(self, args: argparse.Namespace, model_dir: Path, adapter_dir: Path, total_steps: int) -> None:
         from loraserve import LLM, SamplingParams
 
+        # Room for every sequence's whole length (no preemption in the timed steps) and for every
+        # adapter at the largest rank (a rank-64 adapter of this model fits in 64 pages).
+        seq_pages = math.ceil((args.prompt_len + args.warmup + total_steps + 2) / BLOCK_SIZE) + 1
         llm = LLM(str(model_dir), kernels=args.kernels, device=args.device, max_num_seqs=args.seqs,
-                  max_num_batched_tokens=4096, num_pages=args.seqs * 8 + 64 * max(args.adapters, 1),
-                  num_threads=args.threads)  # fmt: skip
+                  max_num_batched_tokens=4096, num_pages=args.seqs * seq_pages + 64 * max(args.adapters, 1),
+                  block_size=BLOCK_SIZE, num_threads=args.threads)  # fmt: skip
         self.engine = engine = llm.engine
         ranks = [(8, 16, 32, 64)[i % 4] for i in range(args.adapters)]
         names: list[str | None] = [None]
@@ -115,6 +121,7 @@ class DecodeBench:
             for name, path in make_adapters(model_dir, adapter_dir, ranks):
                 llm.add_adapter(name, path)
         self.timer = PhaseTimer()
+        self.timed_preemptions = 0  # in the timed steps (the pool is sized for none)
         self.wrapped = instrument(engine, self.timer)
         max_tokens = args.warmup + total_steps + 2
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, output_kind=args.output_kind)
@@ -134,12 +141,14 @@ class DecodeBench:
     def time(self, steps: int) -> list[float]:
         """Seconds of each of the next ``steps`` steps (their phases add to ``timer``)."""
         seconds: list[float] = []
+        preemptions = self.engine.scheduler.num_preemptions
         self.timer.enabled = True
         for _ in range(steps):
             start = time.perf_counter()
             self.engine.step()
             seconds.append(time.perf_counter() - start)
         self.timer.enabled = False
+        self.timed_preemptions += self.engine.scheduler.num_preemptions - preemptions
         return seconds
 
     def finish(self) -> None:
@@ -173,6 +182,7 @@ def run(args: argparse.Namespace, model_dir: Path, adapter_dir: Path) -> dict[st
         "steps": args.steps,
         "output_kind": args.output_kind,
         **summarize(args, step_seconds, bench.timer.seconds),
+        "preemptions": bench.timed_preemptions,
         "wrapped": bench.wrapped,
     }
 
@@ -202,16 +212,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # --against's other engine
     args = parser.parse_args(argv)
+    if args.against is not None and args.rounds is None:
+        args.rounds = TURN_ROUNDS
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be positive")
     if args.steps is None:
-        args.steps = TURN_STEPS * (args.rounds or 8) if args.against is not None else 32
+        args.steps = TURN_STEPS * args.rounds if args.against is not None else 32
     if args.seqs < 1 or args.adapters < 0 or args.steps < 1 or args.prompt_len < 1:
         parser.error("--seqs, --steps and --prompt-len must be positive, --adapters >= 0")
     if args.against is None and args.rounds is not None:
         parser.error("--rounds sets the turns of --against: give it with --against")
-    if args.against is not None:
-        args.rounds = 8 if args.rounds is None else args.rounds
-        if not 1 <= args.rounds <= args.steps:
-            parser.error("--rounds must be between 1 and --steps")
+    if args.against is not None and args.rounds > args.steps:
+        parser.error("--rounds must be between 1 and --steps")
     if args.against is not None and not (args.against / "loraserve" / "__init__.py").is_file():
         parser.error(f"--against {args.against}: not a checkout of loraserve (no loraserve/__init__.py)")
     return args
@@ -242,7 +254,8 @@ def serve_turns(args: argparse.Namespace) -> None:
         before = dict(bench.timer.seconds)
         seconds = bench.time(steps)
         phases = {phase: bench.timer.seconds[phase] - before[phase] for phase in before}
-        print(TURN_PREFIX + json.dumps({"seconds": seconds, "phases": phases}), flush=True)
+        answer = {"seconds": seconds, "phases": phases, "preemptions": bench.timed_preemptions}
+        print(TURN_PREFIX + json.dumps(answer), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,7 +69,7 @@ each, float32 or bfloat16; their semantics are those of ``RMSNorm``, ``apply_rop
 round (RoPE bit for bit; SiLU's exp within a few ulp of torch's).
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` into
-``~/.cache/loraserve/torch_extensions/<CPU signature>`` on first use (about a minute; the
+``~/.cache/loraserve/torch_extensions/<CPU signature>-<checkout>`` on first use (about a minute; the
 signature digests the CPU's model and instruction-set features, ``cpu_features.py``, so a
 build is only ever loaded on the kind of CPU it was built for); when a compiler is
 missing the engine logs why and falls back to the torch implementations. torch guards that
@@ -86,6 +86,7 @@ import hashlib
 import logging
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,9 +109,12 @@ def cache_root() -> Path:
 
 
 def build_dir() -> Path:
-    """Where this CPU's build lives: one directory per CPU signature, since ``-march=native`` code
-    from another CPU may use instructions this one lacks (a home directory shared between machines)."""
-    return cache_root() / "torch_extensions" / cpu_features.signature()
+    """Where this CPU's build of these sources lives: one directory per CPU signature, since
+    ``-march=native`` code from another CPU may use instructions this one lacks (a home directory
+    shared between machines), and per checkout (a digest of the sources' path: two checkouts'
+    builds in one directory rebuilt for each other, their commands naming other files)."""
+    checkout = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
+    return cache_root() / "torch_extensions" / f"{cpu_features.signature()}-{checkout}"
 
 
 def source_digest() -> str:
@@ -122,17 +126,26 @@ def source_digest() -> str:
 
 
 @contextlib.contextmanager
-def environment_tools_first() -> Iterator[None]:
-    """This interpreter's environment's ``bin`` first on ``PATH`` (for the build's ``ninja``). A
-    ninja of another version (the system's, found when the environment is not activated) logs
-    commands under other hashes, so processes that found different ninjas rebuilt the extension
-    for each other, a minute of both cores each time."""
-    old = os.environ.get("PATH", "")
-    os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + old
-    try:
+def environment_ninja_first() -> Iterator[None]:
+    """During the build, the ninja of this interpreter's environment (``ninja`` is a dependency)
+    first on ``PATH``, through a directory holding only a link to it. A ninja of another version
+    (the system's, found when the environment is not activated) logs commands under other hashes,
+    so processes that found different ninjas rebuilt the whole extension for each other."""
+    ninja = Path(sys.executable).parent / "ninja" if sys.executable else None
+    if ninja is None or not ninja.is_file():
         yield
-    finally:
-        os.environ["PATH"] = old
+        return
+    old = os.environ.get("PATH")
+    with tempfile.TemporaryDirectory(prefix="loraserve-ninja-") as only_ninja:
+        (Path(only_ninja) / "ninja").symlink_to(ninja)
+        os.environ["PATH"] = only_ninja + os.pathsep + (old if old is not None else os.defpath)
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = old
 
 
 @contextlib.contextmanager
@@ -168,7 +181,7 @@ def load_extension() -> ModuleType | None:
             directory.mkdir(parents=True, exist_ok=True)
             logger.info("building the CPU kernels (once per CPU: %s) in %s", cpu_features.summary(), directory)
             digest = source_digest()
-            with _exclusive_build(directory), environment_tools_first():
+            with _exclusive_build(directory), environment_ninja_first():
                 module = load(
                     name="loraserve_cpu_kernels",
                     sources=[str(_CSRC / name) for name in _SOURCES],

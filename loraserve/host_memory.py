@@ -1,7 +1,7 @@
 """Host memory for CPU steps: freed blocks kept for the next step instead of returned to the OS.
 
-A step allocates and frees the same activations again and again (a 2,048-token prefill chunk of
-SmolLM2: 5-25 MB per tensor). With glibc's defaults such blocks are mapped fresh (blocks over the
+A step allocates and frees the same activations again and again (a 1,024-token prefill chunk of
+SmolLM2: 2-13 MB per tensor). With glibc's defaults such blocks are mapped fresh (blocks over the
 mmap threshold, 128 KiB until the first free raises it) or handed back when the heap's free top
 exceeds the trim threshold, so the next step page-faults and the kernel zeroes every page again.
 Once per process, for CPU engines, :func:`keep_freed_blocks` raises both thresholds: blocks up to

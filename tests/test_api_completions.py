@@ -345,13 +345,29 @@ def test_chat_template_gets_tool_calls_of_the_history() -> None:
     as_object = {**call, "function": {"name": "weather", "arguments": {"city": "Rome"}}}
     chat[1] = ChatMessage.model_validate({"role": "assistant", "tool_calls": [as_object]})
     assert "weather(Rome)" in tokenizer.decode(render_chat_prompt(state, chat, add_generation_prompt=False))
-    broken = {**call, "function": {"name": "weather", "arguments": "{city: Paris"}}
-    chat[1] = ChatMessage.model_validate({"role": "assistant", "tool_calls": [broken]})
-    with pytest.raises(APIError, match=r"messages\.1\.tool_calls\.0\.function\.arguments is not JSON"):
-        render_chat_prompt(state, chat, add_generation_prompt=False)
+    chat[1] = ChatMessage.model_validate(
+        {"role": "assistant", "tool_calls": [{"id": "c2", "function": {"name": "now"}}]}
+    )
+    assert "<c2 now()>" in tokenizer.decode(render_chat_prompt(state, chat, add_generation_prompt=False))
+    where = "messages.1.tool_calls.0.function.arguments"
+    for arguments, problem in (
+        ("{city: Paris", "is not JSON"),
+        ("1" * 5000, "is not JSON"),
+        ("[1]", "not a JSON object"),
+    ):
+        broken = {**call, "function": {"name": "weather", "arguments": arguments}}
+        chat[1] = ChatMessage.model_validate({"role": "assistant", "tool_calls": [broken]})
+        with pytest.raises(APIError, match=problem) as refused:
+            render_chat_prompt(state, chat, add_generation_prompt=False)
+        assert refused.value.param == where
     chat[1] = ChatMessage.model_validate({"role": "user", "content": "x", "tool_calls": [call]})
-    with pytest.raises(APIError, match="only assistant messages have tool_calls"):
+    with pytest.raises(APIError, match="only assistant messages have tool_calls") as refused:
         render_chat_prompt(state, chat, add_generation_prompt=False)
+    assert refused.value.param == "messages.1.tool_calls"
+    chat[1] = ChatMessage(role="user", content="x", tool_call_id="c1")
+    with pytest.raises(APIError, match="only tool messages have a tool_call_id") as refused:
+        render_chat_prompt(state, chat, add_generation_prompt=False)
+    assert refused.value.param == "messages.1.tool_call_id"
 
 
 def test_errors_use_the_openai_shape(http: httpx.Client, client: openai.OpenAI) -> None:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--kernels", "torch", "--seqs", "8", "--adapters", "2", "--warmup", "1"]
 
@@ -27,6 +29,7 @@ def test_smoke_run_reports_steps_and_phases(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["kernels"] == "torch" and result["steps"] == 4 and result["seqs"] == 8
+    assert result["preemptions"] == 0
     assert result["us_per_seq_step"] > 0
     assert set(result["phase_ms_mean"]) == {"schedule", "prepare", "forward", "sample", "output"}
     assert len(result["wrapped"]) == 4  # schedule, prepare, forward and sample were found and wrapped
@@ -45,6 +48,7 @@ def test_against_runs_two_engines_in_turns(tmp_path: Path) -> None:
     assert abs(result["ratio"] - expected) < 0.01
     assert len(result["wrapped"]["this"]) == len(result["wrapped"]["against"]) == 4
     assert "host overhead in turns, 3 rounds x 2 steps" in done.stdout
+    assert result["preemptions"] == {"this": 0, "against": 0}  # the pool holds every sequence whole
 
 
 def test_against_refuses_what_is_not_a_checkout(tmp_path: Path) -> None:
@@ -67,3 +71,5 @@ def test_turns_are_32_steps_unless_told() -> None:
     assert (parse_args(["--against", str(ROOT)]).steps, parse_args(["--against", str(ROOT)]).rounds) == (256, 8)
     assert parse_args(["--against", str(ROOT), "--rounds", "3"]).steps == 96
     assert parse_args(["--against", str(ROOT), "--steps", "10"]).steps == 10
+    with pytest.raises(SystemExit):
+        parse_args(["--against", str(ROOT), "--rounds", "-3"])
