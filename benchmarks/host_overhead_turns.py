@@ -128,13 +128,13 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "ratio": round(ratio, 3),  # the checkout's median step / this tree's
         "round_ratios": [round(r, 3) for r in ratios],
         "round_ratio_median": round(per_round, 3),
-        "preemptions": {"this": bench.timed_preemptions, "against": answer.get("preemptions")},
+        "preemptions": {"this": bench.timed_preemptions, "against": answer["preemptions"]},
         "wrapped": {"this": bench.wrapped, "against": hello["wrapped"]},
         "summary": (
             f"host overhead in turns, {args.rounds} rounds x {steps_per_round} steps, {args.seqs} seqs, "
             f"{args.adapters} adapters: this tree {this['us_per_seq_step']:.2f} us per sequence per step, "
             f"{args.against} {other_summary['us_per_seq_step']:.2f} ({ratio:.2f}x; per-round median "
             f"{per_round:.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x); preemptions in the timed steps: "
-            f"{bench.timed_preemptions} and {answer.get('preemptions')}"
+            f"{bench.timed_preemptions} and {answer['preemptions']}"
         ),
     }
