@@ -30,11 +30,13 @@ segment ``s`` of tokens ``start:end`` using one adapter, ``v = x[seg] @ A_s^T`` 
 place from the pool's storage: no Python loop over adapters. Segments of 1-2 tokens run
 as row loops through the adapter's page table, segments of 3-32 tokens as register-tiled
 shrink and expand loops over row pointers into its pages (work items in parallel), longer
-ones as two grouped MKL GEMM calls (all shrinks, then all expands). float32 only.
+ones as two grouped MKL GEMM calls (all shrinks, then all expands). float32 or bfloat16: a
+bfloat16 pool's weights are widened to float32 as they are read (long segments: as they are
+copied out for MKL), x is widened once, the sums are float32 and each output is rounded once.
 
-    x:        [num_tokens, in_features] float32, contiguous
-    outputs:  per module of the group, [num_tokens, out_m] float32, contiguous, updated in place
-    storage:  [num_layers, num_pages, page_elems] float32, the pool
+    x:        [num_tokens, in_features] float32 | bfloat16, contiguous
+    outputs:  per module of the group, [num_tokens, out_m] x's dtype, contiguous, updated in place
+    storage:  [num_layers, num_pages, page_elems] x's dtype, the pool
     bounds:   [num_segments, 4] int64: start, end, paged, offset. An adapter's layer buffer is
               the concatenation of its pages ``page_tables[s]``; paged 0 says they are
               consecutive, starting at element ``offset`` of the layer's pages

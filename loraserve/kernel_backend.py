@@ -3,7 +3,7 @@
 * ``torch``: the torch implementations in ``kernels/`` (the references; any device, any dtype).
 * ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention, the
   prefill attention of all a step's prompts in one call, and the KV write (any dtype), fused
-  RMSNorm / RoPE / SiLU-and-mul (float32 and bfloat16), and for float32 also the LoRA segments;
+  RMSNorm / RoPE / SiLU-and-mul and the LoRA segments (float32 and bfloat16);
   the model's float32 and bfloat16 linear layers run on the GEMM kernel timed fastest on this CPU
   for their shape and row count (``models/gemm_choice.py``).
 * ``triton``: the Triton kernels (GPU): the paged attention of a whole step, decode and prefill,
@@ -57,10 +57,8 @@ def _cpu_backend(dtype: torch.dtype) -> KernelBackend:
         raise RuntimeError("kernels='cpu' needs the compiled CPU kernels, which could not be built (see the log)")
     attention = (cpu.paged_decode_attention, cpu.paged_prefill_attention, cpu.write_kv_)  # any dtype
     fused = ModelKernels(*attention, cpu.rms_norm, cpu.rope_, silu_and_mul=cpu.silu_and_mul_)
-    if dtype == torch.float32:
+    if dtype in (torch.float32, torch.bfloat16):
         return KernelBackend("cpu", fused, CompiledLoRAApplier, pack_linears=True)
-    if dtype == torch.bfloat16:  # the fused elementwise ops; LoRA by the torch hook (its kernel is float32)
-        return KernelBackend("cpu", fused, LoRAApplier, pack_linears=True)
     return KernelBackend("cpu", ModelKernels(*attention), LoRAApplier, pack_linears=True)
 
 

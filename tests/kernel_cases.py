@@ -133,12 +133,16 @@ def run_segments(
     dtype: torch.dtype = torch.float32,
 ) -> None:
     """Run ``kernel`` on one batch of adapter ``indices`` (-1: base model) and check every output
-    against ``lora_reference``; base-model rows must come back bit for bit (the base outputs are
-    representable in ``dtype``, the kernel's working dtype)."""
-    adapters = random_adapters(seed, hidden, outs)
+    against ``lora_reference``; base-model rows must come back bit for bit. x, the weights and the
+    base outputs are representable in ``dtype``, the kernel's working dtype: the reference (float32)
+    then differs from an exact kernel only by the order of additions and the outputs' rounding."""
+    adapters = [
+        [None if m is None else (m[0].to(dtype).float(), m[1].to(dtype).float(), m[2]) for m in modules]
+        for modules in random_adapters(seed, hidden, outs)
+    ]
     storage, page_ids, meta_all = pack(adapters, scattered, seed, outs)
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(len(indices), hidden, generator=gen)
+    x = torch.randn(len(indices), hidden, generator=gen).to(dtype).float()
     bases = [torch.randn(len(indices), out, generator=gen).to(dtype).float() for out in outs]
     runs = []  # (start, end, adapter) per run of one adapter, base-model runs dropped
     start = 0

@@ -175,13 +175,24 @@ def test_lora_segments_check_page_ids() -> None:
 
 
 def test_lora_segments_refuse_other_dtypes() -> None:
-    x = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
+    """float16, or x, pool and outputs of different dtypes, are refused by name."""
     meta = torch.zeros(1, 1, 1, 14, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="float32 only"):
-        cpu.lora_segments(
-            x, (torch.zeros(2, 4),), torch.zeros(1, 1, 8), 0, 0,
-            torch.tensor([[0, 2, 0, 0]]), torch.zeros(1, 0, dtype=torch.long), meta, torch.zeros(1, 1, 1, 3),
-        )  # fmt: skip
+    rest = (torch.tensor([[0, 2, 0, 0]]), torch.zeros(1, 0, dtype=torch.long), meta, torch.zeros(1, 1, 1, 3))
+    for x_dtype, pool_dtype, out_dtype in [
+        (torch.float16, torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+    ]:
+        with pytest.raises(RuntimeError, match="float32 or bfloat16: x and storage of one dtype"):
+            x = torch.zeros(2, HIDDEN, dtype=x_dtype)
+            cpu.lora_segments(x, (torch.zeros(2, 4, dtype=out_dtype),), torch.zeros(1, 1, 8, dtype=pool_dtype), 0, 0,
+                              *rest)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"outputs must be contiguous .* of x's dtype"):
+        x = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
+        cpu.lora_segments(x, (torch.zeros(2, 4),), torch.zeros(1, 1, 8, dtype=torch.bfloat16), 0, 0, *rest)
+    with pytest.raises(RuntimeError, match=r"segment 0: tokens \[0, 3\) are not within x's 2"):
+        x = torch.zeros(2, HIDDEN)
+        cpu.lora_segments(x, (torch.zeros(2, 4),), torch.zeros(1, 1, 8), 0, 0, torch.tensor([[0, 3, 0, 0]]), *rest[1:])
 
 
 # ---- fused elementwise ops ---------------------------------------------------------------

@@ -32,49 +32,64 @@ constexpr int64_t kTiledMax = 32;
 
 // One adapter's flat layer buffer through its page table (`table`, pages of `page_elems`
 // elements starting at `layer`); `base` is its first element when the pages are consecutive.
+// W: the pool's element type (float, or bf16_t).
+template <typename W>
 struct AdapterBuffer {
-  const float* layer = nullptr;
-  const float* base = nullptr;  // nullptr: scattered pages
+  const W* layer = nullptr;
+  const W* base = nullptr;  // nullptr: scattered pages
   const int64_t* table = nullptr;
   int64_t page_elems = 0;
 
   bool crosses_page(int64_t f, int64_t n) const { return base == nullptr && f % page_elems + n > page_elems; }
 
   // Elements [f, f + n) of the buffer: in place when they lie in one page, else copied to `buf`.
-  const float* span(int64_t f, int64_t n, float* buf) const {
+  const W* span(int64_t f, int64_t n, W* buf) const {
     if (base != nullptr) return base + f;
     const int64_t offset = f % page_elems;
     if (offset + n <= page_elems) return layer + table[f / page_elems] * page_elems + offset;
     for (int64_t done = 0; done < n;) {
       const int64_t at = f + done, count = std::min(page_elems - at % page_elems, n - done);
-      std::memcpy(buf + done, layer + table[at / page_elems] * page_elems + at % page_elems, count * sizeof(float));
+      std::memcpy(buf + done, layer + table[at / page_elems] * page_elems + at % page_elems, count * sizeof(W));
       done += count;
     }
     return buf;
   }
+
+  // dst[0:n] = elements [f, f + n) of the buffer as floats, page by page.
+  void widen_to(int64_t f, int64_t n, float* dst) const {
+    if (base != nullptr) return widen_n(base + f, n, dst);
+    for (int64_t done = 0; done < n;) {
+      const int64_t at = f + done, count = std::min(page_elems - at % page_elems, n - done);
+      widen_n(layer + table[at / page_elems] * page_elems + at % page_elems, count, dst + done);
+      done += count;
+    }
+  }
 };
 
 // A short segment: its tokens, metadata, adapter buffer and (once bound) its weight rows.
+template <typename W>
 struct TiledSegment {
   int64_t start = 0, num = 0;
   const int64_t* meta = nullptr;
   const float* scale = nullptr;
-  const AdapterBuffer* buffer = nullptr;
-  const float* const* a_rows = nullptr;          // meta[1] row pointers
-  const float* const* b_rows[kMaxModules] = {};  // each module's rank row pointers
+  const AdapterBuffer<W>* buffer = nullptr;
+  const W* const* a_rows = nullptr;          // meta[1] row pointers
+  const W* const* b_rows[kMaxModules] = {};  // each module's rank row pointers
 };
 
 // Elements of the rows, among `count` rows of `width` elements from element `offset` of `w`,
 // that cross a page boundary (and so are copied to scratch).
-inline int64_t crossing_elements(const AdapterBuffer& w, int64_t offset, int64_t count, int64_t width) {
+template <typename W>
+int64_t crossing_elements(const AdapterBuffer<W>& w, int64_t offset, int64_t count, int64_t width) {
   if (w.base != nullptr) return 0;
   int64_t total = 0;
   for (int64_t c = 0; c < count; ++c) total += w.crosses_page(offset + c * width, width) ? width : 0;
   return total;
 }
 
-// What bind_rows needs for a segment: {row pointers, scratch floats}.
-inline std::pair<int64_t, int64_t> rows_needed(const TiledSegment& seg, int64_t in, int64_t num_outputs) {
+// What bind_rows needs for a segment: {row pointers, scratch elements}.
+template <typename W>
+std::pair<int64_t, int64_t> rows_needed(const TiledSegment<W>& seg, int64_t in, int64_t num_outputs) {
   const int64_t* m = seg.meta;
   int64_t rows = m[1], crossing = crossing_elements(*seg.buffer, m[0], m[1], in);
   for (int64_t module = 0; module < num_outputs; ++module) {
@@ -87,8 +102,9 @@ inline std::pair<int64_t, int64_t> rows_needed(const TiledSegment& seg, int64_t 
 
 // Row pointers for `count` rows of `width` elements from element `offset` of `w` into `rows`;
 // rows that cross a page boundary are copied to `scratch` (advanced past them).
-inline void collect_rows(const AdapterBuffer& w, int64_t offset, int64_t count, int64_t width, const float** rows,
-                         float*& scratch) {
+template <typename W>
+void collect_rows(const AdapterBuffer<W>& w, int64_t offset, int64_t count, int64_t width, const W** rows,
+                  W*& scratch) {
   if (w.base != nullptr) {
     for (int64_t c = 0; c < count; ++c) rows[c] = w.base + offset + c * width;
     return;
@@ -101,7 +117,8 @@ inline void collect_rows(const AdapterBuffer& w, int64_t offset, int64_t count, 
 
 // Points seg's a_rows and b_rows at its weight rows, the pointers stored from `rows` on and the
 // copied rows from `scratch` on (both with room for rows_needed; both advanced past what it used).
-inline void bind_rows(TiledSegment& seg, int64_t in, int64_t num_outputs, const float**& rows, float*& scratch) {
+template <typename W>
+void bind_rows(TiledSegment<W>& seg, int64_t in, int64_t num_outputs, const W**& rows, W*& scratch) {
   const int64_t* m = seg.meta;
   collect_rows(*seg.buffer, m[0], m[1], in, rows, scratch);
   seg.a_rows = rows;
@@ -130,15 +147,16 @@ int64_t expand_chunk(int64_t width) {
 
 // Rows [c0, c1) of a segment's v (vt[row * ld_t + token], the segment's first token at column 0)
 // from its tokens transposed in blocks of 8 (`xt`: [blocks, in, 8]).
-inline void shrink_rows(const TiledSegment& seg, const float* xt, int64_t in, int64_t c0, int64_t c1, float* vt,
+template <typename W>
+void shrink_rows(const TiledSegment<W>& seg, const float* xt, int64_t in, int64_t c0, int64_t c1, float* vt,
                         int64_t ld_t) {
   for (int64_t c = c0; c < c1; c += kShrinkRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kShrinkRows, c1 - c));
-    const float* const* next = c + 2 * kShrinkRows <= seg.meta[1] ? seg.a_rows + c + kShrinkRows : nullptr;
+    const W* const* next = c + 2 * kShrinkRows <= seg.meta[1] ? seg.a_rows + c + kShrinkRows : nullptr;
     for (int64_t t = 0, b = 0; t < seg.num;) {
       const float* xb = xt + b * in * kShrinkBlock;
       float* vb = vt + c * ld_t + t;
-      const float* const* pf = t == 0 ? next : nullptr;
+      const W* const* pf = t == 0 ? next : nullptr;
       if (kShrinkBlocks == 2 && seg.num - t > kShrinkBlock) {  // two blocks, the second maybe partial
         const int tb = static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t - kShrinkBlock));
         with_rows<kShrinkRows>(rows, [&](auto r) {
@@ -157,8 +175,9 @@ inline void shrink_rows(const TiledSegment& seg, const float* xt, int64_t in, in
 }
 
 // Columns [o0, o1) of a segment's module output from its v (as shrink_rows left it).
-inline void expand_columns(const TiledSegment& seg, int64_t module, int64_t o0, int64_t o1, const float* vt,
-                           int64_t ld_t, float* out, int64_t width, float* tmp) {
+template <typename W>
+void expand_columns(const TiledSegment<W>& seg, int64_t module, int64_t o0, int64_t o1, const float* vt,
+                           int64_t ld_t, W* out, int64_t width, float* tmp) {
   const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
   const int64_t column = mm[0], rank = mm[1];
   for_token_blocks(seg.num, [&](auto tb, int64_t t) {
@@ -176,7 +195,8 @@ constexpr int64_t kSegmentsPerThread = 4;
 
 // All short segments of one call (their rows not yet bound). Scratch is per thread and reused
 // across calls: at small hidden sizes a call's setup costs as much as its arithmetic.
-void run_tiled(std::vector<TiledSegment>& segs, const float* x, int64_t in, float* const* outs,
+template <typename W>
+void run_tiled(std::vector<TiledSegment<W>>& segs, const float* x, int64_t in, W* const* outs,
                const int64_t* out_widths, int64_t num_outputs) {
   int64_t max_chunk = 0, max_rows = 0, total_blocks = 0, max_blocks = 0;
   for (int64_t module = 0; module < num_outputs; ++module) {
@@ -210,17 +230,18 @@ void run_tiled(std::vector<TiledSegment>& segs, const float* x, int64_t in, floa
 #pragma omp parallel num_threads(max_threads)
     {
       // Each thread binds the rows of the segments it takes.
-      thread_local std::vector<float> xt, vt, tmp, scratch;
-      thread_local std::vector<const float*> rows;
+      thread_local std::vector<float> xt, vt, tmp;
+      thread_local std::vector<W> scratch;
+      thread_local std::vector<const W*> rows;
       float* xt_ptr = at_least(xt, max_blocks * block_elems);
       float* vt_ptr = at_least(vt, max_rows * max_blocks * kShrinkBlock);
       float* tmp_ptr = at_least(tmp, kTokenBlock * max_chunk);
 #pragma omp for schedule(dynamic, 1)
       for (size_t i = 0; i < segs.size(); ++i) {
-        TiledSegment seg = segs[order[i].second];
+        TiledSegment<W> seg = segs[order[i].second];
         const auto [num_rows, crossing] = rows_needed(seg, in, num_outputs);
-        const float** row_ptr = at_least(rows, num_rows);
-        float* scratch_ptr = at_least(scratch, crossing);
+        const W** row_ptr = at_least(rows, num_rows);
+        W* scratch_ptr = at_least(scratch, crossing);
         bind_rows(seg, in, num_outputs, row_ptr, scratch_ptr);
         const int64_t ld_t = (seg.num + kShrinkBlock - 1) / kShrinkBlock * kShrinkBlock;
         for (int64_t t = 0, b = 0; t < seg.num; t += kShrinkBlock, ++b) {
@@ -243,16 +264,16 @@ void run_tiled(std::vector<TiledSegment>& segs, const float* x, int64_t in, floa
   // (segment, up to 48 rows of A), then expand items (segment, module, up to 512 output columns),
   // each phase across threads; v is shared, transposed: vt[row, token] over all of the call's tokens.
   int64_t total_rows = 0, total_crossing = 0;
-  for (const TiledSegment& seg : segs) {
+  for (const TiledSegment<W>& seg : segs) {
     const auto [num_rows, crossing] = rows_needed(seg, in, num_outputs);
     total_rows += num_rows;
     total_crossing += crossing;
   }
-  thread_local std::vector<const float*> rows;
-  thread_local std::vector<float> scratch;
-  const float** row_ptr = at_least(rows, total_rows);
-  float* scratch_ptr = at_least(scratch, total_crossing);
-  for (TiledSegment& seg : segs) bind_rows(seg, in, num_outputs, row_ptr, scratch_ptr);
+  thread_local std::vector<const W*> rows;
+  thread_local std::vector<W> scratch;
+  const W** row_ptr = at_least(rows, total_rows);
+  W* scratch_ptr = at_least(scratch, total_crossing);
+  for (TiledSegment<W>& seg : segs) bind_rows(seg, in, num_outputs, row_ptr, scratch_ptr);
   std::vector<std::pair<int64_t, int64_t>> shrinks;            // (segment, first row)
   std::vector<std::tuple<int64_t, int64_t, int64_t>> expands;  // (segment, module, first column)
   int64_t num_tokens = 0;
@@ -285,7 +306,7 @@ void run_tiled(std::vector<TiledSegment>& segs, const float* x, int64_t in, floa
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < shrinks.size(); ++i) {
       const auto [s, c] = shrinks[i];
-      const TiledSegment& seg = segs[s];
+      const TiledSegment<W>& seg = segs[s];
       shrink_rows(seg, xt + first[s] * block_elems, in, c, std::min(seg.meta[1], c + kShrinkItemRows),
                   vt + seg.start, ld_t);
     }

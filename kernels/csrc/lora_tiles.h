@@ -32,6 +32,68 @@ inline vecf splat_lanes(float x, std::index_sequence<I...>) {
   return vecf{((void)I, x)...};  // a brace list of kLanes copies: one broadcast, no arithmetic
 }
 inline vecf splatv(float x) { return splat_lanes(x, std::make_index_sequence<kLanes>{}); }
+
+// ---- weights stored as float32 or as bfloat16 (its 16 high bits: widened by a shift) ----
+using bf16_t = uint16_t;
+using vecu16 = uint16_t __attribute__((vector_size(2 * kLanes)));
+using vecu32 = uint32_t __attribute__((vector_size(4 * kLanes)));
+
+inline float widen(float w) { return w; }
+inline float widen(bf16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+// The bfloat16 nearest to f, ties to even (as torch rounds); a NaN stays a NaN.
+inline bf16_t round_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<bf16_t>(bits >> 16);
+}
+// kLanes bfloat16 weights as floats (a zero extension and a shift per vector).
+inline vecf loadv(const bf16_t* p) {
+  vecu16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vecu32 bits = __builtin_convertvector(h, vecu32) << 16;
+  vecf v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+// The outputs are of the pool's type: *p += v, rounded once to bfloat16 where p is bfloat16.
+inline void add_to(float& out, float v) { out += v; }
+inline void add_to(bf16_t& out, float v) { out = round_bf16(widen(out) + v); }
+inline void store_add(float* p, vecf v) { storev(p, loadv(p) + v); }
+inline void store_add(bf16_t* p, vecf v) {
+  const vecf sum = loadv(p) + v;
+  vecu32 bits;
+  std::memcpy(&bits, &sum, sizeof(bits));
+  const vecu32 nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;  // ties to even
+  const vecu32 rounded = (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : nearest;  // NaN stays NaN
+  const vecu16 h = __builtin_convertvector(rounded, vecu16);
+  std::memcpy(p, &h, sizeof(h));
+}
+// out[0:n] += scale * acc[0:n].
+template <typename W>
+inline void add_scaled(W* out, const float* acc, float scale, int64_t n) {
+  const vecf s = splatv(scale);
+  int64_t o = 0;
+  for (; o + kLanes <= n; o += kLanes) store_add(out + o, s * loadv(acc + o));
+  for (; o < n; ++o) add_to(out[o], scale * acc[o]);
+}
+// dst[0:n] = the n weights from src, as floats.
+template <typename W>
+inline void widen_n(const W* src, int64_t n, float* dst) {
+  if constexpr (std::is_same_v<W, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    int64_t k = 0;
+    for (; k + kLanes <= n; k += kLanes) storev(dst + k, loadv(src + k));
+    for (; k < n; ++k) dst[k] = widen(src[k]);
+  }
+}
 constexpr int kShrinkBlock = 8;  // tokens per shrink tile: the 8 lanes of one AVX vector
 // A rows per shrink tile: 8 independent accumulators keep two FMA pipes of latency 4 busy, and
 // their 8 row pointers fit the integer registers (measured on AVX-512: 12 and 16 rows were slower).
@@ -92,27 +154,38 @@ inline void transpose_tokens(const float* x, int64_t in, int tb, float* xt) {
   }
 }
 
-// vt[i * ld_t + j] = dot(x[j], a_i) for R rows of A and NB blocks of <= 8 tokens whose transposes
+// vt[i * ld_t + j] = dot(x[j], a_i) for R rows of A (W: float, or bf16_t widened a chunk at a time) and NB blocks of <= 8 tokens whose transposes
 // are `xt` ([NB, in, 8]; only the last block may be partial): the tokens lie in the lanes, so each A element is one broadcast into one FMA and no
 // horizontal sums are needed (they cost as much as the dots at small hidden sizes).
 // The dots are summed in chunks of kShrinkChunk terms (a long running sum in float32 drifts from
 // the blocked sums of a GEMM by more than rounding). `next` (or nullptr): R row pointers to
 // prefetch (into L2: 0.94x the time of L1 for SmolLM2's decode with the expand's) while
 // streaming these, the next tile's.
-template <int R, int NB>
-void shrink_tile(const float* xt, int64_t in, const float* const* a, float* vt, int64_t ld_t, int tb_last,
-                 const float* const* next) {
+template <int R, int NB, typename W>
+void shrink_tile(const float* xt, int64_t in, const W* const* a, float* vt, int64_t ld_t, int tb_last,
+                 const W* const* next) {
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
   f32x8 acc[NB][R] = {};
   for (int64_t k0 = 0; k0 < in; k0 += kShrinkChunk) {
     const int64_t k1 = std::min(in, k0 + kShrinkChunk);
+    const float* rows[R];  // the chunk's terms of each row, as floats
+    float wide[std::is_same_v<W, float> ? 1 : R][kShrinkChunk];
+    for (int i = 0; i < R; ++i) {
+      if constexpr (std::is_same_v<W, float>) {
+        rows[i] = a[i] + k0;
+      } else {
+        widen_n(a[i] + k0, k1 - k0, wide[i]);
+        rows[i] = wide[i];
+      }
+    }
     f32x8 part[NB][R] = {};
     for (int64_t k = k0; k < k1; ++k) {
-      if (next != nullptr && k % 16 == 0) {
+      if (next != nullptr && k % kLine == 0) {
         for (int i = 0; i < R; ++i) __builtin_prefetch(next[i] + k, 0, 2);
       }
       for (int j = 0; j < NB; ++j) {
         const f32x8 xv = load8(xt + (j * in + k) * kShrinkBlock);
-        for (int i = 0; i < R; ++i) part[j][i] += xv * a[i][k];
+        for (int i = 0; i < R; ++i) part[j][i] += xv * rows[i][k - k0];
       }
     }
     for (int j = 0; j < NB; ++j)
@@ -143,14 +216,14 @@ void with_rows(int n, F&& f) {
 }
 
 // out[j, o0:o1] += scale * sum_r vt[r, j] * b_r[o0:o1] for TB tokens; `b` holds `rank` row
-// pointers; `tmp` has room for TB * (o1 - o0) floats. The rank is walked in blocks of kRankBlock
+// pointers (W: float, or bf16_t widened as loaded; the output is of type W too); `tmp` has room for TB * (o1 - o0) floats. The rank is walked in blocks of kRankBlock
 // rows so that only that many rows are streamed at once (the hardware prefetchers follow a few
 // sequential streams, not one per rank row); sums between blocks wait in `tmp`, the last block
 // adds to the output. Each column tile prefetches the next tile's columns of its rows into L2 (a
 // small B streams as one column strip per tile, which the prefetchers do not follow either).
-template <int TB>
-void expand_tile(const float* vt, int64_t ld_t, const float* const* b, int64_t rank, int64_t o0, int64_t o1,
-                 float scale, float* out, int64_t ld_out, float* tmp, bool read_once) {
+template <int TB, typename W>
+void expand_tile(const float* vt, int64_t ld_t, const W* const* b, int64_t rank, int64_t o0, int64_t o1,
+                 float scale, W* out, int64_t ld_out, float* tmp, bool read_once) {
   const int64_t n = o1 - o0, vectorized = n / kExpandCols * kExpandCols;
   // A small B read once (the segment's only token block): no sums wait in `tmp`. With more
   // blocks, B's rows are streamed by rank blocks, which suits the reads that come again.
@@ -182,9 +255,9 @@ void expand_tile(const float* vt, int64_t ld_t, const float* const* b, int64_t r
       }
       for (int j = 0; j < TB; ++j) {
         if (last) {
-          float* dst = out + j * ld_out + o0 + o;
-          storev(dst, loadv(dst) + s * acc[j][0]);
-          storev(dst + kLanes, loadv(dst + kLanes) + s * acc[j][1]);
+          W* dst = out + j * ld_out + o0 + o;
+          store_add(dst, s * acc[j][0]);
+          store_add(dst + kLanes, s * acc[j][1]);
         } else {
           storev(tmp + j * n + o, acc[j][0]);
           storev(tmp + j * n + o + kLanes, acc[j][1]);
@@ -194,9 +267,9 @@ void expand_tile(const float* vt, int64_t ld_t, const float* const* b, int64_t r
     for (int64_t o = vectorized; o < n; ++o) {
       for (int j = 0; j < TB; ++j) {
         float acc = first ? 0.f : tmp[j * n + o];
-        for (int64_t r = r0; r < r1; ++r) acc += vt[r * ld_t + j] * b[r][o0 + o];
+        for (int64_t r = r0; r < r1; ++r) acc += vt[r * ld_t + j] * widen(b[r][o0 + o]);
         if (last) {
-          out[j * ld_out + o0 + o] += scale * acc;
+          add_to(out[j * ld_out + o0 + o], scale * acc);
         } else {
           tmp[j * n + o] = acc;
         }

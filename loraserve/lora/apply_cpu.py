@@ -127,7 +127,7 @@ def _grown(array: np.ndarray, axis: int, size: int) -> np.ndarray:
 
 
 class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
-    """``LoRAHook`` reading adapter weights in place from the pool's storage (float32)."""
+    """``LoRAHook`` reading adapter weights in place from the pool's storage (float32 or bfloat16)."""
 
     def __init__(self, storage: torch.Tensor) -> None:
         super().__init__(storage)

@@ -1,0 +1,121 @@
+"""The compiled segmented LoRA over a bfloat16 pool (``kernels/cpu.py``): weights widened to
+float32 as they are read, sums in float32, each output rounded once; against the float32
+reference on every path, bit for bit on rounding, and in a bfloat16 engine with adapters."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kernel_cases import POPULARITY, run_segments
+from loraserve.kernels import cpu
+
+from tests.adapter_factory import make_peft_adapter
+
+pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
+
+
+def cpu_bfloat16(x: torch.Tensor, outputs: tuple[torch.Tensor, ...], storage: torch.Tensor, *args: object) -> None:
+    """``kernel_cases.SegmentsKernel`` over ``cpu.lora_segments`` with x, outputs and pool in bfloat16."""
+    results = tuple(out.to(torch.bfloat16) for out in outputs)
+    cpu.lora_segments(x.to(torch.bfloat16), results, storage.to(torch.bfloat16), *args)
+    for out, result in zip(outputs, results, strict=True):
+        out.copy_(result.float())
+
+
+# bfloat16: the kernel sums in float32 and rounds each output once, so it is held to half a
+# bfloat16 step of the output (2^-8 relative), not to a bfloat16 GEMM's looser error.
+BF16_RTOL = 2**-8
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
+@pytest.mark.parametrize("pattern", list(POPULARITY))
+def test_lora_segments_bfloat16_pool_match_the_float32_reference(pattern: str, scattered: bool) -> None:
+    """A bfloat16 pool: grouped by adapter (MKL on widened copies) and interleaved (row loops)."""
+    indices = POPULARITY[pattern](random.Random(pattern))
+    run_segments(cpu_bfloat16, sorted(indices), seed=len(pattern), scattered=scattered, layer=1, atol=BF16_RTOL,
+                 dtype=torch.bfloat16)  # fmt: skip
+    run_segments(cpu_bfloat16, indices, seed=3, scattered=scattered, layer=0, atol=BF16_RTOL, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
+@pytest.mark.parametrize("hidden, outs", [(37, (29, 5, 70)), (576, (192, 17, 1536))], ids=["odd", "wide"])
+def test_lora_segments_bfloat16_on_every_path(
+    hidden: int, outs: tuple[int, ...], scattered: bool, threads: int
+) -> None:
+    """Every segment length class (1-9, 13, 32 tokens tiled, 33 on MKL) on widths with scalar tails
+    and wide ones, whole segments per thread (1 thread) and split phases (2), with and without MKL's
+    grouped GEMM: bfloat16 weights widened in the row loops, the tiles and the copies for MKL."""
+    indices = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1, 5] + [6] * 32 + [7] * 33
+    indices += [8] * 6 + [9] * 7 + [10] * 8 + [11] * 9 + [1] * 13
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for grouped in (True, False):
+            cpu.lora_grouped_gemm(enable=grouped)
+            run_segments(cpu_bfloat16, indices, seed=5, scattered=scattered, layer=1, hidden=hidden, outs=outs,
+                         atol=BF16_RTOL, dtype=torch.bfloat16)  # fmt: skip
+    finally:
+        cpu.lora_grouped_gemm(enable=True)
+        torch.set_num_threads(previous)
+
+
+def test_lora_segments_bfloat16_outputs_round_to_nearest_even() -> None:
+    """Each output is the bfloat16 nearest to its float32 sum, ties to even, as torch rounds: with
+    weights of ones the LoRA term is exactly x's first element v, so the results are fixed bit for
+    bit, on the row loops (1 token), the tiles (5) and MKL (40), in vectors and scalar tails."""
+    width = 36  # vectors of 8 or 16 lanes, then a tail
+    storage = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    storage[0, 0, 0] = 1.0  # A: rank 1 over 4 inputs, v = x[:, 0]
+    storage[0, 0, 4 : 4 + width] = 1.0  # B^T [1, width]: every output gets v
+    meta = torch.zeros(1, 1, 1, 14, dtype=torch.long)
+    meta[0, 0, 0, :6] = torch.tensor([0, 1, 0, 1, 4, width])
+    inf, nan = float("inf"), float("nan")
+    base = [1.0, 1.0, -1.0, 256.0, 3.0, inf, nan, 0.0, -0.0]
+    # 1 + 2^-8 is a tie of 1 and 1 + 2^-7: 1 (even); 1 + 3 * 2^-8 a tie of 1 + 2^-7 and 1 + 2^-6: the latter.
+    cases = {
+        2**-8: [1.0, 1.0, -1.0 + 2**-8, 256.0, 3.0, inf, nan, 2**-8, 2**-8],
+        3 * 2**-8: [1.0 + 2**-6, 1.0 + 2**-6, -1.0 + 3 * 2**-8, 256.0, 3.0 + 2**-6, inf, nan, 3 * 2**-8, 3 * 2**-8],
+    }
+    for num in (1, 5, 40):
+        for v, expected in cases.items():
+            out = torch.tensor([base * 4] * num, dtype=torch.bfloat16)  # [num, 36]
+            x = torch.zeros(num, 4, dtype=torch.bfloat16)
+            x[:, 0] = v
+            cpu.lora_segments(x, (out,), storage, 0, 0, torch.tensor([[0, num, 0, 0]]), torch.tensor([[0]]), meta,
+                              torch.ones(1, 1, 1, 3))  # fmt: skip
+            expected_rows = torch.tensor([expected * 4] * num)
+            torch.testing.assert_close(out.float(), expected_rows, rtol=0, atol=0, equal_nan=True, msg=f"{num}, {v}")
+
+
+def test_a_bfloat16_engine_applies_adapters_with_the_compiled_kernel(
+    tiny_model_dir: Path, tiny_hf_model: Any, tmp_path: Path
+) -> None:
+    """kernels="cpu" in bfloat16 reads adapters with this kernel (no torch hook), and the prompt
+    logprobs under an adapter follow the float32 torch reference far closer than the base model's do."""
+    from loraserve import LLM, SamplingParams
+    from loraserve.lora.apply_cpu import CompiledLoRAApplier
+
+    every_projection = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = make_peft_adapter(tiny_hf_model, tmp_path / "r8", rank=8, seed=4, target_modules=every_projection)
+    prompt = "The weather today is sunny and warm, and the children play outside in the park"
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def prompt_logprobs(kernels: str, dtype: str, name: str | None) -> torch.Tensor:
+        llm = LLM(str(tiny_model_dir), num_pages=64, kernels=kernels, dtype=dtype)
+        if kernels == "cpu":
+            assert isinstance(llm.engine.runner.lora_hook, CompiledLoRAApplier)
+        llm.add_adapter("r8", adapter)
+        out = llm.generate([prompt], params, use_tqdm=False, adapters=name)[0]
+        assert out.prompt_logprobs is not None
+        ids = out.prompt_token_ids
+        return torch.tensor([entry[ids[i]][0] for i, entry in enumerate(out.prompt_logprobs) if entry is not None])
+
+    reference = prompt_logprobs("torch", "float32", "r8")
+    with_adapter = (prompt_logprobs("cpu", "bfloat16", "r8") - reference).abs().max()
+    base = (prompt_logprobs("cpu", "bfloat16", None) - reference).abs().max()
+    assert with_adapter < 0.25 * base, (float(with_adapter), float(base))
