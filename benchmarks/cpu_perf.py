@@ -32,9 +32,10 @@ from loraserve.config import CPU_GEMM_CHOICES
 TARGET_LORA_VS_BASE = 0.85  # (b)/(a): LoRA tok/s at least this share of the base model's
 TARGET_VS_PEFT = 5.0
 SCOPE = "cpu_perf::"
-MATMULS = frozenset(
-    {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "cpu_kernels.linear_panels"}
-)
+MATMULS = frozenset(  # the base model's GEMM ops, including oneDNN's on prepacked weights (its bfloat16 path)
+    {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "cpu_kernels.linear_panels",
+     "mkldnn::_linear_pointwise"}
+)  # fmt: skip
 PARTS = ("attention", "base matmuls", "lora", "sampling", "other ops", "python overhead")
 
 

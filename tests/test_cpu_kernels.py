@@ -190,9 +190,32 @@ def test_lora_segments_refuse_other_dtypes() -> None:
     with pytest.raises(RuntimeError, match=r"outputs must be contiguous .* of x's dtype"):
         x = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
         cpu.lora_segments(x, (torch.zeros(2, 4),), torch.zeros(1, 1, 8, dtype=torch.bfloat16), 0, 0, *rest)
-    with pytest.raises(RuntimeError, match=r"segment 0: tokens \[0, 3\) are not within x's 2"):
-        x = torch.zeros(2, HIDDEN)
-        cpu.lora_segments(x, (torch.zeros(2, 4),), torch.zeros(1, 1, 8), 0, 0, torch.tensor([[0, 3, 0, 0]]), *rest[1:])
+
+
+def test_lora_segments_check_their_arguments() -> None:
+    """Segments past x's rows, overlapping or out of order, a layer or group outside meta, and
+    meta rows that are not one per segment: each refused by name (threads would race or read
+    outside the tensors)."""
+    x, outputs, storage = torch.zeros(4, HIDDEN), (torch.zeros(4, 4),), torch.zeros(1, 1, 8)
+    meta, scales, tables = torch.zeros(1, 1, 2, 14, dtype=torch.long), torch.zeros(1, 1, 2, 3), torch.zeros(2, 1)
+    tables = tables.long()
+    for bounds, message in [
+        (
+            [[0, 2, 0, 0], [2, 5, 0, 0]],
+            r"segment 1: tokens \[2, 5\) must follow the previous segment's and lie within x's 4",
+        ),
+        ([[0, 2, 0, 0], [1, 3, 0, 0]], r"segment 1: tokens \[1, 3\) must follow"),
+        ([[2, 3, 0, 0], [0, 1, 0, 0]], r"segment 1: tokens \[0, 1\) must follow"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            cpu.lora_segments(x, outputs, storage, 0, 0, torch.tensor(bounds), tables, meta, scales)
+    ok = torch.tensor([[0, 2, 0, 0], [2, 4, 0, 0]])
+    with pytest.raises(RuntimeError, match="layer 1 is outside meta, scales or storage"):
+        cpu.lora_segments(x, outputs, storage, 1, 0, ok, tables, meta, scales)
+    with pytest.raises(RuntimeError, match="group 1 is outside meta or scales"):
+        cpu.lora_segments(x, outputs, storage, 0, 1, ok, tables, meta, scales)
+    with pytest.raises(RuntimeError, match="meta and scales need one row per segment"):
+        cpu.lora_segments(x, outputs, storage, 0, 0, ok[:1], tables[:1], meta, scales[:, :, :1])
 
 
 # ---- fused elementwise ops ---------------------------------------------------------------

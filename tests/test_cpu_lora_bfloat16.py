@@ -34,7 +34,8 @@ BF16_RTOL = 2**-8
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
 @pytest.mark.parametrize("pattern", list(POPULARITY))
 def test_lora_segments_bfloat16_pool_match_the_float32_reference(pattern: str, scattered: bool) -> None:
-    """A bfloat16 pool: grouped by adapter (MKL on widened copies) and interleaved (row loops)."""
+    """A bfloat16 pool under Punica's popularity patterns: grouped by adapter (segments of the tiled
+    loops) and interleaved (mostly 1-2 token row loops)."""
     indices = POPULARITY[pattern](random.Random(pattern))
     run_segments(cpu_bfloat16, sorted(indices), seed=len(pattern), scattered=scattered, layer=1, atol=BF16_RTOL,
                  dtype=torch.bfloat16)  # fmt: skip
@@ -47,18 +48,21 @@ def test_lora_segments_bfloat16_pool_match_the_float32_reference(pattern: str, s
 def test_lora_segments_bfloat16_on_every_path(
     hidden: int, outs: tuple[int, ...], scattered: bool, threads: int
 ) -> None:
-    """Every segment length class (1-9, 13, 32 tokens tiled, 33 on MKL) on widths with scalar tails
-    and wide ones, whole segments per thread (1 thread) and split phases (2), with and without MKL's
-    grouped GEMM: bfloat16 weights widened in the row loops, the tiles and the copies for MKL."""
-    indices = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1, 5] + [6] * 32 + [7] * 33
-    indices += [8] * 6 + [9] * 7 + [10] * 8 + [11] * 9 + [1] * 13
+    """Every segment length class (1-9, 13, 32 tokens tiled, 33 and 40 on MKL) on widths with scalar
+    tails and wide ones, with and without MKL's grouped GEMM: bfloat16 weights widened in the row
+    loops, the tiles and the copies for MKL. The first batch's 9 tiled segments run whole per thread
+    on 1 or 2 threads (at least 4 per thread); the second's 3 run as split phases on 2 threads."""
+    many = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1, 5] + [6] * 32 + [7] * 33
+    many += [8] * 6 + [9] * 7 + [10] * 8 + [11] * 9 + [1] * 13
+    few = [6] * 5 + [7] * 8 + [-1] * 2 + [8] * 13 + [9] * 40
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for grouped in (True, False):
             cpu.lora_grouped_gemm(enable=grouped)
-            run_segments(cpu_bfloat16, indices, seed=5, scattered=scattered, layer=1, hidden=hidden, outs=outs,
-                         atol=BF16_RTOL, dtype=torch.bfloat16)  # fmt: skip
+            for indices in (many, few):
+                run_segments(cpu_bfloat16, indices, seed=5, scattered=scattered, layer=1, hidden=hidden, outs=outs,
+                             atol=BF16_RTOL, dtype=torch.bfloat16)  # fmt: skip
     finally:
         cpu.lora_grouped_gemm(enable=True)
         torch.set_num_threads(previous)

@@ -92,8 +92,8 @@ void run_long(const std::vector<int64_t>& large, const std::vector<AdapterBuffer
   }
   thread_local std::vector<float> copied;  // reused across calls
   float* copied_ptr = at_least(copied, copied_elems);
-  const int large_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(large.size())));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(large_threads)
+  const int copy_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(large.size())));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(copy_threads) if (copied_elems > 0)
   for (size_t i = 0; i < large.size(); ++i) {
     const int64_t s = large[i];
     if (copy_at[i] < 0) continue;
@@ -184,6 +184,8 @@ void run_long(const std::vector<int64_t>& large, const std::vector<AdapterBuffer
   const int add_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(to_add.size())));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(add_threads)
   for (size_t i = 0; i < to_add.size(); ++i) add_scaled(to_add[i].first, sums[i], 1.f, to_add[i].second);
+  trim(copied);
+  trim(expanded);
 }
 
 }  // namespace loraserve_lora

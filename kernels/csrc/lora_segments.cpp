@@ -93,10 +93,10 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
   const int ldv = static_cast<int>(max_rows);
   W* const* out_ptrs = args.outs.data();
 
-  // Each segment's weights. An adapter on consecutive pages is read in place. One on scattered
-  // pages is followed through its page table: short segments take row pointers into its pages
-  // (copying only rows that cross a page boundary); for long ones (MKL needs whole float32
-  // matrices) this group's A rows and each B^T are copied out page by page (and widened).
+  // Each segment's weights. Short segments read them in place: an adapter on consecutive pages
+  // through one pointer, one on scattered pages through its page table (row pointers into its
+  // pages, copying only rows that cross a page boundary). Long ones go to run_long, which copies
+  // them out where MKL cannot read them in place (scattered pages, or bfloat16).
   std::vector<AdapterBuffer<W>> buffers(num_segments);
   std::vector<TiledSegment<W>> tiled;
   tiled.reserve(num_segments);
@@ -172,6 +172,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
     run_long(large, buffers, meta_ptr, scale_ptr, bound_ptr, x_ptr, in_features, v_ptr, ldv, out_ptrs,
              out_widths.data(), num_outputs);
   }
+  trim(shrunk);
 }
 
 }  // namespace
@@ -197,10 +198,19 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
   }
   const int64_t* bound_ptr = bounds.data_ptr<int64_t>();
   const int64_t num_segments = bounds.size(0);
-  for (int64_t s = 0; s < num_segments; ++s) {
-    TORCH_CHECK(0 <= bound_ptr[s * 4] && bound_ptr[s * 4] <= bound_ptr[s * 4 + 1] && bound_ptr[s * 4 + 1] <= x.size(0),
-                "segment ", s, ": tokens [", bound_ptr[s * 4], ", ", bound_ptr[s * 4 + 1], ") are not within x's ",
-                x.size(0));
+  TORCH_CHECK(meta.scalar_type() == at::kLong && bounds.scalar_type() == at::kLong, "meta and bounds must be int64");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, "scales must be float32");
+  TORCH_CHECK(meta.size(2) == num_segments && scales.size(2) == num_segments,
+              "meta and scales need one row per segment");
+  TORCH_CHECK(0 <= layer && layer < meta.size(0) && layer < scales.size(0) && layer < storage.size(0), "layer ", layer,
+              " is outside meta, scales or storage");
+  TORCH_CHECK(0 <= group && group < meta.size(1) && group < scales.size(1), "group ", group,
+              " is outside meta or scales");
+  for (int64_t s = 0, end = 0; s < num_segments; end = bound_ptr[s * 4 + 1], ++s) {
+    // In order and disjoint: threads write each segment's output rows, so overlaps would race.
+    const int64_t first = bound_ptr[s * 4], last = bound_ptr[s * 4 + 1];
+    TORCH_CHECK(end <= first && first <= last && last <= x.size(0), "segment ", s, ": tokens [", first, ", ", last,
+                ") must follow the previous segment's and lie within x's ", x.size(0));
   }
   const auto run_as = [&](auto type) {
     using W = decltype(type);
@@ -211,15 +221,20 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
       args.widths.push_back(out.size(1));
       args.outs.push_back(static_cast<W*>(out.data_ptr()));
     }
+    thread_local std::vector<float> wide_x;  // bfloat16: the segments' rows of x as float32, reused across calls
     if constexpr (std::is_same_v<W, float>) {
       args.x = x.data_ptr<float>();
-    } else {  // the shrink reads x as float32: widened once (into a buffer reused across calls)
-      thread_local std::vector<float> wide_x;
+    } else {
       float* x_ptr = at_least(wide_x, args.num_tokens * args.in_features);
-      widen_n(static_cast<const W*>(x.data_ptr()), args.num_tokens * args.in_features, x_ptr);
+      const W* x_rows = static_cast<const W*>(x.data_ptr());
+      for (int64_t s = 0; s < num_segments; ++s) {
+        const int64_t first = bound_ptr[s * 4] * args.in_features, end = bound_ptr[s * 4 + 1] * args.in_features;
+        widen_n(x_rows + first, end - first, x_ptr + first);
+      }
       args.x = x_ptr;
     }
     run_segments<W>(args, storage, layer, group, bounds, page_tables, meta, scales);
+    trim(wide_x);
   };
   if (dtype == at::kFloat) return run_as(float{});
   run_as(bf16_t{});

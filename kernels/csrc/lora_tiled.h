@@ -139,6 +139,14 @@ inline T* at_least(std::vector<T>& v, int64_t n) {
   return v.data();
 }
 
+// Frees a scratch vector kept across calls once it holds more than kKeepBytes (a long prefill's
+// buffers), so that a thread does not keep its largest call's memory for good.
+constexpr size_t kKeepBytes = size_t{16} << 20;
+template <typename T>
+inline void trim(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > kKeepBytes) std::vector<T>().swap(v);
+}
+
 // Output columns per expand work item: at most about kExpandBlock, a multiple of kExpandCols.
 int64_t expand_chunk(int64_t width) {
   const int64_t chunks = (width + kExpandBlock - 1) / kExpandBlock;
