@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "attention_common.h"
+#include "bf16_bits.h"
 #include "simd8.h"
 
 // ---- fused elementwise ops of a Llama layer (float32 or bfloat16) ---------------------------
@@ -176,20 +177,8 @@ inline f32x8 exp8_clamped(f32x8 x) {
 
 // 8 elements in float and back, bfloat16 through its bits as load_f / store_f do one.
 inline f32x8 load8_f(const float* p) { return loraserve_simd::load8(p); }
-inline f32x8 load8_f(const at::BFloat16* p) {
-  u16x8 half;
-  std::memcpy(&half, p, sizeof(half));
-  const u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
-  f32x8 out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline u32x8 bf16_bits8(f32x8 v) {  // round to nearest even; NaN a quiet NaN
-  u32x8 bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const u32x8 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return (v != v) ? u32x8{} + 0x7FC0u : rounded;
-}
+inline f32x8 load8_f(const at::BFloat16* p) { return loraserve_bf16::load_widened<f32x8, u16x8, u32x8>(p); }
+inline u32x8 bf16_bits8(f32x8 v) { return loraserve_bf16::rounded_bits<u32x8>(v); }
 inline void store8_f(float* p, f32x8 v) { loraserve_simd::store8(p, v); }
 inline void store8_f(at::BFloat16* p, f32x8 v) {
   const u16x8 half = __builtin_convertvector(bf16_bits8(v), u16x8);

@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "bf16_bits.h"
 #include "simd8.h"
 
 namespace loraserve_lora {
@@ -45,34 +46,22 @@ inline float widen(bf16_t w) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
-// The bfloat16 nearest to f, ties to even (as torch rounds); a NaN stays a NaN.
+// The bfloat16 nearest to f, ties to even, as torch rounds (a NaN: torch's quiet NaN).
 inline bf16_t round_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
+  if (f != f) return 0x7FC0u;
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
   return static_cast<bf16_t>(bits >> 16);
 }
 // kLanes bfloat16 weights as floats (a zero extension and a shift per vector).
-inline vecf loadv(const bf16_t* p) {
-  vecu16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const vecu32 bits = __builtin_convertvector(h, vecu32) << 16;
-  vecf v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
+inline vecf loadv(const bf16_t* p) { return loraserve_bf16::load_widened<vecf, vecu16, vecu32>(p); }
 // The outputs are of the pool's type: *p += v, rounded once to bfloat16 where p is bfloat16.
 inline void add_to(float& out, float v) { out += v; }
 inline void add_to(bf16_t& out, float v) { out = round_bf16(widen(out) + v); }
 inline void store_add(float* p, vecf v) { storev(p, loadv(p) + v); }
 inline void store_add(bf16_t* p, vecf v) {
-  const vecf sum = loadv(p) + v;
-  vecu32 bits;
-  std::memcpy(&bits, &sum, sizeof(bits));
-  const vecu32 nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;  // ties to even
-  const vecu32 rounded = (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : nearest;  // NaN stays NaN
-  const vecu16 h = __builtin_convertvector(rounded, vecu16);
+  const vecu16 h = __builtin_convertvector(loraserve_bf16::rounded_bits<vecu32>(loadv(p) + v), vecu16);
   std::memcpy(p, &h, sizeof(h));
 }
 // out[0:n] += scale * acc[0:n].
