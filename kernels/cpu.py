@@ -32,7 +32,8 @@ as row loops through the adapter's page table, segments of 3-32 tokens as regist
 shrink and expand loops over row pointers into its pages (work items in parallel), longer
 ones as two grouped MKL GEMM calls (all shrinks, then all expands). float32 or bfloat16: a
 bfloat16 pool's weights are widened to float32 as they are read (long segments: as they are
-copied out for MKL), x is widened once, the sums are float32 and each output is rounded once.
+copied out for MKL), the segments' rows of x are widened once, the sums are float32 and each
+output is rounded once (to nearest even; a NaN to torch's quiet NaN).
 
     x:        [num_tokens, in_features] float32 | bfloat16, contiguous
     outputs:  per module of the group, [num_tokens, out_m] x's dtype, contiguous, updated in place

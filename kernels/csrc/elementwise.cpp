@@ -23,23 +23,14 @@ namespace {
 // Element access in float for the fused ops: float as it is; bfloat16 through its bits (round to
 // nearest even, as torch rounds; NaN kept a quiet NaN), written so the loops vectorize.
 inline float load_f(float v) { return v; }
-inline float load_f(at::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+inline float load_f(at::BFloat16 v) { return loraserve_bf16::widened(v.x); }
 template <typename T>
 inline T store_f(float v);
 template <>
 inline float store_f<float>(float v) { return v; }
 template <>
 inline at::BFloat16 store_f<at::BFloat16>(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const uint16_t out = (v != v) ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
-  return at::BFloat16(out, at::BFloat16::from_bits());
+  return at::BFloat16(loraserve_bf16::rounded_bits(v), at::BFloat16::from_bits());
 }
 // The value rounded to T and back (a torch op's result in T, read again in float).
 template <typename T>

@@ -157,7 +157,7 @@ int64_t expand_chunk(int64_t width) {
 // from its tokens transposed in blocks of 8 (`xt`: [blocks, in, 8]).
 template <typename W>
 void shrink_rows(const TiledSegment<W>& seg, const float* xt, int64_t in, int64_t c0, int64_t c1, float* vt,
-                        int64_t ld_t) {
+                 int64_t ld_t) {
   for (int64_t c = c0; c < c1; c += kShrinkRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kShrinkRows, c1 - c));
     const W* const* next = c + 2 * kShrinkRows <= seg.meta[1] ? seg.a_rows + c + kShrinkRows : nullptr;
@@ -185,7 +185,7 @@ void shrink_rows(const TiledSegment<W>& seg, const float* xt, int64_t in, int64_
 // Columns [o0, o1) of a segment's module output from its v (as shrink_rows left it).
 template <typename W>
 void expand_columns(const TiledSegment<W>& seg, int64_t module, int64_t o0, int64_t o1, const float* vt,
-                           int64_t ld_t, W* out, int64_t width, float* tmp) {
+                    int64_t ld_t, W* out, int64_t width, float* tmp) {
   const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
   const int64_t column = mm[0], rank = mm[1];
   for_token_blocks(seg.num, [&](auto tb, int64_t t) {

@@ -40,25 +40,12 @@ using vecu16 = uint16_t __attribute__((vector_size(2 * kLanes)));
 using vecu32 = uint32_t __attribute__((vector_size(4 * kLanes)));
 
 inline float widen(float w) { return w; }
-inline float widen(bf16_t w) {
-  const uint32_t bits = static_cast<uint32_t>(w) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-// The bfloat16 nearest to f, ties to even, as torch rounds (a NaN: torch's quiet NaN).
-inline bf16_t round_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if (f != f) return 0x7FC0u;
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<bf16_t>(bits >> 16);
-}
+inline float widen(bf16_t w) { return loraserve_bf16::widened(w); }
 // kLanes bfloat16 weights as floats (a zero extension and a shift per vector).
 inline vecf loadv(const bf16_t* p) { return loraserve_bf16::load_widened<vecf, vecu16, vecu32>(p); }
 // The outputs are of the pool's type: *p += v, rounded once to bfloat16 where p is bfloat16.
 inline void add_to(float& out, float v) { out += v; }
-inline void add_to(bf16_t& out, float v) { out = round_bf16(widen(out) + v); }
+inline void add_to(bf16_t& out, float v) { out = loraserve_bf16::rounded_bits(widen(out) + v); }
 inline void store_add(float* p, vecf v) { storev(p, loadv(p) + v); }
 inline void store_add(bf16_t* p, vecf v) {
   const vecu16 h = __builtin_convertvector(loraserve_bf16::rounded_bits<vecu32>(loadv(p) + v), vecu16);
