@@ -281,6 +281,17 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+def lora_short_segments(dtype: str) -> str:
+    """How the compiled LoRA kernel runs segments of 3-32 tokens in this run."""
+    from loraserve.kernels import cpu
+
+    if cpu.load_extension() is None:
+        return "torch (the compiled kernels could not be built)"
+    if dtype == "bfloat16" and cpu.lora_amx():
+        return "shrink on AMX tiles, expand on vector loops"
+    return "vector loops"
+
+
 def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs: list[Run], rounds: list[list[Run]],
            ratios: list[dict[str, Any]], profiles: dict[str, dict[str, Any]]) -> str:  # fmt: skip
     """Markdown: machine, workload, tokens/s per system, target ratios, decode-step profile."""
@@ -292,6 +303,7 @@ def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs:
         f"Workload: {work.describe(args)}; loraserve max_num_seqs={args.max_num_seqs}",
         f"loraserve's CPU GEMM ({info['cpu_gemm']['source']}, kernel per row bucket): "
         + "; ".join(f"{shape} {'/'.join(by_rows.values())}" for shape, by_rows in info["cpu_gemm"]["layers"].items()),
+        f"loraserve's LoRA kernel for segments of 3-32 tokens: {info['lora_short_segments']}",
         "",
     ]
     rows = [[r.system, str(r.requests), str(r.tokens), f"{r.wall_s:.1f}", f"{r.tok_s:.1f}", f"{r.cpu_s / r.wall_s:.2f}"]
@@ -364,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
                "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     llm = LLM(**{k: v for k, v in options.items() if v is not None})
     info["cpu_gemm"] = llm.engine.gemm_plan.as_dict()
+    info["lora_short_segments"] = lora_short_segments(args.dtype)
     info["max_num_batched_tokens"] = llm.engine.config.step_token_budget
     for name, path in adapters:
         llm.add_adapter(name, path)

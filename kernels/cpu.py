@@ -257,6 +257,16 @@ def lora_grouped_gemm(enable: bool = True) -> bool:
     return bool(module.lora_grouped_gemm(enable))
 
 
+def lora_amx(enable: bool | None = None) -> bool:
+    """Whether LoRA segments of 3-32 tokens over a bfloat16 pool shrink on AMX tiles (built in where
+    the CPU has amx_bf16 and avx512_bf16, used where the OS grants the tile state; the expand stays
+    on the vector loops). ``enable=False`` runs the vector loops instead (tests, measurements),
+    ``True`` turns the tiles back on where available, ``None`` only asks."""
+    module = load_extension()
+    assert module is not None, "lora_amx needs the compiled CPU kernels"
+    return bool(module.lora_amx(enable))
+
+
 def fallbacks() -> tuple[str, ...]:
     """Compiled kernels running a slower fallback because a library symbol is missing (none, or
     ``lora_grouped_gemm``); empty when the extension is not built."""

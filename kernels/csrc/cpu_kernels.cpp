@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "attention_common.h"
@@ -180,6 +181,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
                    const at::Tensor& meta, const at::Tensor& scales);
 std::vector<int64_t> lora_meta_layout();
 bool lora_grouped_gemm(bool enable);
+bool lora_amx(std::optional<bool> enable);
 // linear_panels.cpp
 std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& panels,
                                       const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes,
@@ -199,6 +201,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)", no_gil());
   m.def("lora_grouped_gemm", &lora_grouped_gemm,
         "whether long LoRA segments run as MKL grouped GEMMs (enable=False forces the ATen fallback)");
+  m.def("lora_amx", &lora_amx, "whether short segments over a bfloat16 pool shrink on AMX tiles (set it, or None: ask)",
+        py::arg("enable") = py::none());
   m.def("lora_meta_layout", &lora_meta_layout, "the segment metadata layout: width, max modules, module base, stride");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)",
         no_gil());

@@ -9,11 +9,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "lora_amx.h"
 #include "lora_long.h"
 #include "lora_tiled.h"
 
@@ -166,7 +168,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
     }
   }
   if (!tiled.empty()) {
-    run_tiled(tiled, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs);
+    run_short(tiled, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs);
   }
   if (!large.empty()) {
     run_long(large, buffers, meta_ptr, scale_ptr, bound_ptr, x_ptr, in_features, v_ptr, ldv, out_ptrs,
@@ -245,6 +247,14 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
 bool lora_grouped_gemm(bool enable) {
   use_grouped_gemm = enable;
   return grouped_gemm_available();
+}
+
+// Whether short segments over a bfloat16 pool shrink on AMX tiles (compiled in, and the OS grants
+// the tile state); `enable` false runs the vector loops instead, true turns the tiles back on
+// where available, nullopt only asks.
+bool lora_amx(std::optional<bool> enable) {
+  if (enable.has_value()) use_amx_tiles = *enable;
+  return amx_available();
 }
 
 // The segment metadata layout these kernels read: {width, max modules, module base, module stride}.
