@@ -281,15 +281,15 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def lora_short_segments(dtype: str) -> str:
-    """How the compiled LoRA kernel runs segments of 3-32 tokens in this run."""
+def lora_segments_kernel(dtype: str) -> str:
+    """How the compiled LoRA kernel runs segments of 3 or more tokens in this run."""
     from loraserve.kernels import cpu
 
     if cpu.load_extension() is None:
         return "torch (the compiled kernels could not be built)"
     if dtype == "bfloat16" and cpu.lora_amx():
-        return "shrink on AMX tiles, expand on vector loops"
-    return "vector loops"
+        return "AMX tiles (the expand of segments of up to 32 tokens on vector loops)"
+    return "vector loops up to 32 tokens, MKL beyond"
 
 
 def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs: list[Run], rounds: list[list[Run]],
@@ -303,7 +303,7 @@ def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs:
         f"Workload: {work.describe(args)}; loraserve max_num_seqs={args.max_num_seqs}",
         f"loraserve's CPU GEMM ({info['cpu_gemm']['source']}, kernel per row bucket): "
         + "; ".join(f"{shape} {'/'.join(by_rows.values())}" for shape, by_rows in info["cpu_gemm"]["layers"].items()),
-        f"loraserve's LoRA kernel for segments of 3-32 tokens: {info['lora_short_segments']}",
+        f"loraserve's LoRA kernel for segments of 3+ tokens: {info['lora_segments']}",
         "",
     ]
     rows = [[r.system, str(r.requests), str(r.tokens), f"{r.wall_s:.1f}", f"{r.tok_s:.1f}", f"{r.cpu_s / r.wall_s:.2f}"]
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
                "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     llm = LLM(**{k: v for k, v in options.items() if v is not None})
     info["cpu_gemm"] = llm.engine.gemm_plan.as_dict()
-    info["lora_short_segments"] = lora_short_segments(args.dtype)
+    info["lora_segments"] = lora_segments_kernel(args.dtype)
     info["max_num_batched_tokens"] = llm.engine.config.step_token_budget
     for name, path in adapters:
         llm.add_adapter(name, path)

@@ -1,8 +1,8 @@
 """The compiled segmented LoRA over a bfloat16 pool (``kernels/cpu.py``): weights widened to
 float32 as they are read (or multiplied in bfloat16 pairs on AMX tiles), sums in float32, each
 output rounded once; against the float32 reference on every path, bit for bit on rounding, and in a
-bfloat16 engine with adapters. Short segments run both ways where the CPU has AMX: the shrink on the
-tiles and on the vector loops (the "amx-shrink" cases are skipped by name elsewhere)."""
+bfloat16 engine with adapters. Segments of 3 or more tokens run both ways where the CPU has AMX: on
+the tiles, and on the vector loops and MKL (the "amx-tiles" cases are skipped by name elsewhere)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ def cpu_bfloat16(x: torch.Tensor, outputs: tuple[torch.Tensor, ...], storage: to
         out.copy_(result.float())
 
 
-@pytest.fixture(params=["amx-shrink", "vector-loops"])
-def short_segments(request: pytest.FixtureRequest) -> Iterator[str]:
-    """How segments of 3-32 tokens run: the shrink on AMX tiles (where built in and granted), or
-    everything on the vector loops (every CPU)."""
-    amx = request.param == "amx-shrink"
+@pytest.fixture(params=["amx-tiles", "vector-loops"])
+def segment_loops(request: pytest.FixtureRequest) -> Iterator[str]:
+    """How segments of 3 or more tokens run: on AMX tiles (where built in and granted; the expand of
+    3-32 tokens on the vector loops), or on the vector loops and MKL (every CPU)."""
+    amx = request.param == "amx-tiles"
     if amx and not cpu.lora_amx(enable=True):
-        pytest.skip("the AMX shrink is not in this CPU's build (no amx_bf16/avx512_bf16) or the OS refused it")
+        pytest.skip("the AMX tiles are not in this CPU's build (no amx_bf16/avx512_bf16) or the OS refused them")
     cpu.lora_amx(enable=amx)
     try:
         yield request.param
@@ -43,7 +43,7 @@ def short_segments(request: pytest.FixtureRequest) -> Iterator[str]:
         cpu.lora_amx(enable=True)
 
 
-def test_the_amx_shrink_is_used_where_the_cpu_has_it() -> None:
+def test_the_amx_tiles_are_used_where_the_cpu_has_them() -> None:
     """Built in and granted on every CPU with AMX bfloat16 tiles (no silent fall back there),
     switched off and on by request, and only reported when asked."""
     info = cpu_features.cpu_info()
@@ -63,7 +63,7 @@ BF16_RTOL = 2**-8
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
 @pytest.mark.parametrize("pattern", list(POPULARITY))
 def test_lora_segments_bfloat16_pool_match_the_float32_reference(
-    pattern: str, scattered: bool, short_segments: str
+    pattern: str, scattered: bool, segment_loops: str
 ) -> None:
     """A bfloat16 pool under Punica's popularity patterns: grouped by adapter (segments of the tiled
     loops) and interleaved (mostly 1-2 token row loops)."""
@@ -77,7 +77,7 @@ def test_lora_segments_bfloat16_pool_match_the_float32_reference(
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
 @pytest.mark.parametrize("hidden, outs", [(37, (29, 5, 70)), (576, (192, 17, 1536))], ids=["odd", "wide"])
 def test_lora_segments_bfloat16_on_every_path(
-    hidden: int, outs: tuple[int, ...], scattered: bool, threads: int, short_segments: str
+    hidden: int, outs: tuple[int, ...], scattered: bool, threads: int, segment_loops: str
 ) -> None:
     """Every segment length class (1-9, 13, 32 tokens tiled, 33 and 40 on MKL) on widths with scalar
     tails and wide ones, with and without MKL's grouped GEMM: bfloat16 weights widened in the row
@@ -99,7 +99,7 @@ def test_lora_segments_bfloat16_on_every_path(
         torch.set_num_threads(previous)
 
 
-def test_lora_segments_bfloat16_outputs_round_to_nearest_even(short_segments: str) -> None:
+def test_lora_segments_bfloat16_outputs_round_to_nearest_even(segment_loops: str) -> None:
     """Each output is the bfloat16 nearest to its float32 sum, ties to even, as torch rounds: with
     weights of ones the LoRA term is exactly x's first element v, so the results are fixed bit for
     bit, on the row loops (1 token), the tiles (5) and MKL (40), in vectors and scalar tails."""

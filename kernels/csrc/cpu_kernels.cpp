@@ -201,7 +201,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)", no_gil());
   m.def("lora_grouped_gemm", &lora_grouped_gemm,
         "whether long LoRA segments run as MKL grouped GEMMs (enable=False forces the ATen fallback)");
-  m.def("lora_amx", &lora_amx, "whether short segments over a bfloat16 pool shrink on AMX tiles (set it, or None: ask)",
+  m.def("lora_amx", &lora_amx, "whether LoRA segments over a bfloat16 pool run on AMX tiles (set it, or None: ask)",
         py::arg("enable") = py::none());
   m.def("lora_meta_layout", &lora_meta_layout, "the segment metadata layout: width, max modules, module base, stride");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)",

@@ -97,8 +97,9 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
 
   // Each segment's weights. Short segments read them in place: an adapter on consecutive pages
   // through one pointer, one on scattered pages through its page table (row pointers into its
-  // pages, copying only rows that cross a page boundary). Long ones go to run_long, which copies
-  // them out where MKL cannot read them in place (scattered pages, or bfloat16).
+  // pages, copying only rows that cross a page boundary); so do long ones over a bfloat16 pool on
+  // AMX tiles. Other long ones go to run_long, which copies them out where MKL cannot read them in
+  // place (scattered pages, or bfloat16).
   std::vector<AdapterBuffer<W>> buffers(num_segments);
   std::vector<TiledSegment<W>> tiled;
   tiled.reserve(num_segments);
@@ -140,7 +141,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
       continue;
     }
     if (bound_ptr[s * 4 + 2] == 0) buffer.base = layer_ptr + bound_ptr[s * 4 + 3];
-    if (num <= kTiledMax) {
+    if (num <= kTiledMax || long_segments_tiled<W>()) {
       TiledSegment<W> seg;
       seg.start = bound_ptr[s * 4];
       seg.num = num;
@@ -249,9 +250,9 @@ bool lora_grouped_gemm(bool enable) {
   return grouped_gemm_available();
 }
 
-// Whether short segments over a bfloat16 pool shrink on AMX tiles (compiled in, and the OS grants
-// the tile state); `enable` false runs the vector loops instead, true turns the tiles back on
-// where available, nullopt only asks.
+// Whether segments of 3 or more tokens over a bfloat16 pool run on AMX tiles (compiled in, and
+// the OS grants the tile state); `enable` false runs the vector loops and MKL instead, true turns
+// the tiles back on where available, nullopt only asks.
 bool lora_amx(std::optional<bool> enable) {
   if (enable.has_value()) use_amx_tiles = *enable;
   return amx_available();

@@ -1,0 +1,222 @@
+// The AMX tile loops of the segmented LoRA over a bfloat16 pool (CPUs with amx_bf16; included
+// through lora_amx.h only, which splits the work; internal to lora_segments.cpp).
+//
+//   shrink:  vt[c, t] = sum_k A[c, k] x[t, k]       16 rows x 32 terms of A in place; x^T as pairs
+//   expand:  out[t, o] += scale * sum_r v[t, r] B^T[r, o]   v in two bfloat16 parts (hi + lo);
+//            B^T's rank rows interleaved in pairs, once per 128 columns for all token blocks
+//
+// The tile dot products multiply bfloat16 pairs exactly and sum in float32; outputs are rounded
+// once to bfloat16, as on the other paths.
+#pragma once
+
+#include "lora_tiled.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define LORASERVE_LORA_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace loraserve_lora {
+
+constexpr int kTileRows = 16;  // rows of every tile
+constexpr int kTileTerms = 32;  // bfloat16 terms of a row (64 bytes)
+constexpr int64_t kPrefetchAhead = 2 * kTileTerms;  // terms ahead that A's rows are prefetched
+
+// Palette 1, all 8 tiles 16 rows x 64 bytes; per thread, before its first tile instruction.
+inline void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = kTileRows;
+  _tile_loadconfig(&config);
+}
+
+inline int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// xp[p * 16 + n] = the pair (x[n, 2p], x[n, 2p + 1]) as one 32-bit word (low half first) for the
+// `num` <= 16 tokens of x (floats holding bfloat16 values, stride `in`); zero past them and past
+// `in`. Per 32 terms: each token's 16 words in one register, then a 16 x 16 transpose of words.
+inline void pack_token_pairs(const float* x, int64_t in, int num, uint32_t* xp) {
+  for (int64_t k = 0; k < in; k += kTileTerms) {
+    const int64_t terms = std::min<int64_t>(kTileTerms, in - k);
+    const __mmask16 low_mask = terms >= 16 ? 0xFFFF : (1u << terms) - 1;
+    const __mmask16 high_mask = terms >= 32 ? 0xFFFF : terms <= 16 ? 0 : (1u << (terms - 16)) - 1;
+    __m512i r[kTileRows];
+    for (int n = 0; n < kTileRows; ++n) {
+      if (n >= num) {
+        r[n] = _mm512_setzero_si512();
+        continue;
+      }
+      const __m512 low = _mm512_maskz_loadu_ps(low_mask, x + n * in + k);
+      const __m512 high = _mm512_maskz_loadu_ps(high_mask, x + n * in + k + 16);
+      r[n] = (__m512i)_mm512_cvtne2ps_pbh(high, low);  // exact: the floats are bfloat16 values
+    }
+    __m512i t[kTileRows], u[kTileRows];
+    for (int i = 0; i < kTileRows; i += 2) {  // rows' words interleaved in pairs of rows
+      t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int j = 0; j < kTileRows; j += 4) {  // u[j + c], lane L: column 4L + c of rows j .. j + 3
+      u[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+      u[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+      u[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+      u[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+    }
+    uint32_t* dst = xp + k / 2 * kTileRows;
+    for (int c = 0; c < 4; ++c) {  // the four row groups' lanes joined: columns c, c + 4, c + 8, c + 12
+      const __m512i even = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+      const __m512i even2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+      const __m512i odd2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+      _mm512_storeu_si512(dst + c * kTileRows, _mm512_shuffle_i32x4(even, even2, 0x88));
+      _mm512_storeu_si512(dst + (c + 4) * kTileRows, _mm512_shuffle_i32x4(odd, odd2, 0x88));
+      _mm512_storeu_si512(dst + (c + 8) * kTileRows, _mm512_shuffle_i32x4(even, even2, 0xdd));
+      _mm512_storeu_si512(dst + (c + 12) * kTileRows, _mm512_shuffle_i32x4(odd, odd2, 0xdd));
+    }
+  }
+}
+
+// Rows [c0, c1) of the segment's vt (vt[row * ld_t + token]) from its token pairs `xp` (one
+// [pairs, 16] block per 16 tokens, two blocks a pass). A's rows are read in place when 16 of them
+// lie evenly spaced, else copied (zero-padded) to `block` ([16, padded(in, 32)] bfloat16).
+inline void amx_shrink(const TiledSegment<bf16_t>& seg, const uint32_t* xp, int64_t in, int64_t c0, int64_t c1,
+                       float* vt, int64_t ld_t, bf16_t* block, float* cbuf) {
+  const int64_t kpad = padded(in, kTileTerms), block_words = kpad / 2 * kTileRows;
+  const int64_t num_blocks = (seg.num + kTileRows - 1) / kTileRows;
+  for (int64_t c = c0; c < c1; c += kTileRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, c1 - c));
+    const bf16_t* const* a = seg.a_rows + c;
+    bool in_place = rows == kTileRows && in == kpad;
+    for (int i = 1; in_place && i < kTileRows; ++i) in_place = a[i] == a[0] + i * in;
+    const bf16_t* tile_base = a[0];
+    int64_t stride = in;
+    if (!in_place) {
+      std::memset(block, 0, kTileRows * kpad * sizeof(bf16_t));
+      for (int i = 0; i < rows; ++i) std::memcpy(block + i * kpad, a[i], in * sizeof(bf16_t));
+      tile_base = block, stride = kpad;
+    }
+    for (int64_t b = 0; b < num_blocks; b += 2) {
+      const bool two = b + 1 < num_blocks;
+      const uint32_t* first = xp + b * block_words;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t k = 0; k < kpad; k += kTileTerms) {
+        if (b == 0 && k + kPrefetchAhead < kpad) {  // 16 row streams: more than the hardware prefetchers follow
+          for (int i = 0; i < kTileRows; ++i) _mm_prefetch(tile_base + i * stride + k + kPrefetchAhead, _MM_HINT_T0);
+        }
+        _tile_loadd(2, tile_base + k, stride * sizeof(bf16_t));
+        _tile_loadd(3, first + k / 2 * kTileRows, kTileRows * sizeof(uint32_t));
+        _tile_dpbf16ps(0, 2, 3);
+        if (two) {
+          _tile_loadd(4, first + block_words + k / 2 * kTileRows, kTileRows * sizeof(uint32_t));
+          _tile_dpbf16ps(1, 2, 4);
+        }
+      }
+      _tile_stored(0, cbuf, kTileRows * sizeof(float));
+      if (two) _tile_stored(1, cbuf + kTileRows * kTileRows, kTileRows * sizeof(float));
+      for (int64_t j = 0; j < (two ? 2 : 1); ++j) {
+        const int64_t t0 = (b + j) * kTileRows, tokens = std::min<int64_t>(kTileRows, seg.num - t0);
+        const float* tile = cbuf + j * kTileRows * kTileRows;
+        for (int i = 0; i < rows; ++i) std::memcpy(vt + (c + i) * ld_t + t0, tile + i * kTileRows, tokens * sizeof(float));
+      }
+    }
+  }
+}
+
+// v_parts: the module's v for all of the segment's tokens in two bfloat16 parts, v ~ hi + lo (lo =
+// v - hi rounded; zero where hi is not finite), so that the tile products keep ~16 bits of v's 24:
+// hi [blocks, 16, rank_pad], then lo in the same layout (zero past the tokens and the rank).
+inline void split_v(const TiledSegment<bf16_t>& seg, const float* vt, int64_t ld_t, int64_t column, int64_t rank,
+                    int64_t rank_pad, bf16_t* v_parts) {
+  const int64_t rows = padded(seg.num, kTileRows);
+  bf16_t *hi = v_parts, *lo = v_parts + rows * rank_pad;
+  std::memset(v_parts, 0, 2 * rows * rank_pad * sizeof(bf16_t));
+  for (int64_t t = 0; t < seg.num; ++t) {
+    for (int64_t r = 0; r < rank; ++r) {
+      const float v = vt[(column + r) * ld_t + t];
+      const bf16_t h = loraserve_bf16::rounded_bits(v);
+      hi[t * rank_pad + r] = h;
+      lo[t * rank_pad + r] = (h & 0x7F80u) != 0x7F80u ? loraserve_bf16::rounded_bits(v - loraserve_bf16::widened(h)) : 0;
+    }
+  }
+}
+
+// Two B tiles [16, 32]: rank rows r0 + 2p and r0 + 2p + 1 of B^T interleaved over columns
+// [o, o + 16) (`b0`) and [o + 16, o + 32) (`b1`); zero past `rank` and past `cols` columns.
+inline void pack_rank_pairs(const bf16_t* const* b, int64_t rank, int64_t r0, int64_t o, int64_t cols, bf16_t* b0,
+                            bf16_t* b1) {
+  const __mmask32 mask = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int p = 0; p < kTileRows; ++p) {
+    const int64_t ra = r0 + 2 * p, rb = ra + 1;
+    const __m512i even = ra < rank ? _mm512_maskz_loadu_epi16(mask, b[ra] + o) : _mm512_setzero_si512();
+    const __m512i odd = rb < rank ? _mm512_maskz_loadu_epi16(mask, b[rb] + o) : _mm512_setzero_si512();
+    _mm512_storeu_si512(b0 + p * kTileTerms, _mm512_permutex2var_epi16(even, low, odd));
+    _mm512_storeu_si512(b1 + p * kTileTerms, _mm512_permutex2var_epi16(even, high, odd));
+  }
+}
+
+// Scratch of one thread for amx_expand.
+struct ExpandScratch {
+  bf16_t* v_parts;  // split_v's [2, blocks, 16, rank_pad]
+  bf16_t* b_pairs;  // [kStripCols / 32, rank_pad / 32, 2 tiles, 16, 32]
+  float* c_rows;    // [16, kStripCols]
+};
+constexpr int64_t kStripCols = 128;  // output columns of B^T packed at a time
+
+// out[t, o0:o1] += scale * v_m[t] @ B_m^T[:, o0:o1] for the segment's tokens, on the tiles. Per
+// strip of 128 columns, B^T is packed once (for every token block: this pays off on long
+// segments), then each block of 16 tokens is multiplied and added to the output.
+inline void amx_expand(const TiledSegment<bf16_t>& seg, int64_t module, int64_t o0, int64_t o1, const float* vt,
+                       int64_t ld_t, bf16_t* out, int64_t width, const ExpandScratch& scratch) {
+  const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
+  const int64_t rank = mm[1], rank_pad = padded(rank, kTileTerms), chunks = rank_pad / kTileTerms;
+  const int64_t num_blocks = (seg.num + kTileRows - 1) / kTileRows, part = num_blocks * kTileRows * rank_pad;
+  split_v(seg, vt, ld_t, mm[0], rank, rank_pad, scratch.v_parts);
+  constexpr int64_t kCols = 2 * kTileRows, kTile = kTileRows * kTileTerms;  // columns a step, elements a B tile
+  const int64_t v_stride = rank_pad * sizeof(bf16_t), b_stride = kTileTerms * sizeof(bf16_t);
+  for (int64_t s0 = o0; s0 < o1; s0 += kStripCols) {
+    const int64_t s1 = std::min(o1, s0 + kStripCols), steps = (s1 - s0 + kCols - 1) / kCols;
+    for (int64_t step = 0; step < steps; ++step) {
+      const int64_t o = s0 + step * kCols;
+      for (int64_t rc = 0; rc < chunks; ++rc) {
+        bf16_t* tiles = scratch.b_pairs + (step * chunks + rc) * 2 * kTile;
+        pack_rank_pairs(seg.b_rows[module], rank, rc * kTileTerms, o, std::min(kCols, s1 - o), tiles, tiles + kTile);
+      }
+    }
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const bf16_t *hi = scratch.v_parts + b * kTileRows * rank_pad, *lo = hi + part;
+      for (int64_t step = 0; step < steps; ++step) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t rc = 0; rc < chunks; ++rc) {
+          const bf16_t* tiles = scratch.b_pairs + (step * chunks + rc) * 2 * kTile;
+          _tile_loadd(4, tiles, b_stride);
+          _tile_loadd(5, tiles + kTile, b_stride);
+          _tile_loadd(6, hi + rc * kTileTerms, v_stride);
+          _tile_loadd(7, lo + rc * kTileTerms, v_stride);
+          _tile_dpbf16ps(0, 6, 4);
+          _tile_dpbf16ps(1, 6, 5);
+          _tile_dpbf16ps(0, 7, 4);
+          _tile_dpbf16ps(1, 7, 5);
+        }
+        _tile_stored(0, scratch.c_rows + step * kCols, kStripCols * sizeof(float));
+        _tile_stored(1, scratch.c_rows + step * kCols + kTileRows, kStripCols * sizeof(float));
+      }
+      const int64_t t0 = b * kTileRows, tokens = std::min<int64_t>(kTileRows, seg.num - t0);
+      for (int64_t t = 0; t < tokens; ++t) {
+        add_scaled(out + (seg.start + t0 + t) * width + s0, scratch.c_rows + t * kStripCols, seg.scale[module], s1 - s0);
+      }
+    }
+  }
+}
+
+}  // namespace loraserve_lora
+
+#endif
