@@ -288,7 +288,7 @@ def lora_segments_kernel(dtype: str) -> str:
     if cpu.load_extension() is None:
         return "torch (the compiled kernels could not be built)"
     if dtype == "bfloat16" and cpu.lora_amx():
-        return "AMX tiles (the expand of segments of up to 32 tokens on vector loops)"
+        return "AMX tiles (the expand of segments of up to 8 tokens on vector loops)"
     return "vector loops up to 32 tokens, MKL beyond"
 
 

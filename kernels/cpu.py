@@ -260,7 +260,7 @@ def lora_grouped_gemm(enable: bool = True) -> bool:
 def lora_amx(enable: bool | None = None) -> bool:
     """Whether LoRA segments of 3 or more tokens over a bfloat16 pool run on AMX tiles (built in
     where the CPU has amx_bf16 and avx512_bf16, used where the OS grants the tile state): the
-    shrink on the tiles, the expand on the tiles beyond 32 tokens and on the vector loops up to 32
+    shrink on the tiles, the expand on the tiles beyond 8 tokens and on the vector loops up to 8
     (segments beyond 32 tokens otherwise run as MKL GEMMs on float32 copies). ``enable=False``
     runs the vector loops and MKL instead (tests, measurements), ``True`` turns the tiles back on
     where available, ``None`` only asks."""

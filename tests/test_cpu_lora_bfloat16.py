@@ -32,7 +32,7 @@ def cpu_bfloat16(x: torch.Tensor, outputs: tuple[torch.Tensor, ...], storage: to
 @pytest.fixture(params=["amx-tiles", "vector-loops"])
 def segment_loops(request: pytest.FixtureRequest) -> Iterator[str]:
     """How segments of 3 or more tokens run: on AMX tiles (where built in and granted; the expand of
-    3-32 tokens on the vector loops), or on the vector loops and MKL (every CPU)."""
+    3-8 tokens on the vector loops), or on the vector loops and MKL (every CPU)."""
     amx = request.param == "amx-tiles"
     if amx and not cpu.lora_amx(enable=True):
         pytest.skip("the AMX tiles are not in this CPU's build (no amx_bf16/avx512_bf16) or the OS refused them")
@@ -79,10 +79,11 @@ def test_lora_segments_bfloat16_pool_match_the_float32_reference(
 def test_lora_segments_bfloat16_on_every_path(
     hidden: int, outs: tuple[int, ...], scattered: bool, threads: int, segment_loops: str
 ) -> None:
-    """Every segment length class (1-9, 13, 32 tokens tiled, 33 and 40 on MKL) on widths with scalar
-    tails and wide ones, with and without MKL's grouped GEMM: bfloat16 weights widened in the row
-    loops, the tiles and the copies for MKL. The first batch's 9 tiled segments run whole per thread
-    on 1 or 2 threads (at least 4 per thread); the second's 3 run as split phases on 2 threads."""
+    """Every segment length class (1-9, 13, 32 tokens tiled, 33 and 40 on MKL or the AMX tiles) on
+    widths with scalar tails and wide ones, with and without MKL's grouped GEMM: bfloat16 weights
+    widened in the row loops, the tiles and the copies for MKL. The first batch's 9 tiled segments
+    (10 on AMX) run whole per thread on 1 or 2 threads (at least 4 per thread); the second's 3 (4 on
+    AMX) run as split phases on 2 threads. On AMX: 1, 2 and 3 blocks of 16 tokens, full and partial."""
     many = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1, 5] + [6] * 32 + [7] * 33
     many += [8] * 6 + [9] * 7 + [10] * 8 + [11] * 9 + [1] * 13
     few = [6] * 5 + [7] * 8 + [-1] * 2 + [8] * 13 + [9] * 40

@@ -2,8 +2,7 @@
 // where -march=native has them, used where the OS grants the tile state): the split of the work
 // across threads. Included by lora_segments.cpp only; internal to it. The tile loops are in
 // lora_amx_tiles.h. Every segment of 3 or more tokens shrinks on the tiles; segments of up to
-// kTiledMax tokens expand on the vector loops of lora_tiles.h (one or two token blocks do not pay
-// for interleaving B^T's rank rows), longer ones on the tiles.
+// kVectorExpandMax tokens expand on the vector loops of lora_tiles.h, longer ones on the tiles.
 #pragma once
 
 #include "lora_amx_tiles.h"
@@ -23,6 +22,10 @@ inline bool amx_available() {
 }
 
 constexpr int64_t kAmxShrinkRows = 64;  // A rows per shrink work item
+// Segments of up to this many tokens expand on the vector loops, longer ones on the tiles: the
+// tiles' expand must first interleave B^T's rank rows, which one vector block of tokens does not
+// repay (measured: even at 8 tokens, the tiles ahead from 12).
+constexpr int64_t kVectorExpandMax = kTokenBlock;
 
 // All segments of one call of 3 or more tokens (rows not yet bound). With at least
 // kSegmentsPerThread segments per thread, each thread takes whole segments, largest first, v in
@@ -91,7 +94,7 @@ inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const float* 
   const auto expand = [&](size_t i, int64_t module, int64_t o, const float* v_at, int64_t ld, float* tmp,
                           const ExpandScratch& scratch) {
     const int64_t width = out_widths[module], o1 = std::min(width, o + expand_chunk(width));
-    if (segs[i].num > kTiledMax) return amx_expand(segs[i], module, o, o1, v_at, ld, outs[module], width, scratch);
+    if (segs[i].num > kVectorExpandMax) return amx_expand(segs[i], module, o, o1, v_at, ld, outs[module], width, scratch);
     expand_columns(segs[i], module, o, o1, v_at, ld, outs[module], width, tmp);
   };
 #pragma omp parallel num_threads(num_threads)

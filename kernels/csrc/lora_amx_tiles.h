@@ -171,8 +171,8 @@ struct ExpandScratch {
 constexpr int64_t kStripCols = 128;  // output columns of B^T packed at a time
 
 // out[t, o0:o1] += scale * v_m[t] @ B_m^T[:, o0:o1] for the segment's tokens, on the tiles. Per
-// strip of 128 columns, B^T is packed once (for every token block: this pays off on long
-// segments), then each block of 16 tokens is multiplied and added to the output.
+// strip of 128 columns, B^T is packed once for all token blocks, then each block of 16 tokens is
+// multiplied and added to the output.
 inline void amx_expand(const TiledSegment<bf16_t>& seg, int64_t module, int64_t o0, int64_t o1, const float* vt,
                        int64_t ld_t, bf16_t* out, int64_t width, const ExpandScratch& scratch) {
   const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
