@@ -33,7 +33,10 @@ shrink and expand loops over row pointers into its pages (work items in parallel
 ones as two grouped MKL GEMM calls (all shrinks, then all expands). float32 or bfloat16: a
 bfloat16 pool's weights are widened to float32 as they are read (long segments: as they are
 copied out for MKL), the segments' rows of x are widened once, the sums are float32 and each
-output is rounded once (to nearest even; a NaN to torch's quiet NaN).
+output is rounded once (to nearest even; a NaN to torch's quiet NaN). Over a bfloat16 pool on a
+CPU with AMX (``lora_amx()``), segments of 3 or more tokens, long ones too, run on AMX tiles
+instead: bfloat16 products (exact; denormals count as zero) summed in float32, v split in two
+bfloat16 parts (hi + lo, ~16 of its 24 bits) for the expand beyond 8 tokens.
 
     x:        [num_tokens, in_features] float32 | bfloat16, contiguous
     outputs:  per module of the group, [num_tokens, out_m] x's dtype, contiguous, updated in place
@@ -44,7 +47,7 @@ output is rounded once (to nearest even; a NaN to torch's quiet NaN).
     page_tables: [num_segments, max_pages] int64, each adapter's page ids (zero padded)
     Short segments read weight rows through the page table (copying only a row that crosses
     a page boundary); long ones run as MKL GEMMs on the matrices in place (paged 0) or
-    copied out page by page (paged 1).
+    copied out page by page (paged 1), or on AMX tiles through row pointers as short ones.
     meta:     [num_layers, num_groups, num_segments, 14] int64: a_offset, num_rows, then
               (column, rank, b_offset, out_features) for up to 3 modules (rank 0: absent)
     scales:   [num_layers, num_groups, num_segments, 3] float32

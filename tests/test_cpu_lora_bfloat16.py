@@ -82,11 +82,11 @@ def test_lora_segments_bfloat16_on_every_path(
     """Every segment length class (1-9, 13, 32 tokens tiled, 33 and 40 on MKL or the AMX tiles) on
     widths with scalar tails and wide ones, with and without MKL's grouped GEMM: bfloat16 weights
     widened in the row loops, the tiles and the copies for MKL. The first batch's 9 tiled segments
-    (10 on AMX) run whole per thread on 1 or 2 threads (at least 4 per thread); the second's 3 (4 on
-    AMX) run as split phases on 2 threads. On AMX: 1, 2 and 3 blocks of 16 tokens, full and partial."""
+    (10 on AMX) run whole per thread on 1 or 2 threads (at least 4 per thread); the second's 3 (5 on
+    AMX) run as split phases on 2 threads. On AMX: 1 to 5 blocks of 16 tokens, full and partial."""
     many = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1, 5] + [6] * 32 + [7] * 33
     many += [8] * 6 + [9] * 7 + [10] * 8 + [11] * 9 + [1] * 13
-    few = [6] * 5 + [7] * 8 + [-1] * 2 + [8] * 13 + [9] * 40
+    few = [6] * 5 + [7] * 8 + [-1] * 2 + [8] * 13 + [9] * 40 + [10] * 70
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -97,6 +97,20 @@ def test_lora_segments_bfloat16_on_every_path(
                              atol=BF16_RTOL, dtype=torch.bfloat16)  # fmt: skip
     finally:
         cpu.lora_grouped_gemm(enable=True)
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lora_segments_bfloat16_long_rows_and_long_segments(threads: int, segment_loops: str) -> None:
+    """A hidden size of 4096 (long float32 sums in the shrink) and a 300-token segment (on AMX: work
+    items of 256 tokens and a remainder), beside short segments, against the float32 reference."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        indices = [0] * 5 + [1] * 300 + [2] * 20 + [-1] * 3 + [3] * 9
+        run_segments(cpu_bfloat16, indices, seed=11, scattered=False, layer=0, hidden=4096, outs=(96, 40, 8),
+                     atol=BF16_RTOL, dtype=torch.bfloat16)  # fmt: skip
+    finally:
         torch.set_num_threads(previous)
 
 

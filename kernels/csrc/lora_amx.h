@@ -24,23 +24,21 @@ inline bool amx_available() {
 constexpr int64_t kAmxShrinkRows = 64;  // A rows per shrink work item
 // Segments of up to this many tokens expand on the vector loops, longer ones on the tiles: the
 // tiles' expand must first interleave B^T's rank rows, which one vector block of tokens does not
-// repay (measured: even at 8 tokens, the tiles ahead from 12).
+// repay (measured: level at 8 tokens, the tiles ahead from 12).
 constexpr int64_t kVectorExpandMax = kTokenBlock;
 
 // All segments of one call of 3 or more tokens (rows not yet bound). With at least
-// kSegmentsPerThread segments per thread, each thread takes whole segments, largest first, v in
-// its own buffer; with fewer, the phases are split across threads: tokens per segment, shrink
-// items (segment, 64 rows of A), expand items (segment, module, up to 512 output columns), v
-// shared (vt[row * ld_t + token] over the call's tokens).
+// kSegmentsPerThread segments per thread, none with more than a thread's share of the work, each
+// thread takes whole segments, largest first, v in its own buffer. Else the phases are split
+// across threads, with v shared (vt[row * ld_t + token] over the call's tokens): tokens packed by
+// (segment, up to 256 tokens), shrink items (segment, 64 rows of A, up to 256 tokens), expand
+// items (segment, module, up to 512 output columns, up to 256 tokens).
 inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const float* x, int64_t in,
                           bf16_t* const* outs, const int64_t* out_widths, int64_t num_outputs) {
-  int64_t total_rows = 0, total_crossing = 0, max_rows = 0, max_rank = 0, max_num = 0, num_tokens = 0, max_chunk = 0;
+  int64_t max_rows = 0, max_rank = 0, max_num = 0, num_tokens = 0, max_chunk = 0, total_work = 0;
   std::vector<int64_t> first_block(segs.size() + 1, 0);  // each segment's first block of 16 tokens
   for (size_t i = 0; i < segs.size(); ++i) {
     const TiledSegment<bf16_t>& seg = segs[i];
-    const auto [num_rows, crossing] = rows_needed(seg, in, num_outputs);
-    total_rows += num_rows;
-    total_crossing += crossing;
     max_rows = std::max(max_rows, seg.meta[1]);
     for (int64_t module = 0; module < num_outputs; ++module) {
       max_rank = std::max(max_rank, seg.meta[kModuleBase + 1 + kModuleStride * module]);
@@ -52,49 +50,60 @@ inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const float* 
   for (int64_t module = 0; module < num_outputs; ++module) {
     max_chunk = std::max(max_chunk, expand_chunk(out_widths[module]));
   }
-  thread_local std::vector<const bf16_t*> rows;
-  thread_local std::vector<bf16_t> copied;
-  const bf16_t** row_ptr = at_least(rows, total_rows);
-  bf16_t* copied_ptr = at_least(copied, total_crossing);
-  for (TiledSegment<bf16_t>& seg : segs) bind_rows(seg, in, num_outputs, row_ptr, copied_ptr);
-  std::vector<std::pair<int64_t, int64_t>> shrinks;            // (segment, first row)
-  std::vector<std::tuple<int64_t, int64_t, int64_t>> expands;  // (segment, module, first column)
-  std::vector<std::pair<int64_t, size_t>> by_work(segs.size());  // (-work, segment): largest first
+  bind_all_rows(segs, in, num_outputs);
+  std::vector<std::pair<int64_t, int64_t>> packs;                       // (segment, first block)
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> shrinks;           // (segment, first row, first block)
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> expands;  // (segment, module, column, block)
+  std::vector<std::pair<int64_t, size_t>> by_work(segs.size());         // (-work, segment): largest first
   for (size_t i = 0; i < segs.size(); ++i) {
+    const int64_t s = static_cast<int64_t>(i), blocks = first_block[i + 1] - first_block[i];
     int64_t work = segs[i].meta[1] * in;
-    for (int64_t c = 0; c < segs[i].meta[1]; c += kAmxShrinkRows) shrinks.emplace_back(i, c);
+    for (int64_t b = 0; b < blocks; b += kItemBlocks) {
+      packs.emplace_back(s, b);
+      for (int64_t c = 0; c < segs[i].meta[1]; c += kAmxShrinkRows) shrinks.emplace_back(s, c, b);
+    }
     for (int64_t module = 0; module < num_outputs; ++module) {
       if (segs[i].meta[kModuleBase + 1 + kModuleStride * module] == 0) continue;
       const int64_t width = out_widths[module], chunk = expand_chunk(width);
-      for (int64_t o = 0; o < width; o += chunk) expands.emplace_back(i, module, o);
+      for (int64_t o = 0; o < width; o += chunk) {
+        for (int64_t b = 0; b < blocks; b += kItemBlocks) expands.emplace_back(s, module, o, b);
+      }
       work += segs[i].meta[kModuleBase + 1 + kModuleStride * module] * width;
     }
     by_work[i] = {-work * segs[i].num, i};
+    total_work += work * segs[i].num;
   }
   std::sort(by_work.begin(), by_work.end());
+  const int max_threads = at::get_num_threads();
+  const bool whole = static_cast<int64_t>(segs.size()) >= kSegmentsPerThread * max_threads &&
+                     -by_work.front().first * max_threads <= total_work;
   const int64_t kpad = padded(in, kTileTerms), block_words = kpad / 2 * kTileRows;
-  const int64_t rank_pad = padded(max_rank, kTileTerms), max_padded = padded(max_num, kTileRows);
+  const int64_t rank_pad = padded(max_rank, kTileTerms);
+  const int64_t item_tokens = std::min(padded(max_num, kTileRows), kItemBlocks * kTileRows);
   thread_local std::vector<uint32_t> pairs;
   thread_local std::vector<float> shared_v;
   uint32_t* xp = at_least(pairs, first_block.back() * block_words);
-  float* vt = at_least(shared_v, max_rows * num_tokens);
-  const int max_threads = at::get_num_threads();
-  const bool whole = static_cast<int64_t>(segs.size()) >= kSegmentsPerThread * max_threads;
+  float* vt = whole ? nullptr : at_least(shared_v, max_rows * num_tokens);
   const int64_t num_items = whole ? static_cast<int64_t>(segs.size())
                                   : static_cast<int64_t>(std::max(shrinks.size(), expands.size()));
   const int num_threads = std::max(1, std::min<int>(max_threads, static_cast<int>(num_items)));
   const int64_t* first = first_block.data();
-  const auto pack = [&](size_t i) {
-    for (int64_t t = 0, b = first[i]; t < segs[i].num; t += kTileRows, ++b) {
+  // Token blocks [b, b + kItemBlocks) of segment i packed as pairs.
+  const auto pack = [&](int64_t i, int64_t b) {
+    for (int64_t t = b * kTileRows; t < std::min(segs[i].num, (b + kItemBlocks) * kTileRows); t += kTileRows) {
       pack_token_pairs(x + (segs[i].start + t) * in, in, static_cast<int>(std::min<int64_t>(kTileRows, segs[i].num - t)),
-                       xp + b * block_words);
+                       xp + (first[i] + t / kTileRows) * block_words);
     }
   };
-  // Columns [o, o + chunk) of a module from v (v_at[row * ld + token], the segment's first token at 0).
-  const auto expand = [&](size_t i, int64_t module, int64_t o, const float* v_at, int64_t ld, float* tmp,
+  // Columns [o, o + chunk) of a module for token blocks [b, b + kItemBlocks), from v (v_at[row * ld
+  // + token], the segment's first token at 0).
+  const auto expand = [&](int64_t i, int64_t module, int64_t o, int64_t b, const float* v_at, int64_t ld, float* tmp,
                           const ExpandScratch& scratch) {
     const int64_t width = out_widths[module], o1 = std::min(width, o + expand_chunk(width));
-    if (segs[i].num > kVectorExpandMax) return amx_expand(segs[i], module, o, o1, v_at, ld, outs[module], width, scratch);
+    if (segs[i].num > kVectorExpandMax) {
+      const int64_t b1 = std::min(first[i + 1] - first[i], b + kItemBlocks);
+      return amx_expand(segs[i], module, o, o1, b, b1, v_at, ld, outs[module], width, scratch);
+    }
     expand_columns(segs[i], module, o, o1, v_at, ld, outs[module], width, tmp);
   };
 #pragma omp parallel num_threads(num_threads)
@@ -103,44 +112,45 @@ inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const float* 
     thread_local std::vector<float> tile_out, tmp;
     bf16_t* a_ptr = at_least(a_block, kTileRows * kpad);
     float* tmp_ptr = at_least(tmp, kTokenBlock * max_chunk);
-    const ExpandScratch scratch{at_least(v_parts, 2 * max_padded * rank_pad),
+    const ExpandScratch scratch{at_least(v_parts, 2 * item_tokens * rank_pad),
                                 at_least(b_pairs, kStripCols / kTileTerms * rank_pad * kTileTerms),
                                 at_least(tile_out, kTileRows * kStripCols)};
     configure_tiles();
     if (whole) {
       thread_local std::vector<float> own_v;
-      float* own = at_least(own_v, max_rows * max_padded);
+      float* own = at_least(own_v, max_rows * padded(max_num, kTileRows));
 #pragma omp for schedule(dynamic, 1)
       for (size_t k = 0; k < segs.size(); ++k) {
-        const size_t i = by_work[k].second;
-        const int64_t ld = padded(segs[i].num, kTileRows);
-        pack(i);
-        amx_shrink(segs[i], xp + first[i] * block_words, in, 0, segs[i].meta[1], own, ld, a_ptr, scratch.c_rows);
+        const int64_t i = static_cast<int64_t>(by_work[k].second), blocks = first[i + 1] - first[i];
+        const int64_t ld = blocks * kTileRows;
+        for (int64_t b = 0; b < blocks; b += kItemBlocks) pack(i, b);
+        amx_shrink(segs[i], xp + first[i] * block_words, in, 0, segs[i].meta[1], 0, blocks, own, ld, a_ptr,
+                   scratch.c_rows);
         for (int64_t module = 0; module < num_outputs; ++module) {
           if (segs[i].meta[kModuleBase + 1 + kModuleStride * module] == 0) continue;
           for (int64_t o = 0; o < out_widths[module]; o += expand_chunk(out_widths[module])) {
-            expand(i, module, o, own, ld, tmp_ptr, scratch);
+            for (int64_t b = 0; b < blocks; b += kItemBlocks) expand(i, module, o, b, own, ld, tmp_ptr, scratch);
           }
         }
       }
       trim(own_v);
     } else {
 #pragma omp for schedule(dynamic, 1)
-      for (size_t i = 0; i < segs.size(); ++i) pack(i);
+      for (size_t k = 0; k < packs.size(); ++k) pack(packs[k].first, packs[k].second);
 #pragma omp for schedule(dynamic, 1)
-      for (size_t i = 0; i < shrinks.size(); ++i) {
-        const auto [s, c] = shrinks[i];
-        amx_shrink(segs[s], xp + first[s] * block_words, in, c, std::min(segs[s].meta[1], c + kAmxShrinkRows),
-                   vt + segs[s].start, num_tokens, a_ptr, scratch.c_rows);
+      for (size_t k = 0; k < shrinks.size(); ++k) {
+        const auto [i, c, b] = shrinks[k];
+        const int64_t b1 = std::min(first[i + 1] - first[i], b + kItemBlocks);
+        amx_shrink(segs[i], xp + first[i] * block_words, in, c, std::min(segs[i].meta[1], c + kAmxShrinkRows), b, b1,
+                   vt + segs[i].start, num_tokens, a_ptr, scratch.c_rows);
       }
 #pragma omp for schedule(dynamic, 1)
-      for (size_t i = 0; i < expands.size(); ++i) {
-        const auto [s, module, o] = expands[i];
-        expand(s, module, o, vt + segs[s].start, num_tokens, tmp_ptr, scratch);
+      for (size_t k = 0; k < expands.size(); ++k) {
+        const auto [i, module, o, b] = expands[k];
+        expand(i, module, o, b, vt + segs[i].start, num_tokens, tmp_ptr, scratch);
       }
     }
     _tile_release();
-    trim(v_parts);
   }
   trim(pairs);
   trim(shared_v);
@@ -157,20 +167,20 @@ inline bool amx_available() { return false; }
 
 namespace loraserve_lora {
 
-// Whether segments of more than kTiledMax tokens take the tiled path (on AMX tiles) rather than
-// MKL's grouped GEMM over float32 copies.
+// Whether this call's segments of 3 or more tokens (any length) run on AMX tiles: a bfloat16 pool
+// and the tiles at hand. Asked once per call (tests switch the tiles from Python).
 template <typename W>
-bool long_segments_tiled() {
+bool on_amx_tiles() {
   return std::is_same_v<W, bf16_t> && amx_available();
 }
 
-// Tiled segments: on the tiles where the pool is bfloat16 and AMX is at hand, else on the vector loops.
+// Tiled segments: on the tiles where `amx` (on_amx_tiles), else on the vector loops.
 template <typename W>
 void run_short(std::vector<TiledSegment<W>>& segs, const float* x, int64_t in, W* const* outs,
-               const int64_t* out_widths, int64_t num_outputs) {
+               const int64_t* out_widths, int64_t num_outputs, bool amx) {
 #if defined(LORASERVE_LORA_AMX)
   if constexpr (std::is_same_v<W, bf16_t>) {
-    if (amx_available()) return run_tiled_amx(segs, x, in, outs, out_widths, num_outputs);
+    if (amx) return run_tiled_amx(segs, x, in, outs, out_widths, num_outputs);
   }
 #endif
   run_tiled(segs, x, in, outs, out_widths, num_outputs);

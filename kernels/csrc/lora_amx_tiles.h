@@ -5,8 +5,8 @@
 //   expand:  out[t, o] += scale * sum_r v[t, r] B^T[r, o]   v in two bfloat16 parts (hi + lo);
 //            B^T's rank rows interleaved in pairs, once per 128 columns for all token blocks
 //
-// The tile dot products multiply bfloat16 pairs exactly and sum in float32; outputs are rounded
-// once to bfloat16, as on the other paths.
+// The tile dot products multiply bfloat16 pairs exactly and sum in float32 (bfloat16 denormals
+// count as zero there); outputs are rounded once to bfloat16, as on the other paths.
 #pragma once
 
 #include "lora_tiled.h"
@@ -78,13 +78,13 @@ inline void pack_token_pairs(const float* x, int64_t in, int num, uint32_t* xp) 
   }
 }
 
-// Rows [c0, c1) of the segment's vt (vt[row * ld_t + token]) from its token pairs `xp` (one
-// [pairs, 16] block per 16 tokens, two blocks a pass). A's rows are read in place when 16 of them
-// lie evenly spaced, else copied (zero-padded) to `block` ([16, padded(in, 32)] bfloat16).
+// Rows [c0, c1) of the segment's vt (vt[row * ld_t + token]) for its token blocks [b0, b1) of
+// 16, from its token pairs `xp` (one [pairs, 16] block per 16 tokens, from its first; two blocks
+// a pass). 16 rows of A are read in place when each follows the last by `in` elements and `in`
+// is a multiple of 32, else copied (zero-padded) to `block` ([16, padded(in, 32)] bfloat16).
 inline void amx_shrink(const TiledSegment<bf16_t>& seg, const uint32_t* xp, int64_t in, int64_t c0, int64_t c1,
-                       float* vt, int64_t ld_t, bf16_t* block, float* cbuf) {
+                       int64_t b0, int64_t b1, float* vt, int64_t ld_t, bf16_t* block, float* cbuf) {
   const int64_t kpad = padded(in, kTileTerms), block_words = kpad / 2 * kTileRows;
-  const int64_t num_blocks = (seg.num + kTileRows - 1) / kTileRows;
   for (int64_t c = c0; c < c1; c += kTileRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, c1 - c));
     const bf16_t* const* a = seg.a_rows + c;
@@ -97,13 +97,13 @@ inline void amx_shrink(const TiledSegment<bf16_t>& seg, const uint32_t* xp, int6
       for (int i = 0; i < rows; ++i) std::memcpy(block + i * kpad, a[i], in * sizeof(bf16_t));
       tile_base = block, stride = kpad;
     }
-    for (int64_t b = 0; b < num_blocks; b += 2) {
-      const bool two = b + 1 < num_blocks;
+    for (int64_t b = b0; b < b1; b += 2) {
+      const bool two = b + 1 < b1;
       const uint32_t* first = xp + b * block_words;
       _tile_zero(0);
       _tile_zero(1);
       for (int64_t k = 0; k < kpad; k += kTileTerms) {
-        if (b == 0 && k + kPrefetchAhead < kpad) {  // 16 row streams: more than the hardware prefetchers follow
+        if (b == b0 && k + kPrefetchAhead < kpad) {  // 16 row streams: more than the hardware prefetchers follow
           for (int i = 0; i < kTileRows; ++i) _mm_prefetch(tile_base + i * stride + k + kPrefetchAhead, _MM_HINT_T0);
         }
         _tile_loadd(2, tile_base + k, stride * sizeof(bf16_t));
@@ -119,26 +119,29 @@ inline void amx_shrink(const TiledSegment<bf16_t>& seg, const uint32_t* xp, int6
       for (int64_t j = 0; j < (two ? 2 : 1); ++j) {
         const int64_t t0 = (b + j) * kTileRows, tokens = std::min<int64_t>(kTileRows, seg.num - t0);
         const float* tile = cbuf + j * kTileRows * kTileRows;
-        for (int i = 0; i < rows; ++i) std::memcpy(vt + (c + i) * ld_t + t0, tile + i * kTileRows, tokens * sizeof(float));
+        for (int i = 0; i < rows; ++i) {
+          std::memcpy(vt + (c + i) * ld_t + t0, tile + i * kTileRows, tokens * sizeof(float));
+        }
       }
     }
   }
 }
 
-// v_parts: the module's v for all of the segment's tokens in two bfloat16 parts, v ~ hi + lo (lo =
-// v - hi rounded; zero where hi is not finite), so that the tile products keep ~16 bits of v's 24:
-// hi [blocks, 16, rank_pad], then lo in the same layout (zero past the tokens and the rank).
-inline void split_v(const TiledSegment<bf16_t>& seg, const float* vt, int64_t ld_t, int64_t column, int64_t rank,
-                    int64_t rank_pad, bf16_t* v_parts) {
-  const int64_t rows = padded(seg.num, kTileRows);
+// v_parts: the module's v for the segment's tokens [t0, t1) in two bfloat16 parts, v ~ hi + lo
+// (lo = v - hi rounded; zero where hi is not finite), so that the tile products keep ~16 bits of
+// v's 24: hi [padded(t1 - t0, 16), rank_pad], then lo alike (zero past the tokens and the rank).
+inline void split_v(const float* vt, int64_t ld_t, int64_t column, int64_t rank, int64_t rank_pad, int64_t t0,
+                    int64_t t1, bf16_t* v_parts) {
+  const int64_t rows = padded(t1 - t0, kTileRows);
   bf16_t *hi = v_parts, *lo = v_parts + rows * rank_pad;
   std::memset(v_parts, 0, 2 * rows * rank_pad * sizeof(bf16_t));
-  for (int64_t t = 0; t < seg.num; ++t) {
-    for (int64_t r = 0; r < rank; ++r) {
-      const float v = vt[(column + r) * ld_t + t];
-      const bf16_t h = loraserve_bf16::rounded_bits(v);
-      hi[t * rank_pad + r] = h;
-      lo[t * rank_pad + r] = (h & 0x7F80u) != 0x7F80u ? loraserve_bf16::rounded_bits(v - loraserve_bf16::widened(h)) : 0;
+  for (int64_t r = 0; r < rank; ++r) {
+    const float* v_row = vt + (column + r) * ld_t;
+    for (int64_t t = t0; t < t1; ++t) {
+      const bf16_t h = loraserve_bf16::rounded_bits(v_row[t]);
+      const bool finite = (h & 0x7F80u) != 0x7F80u;
+      hi[(t - t0) * rank_pad + r] = h;
+      lo[(t - t0) * rank_pad + r] = finite ? loraserve_bf16::rounded_bits(v_row[t] - loraserve_bf16::widened(h)) : 0;
     }
   }
 }
@@ -164,21 +167,23 @@ inline void pack_rank_pairs(const bf16_t* const* b, int64_t rank, int64_t r0, in
 
 // Scratch of one thread for amx_expand.
 struct ExpandScratch {
-  bf16_t* v_parts;  // split_v's [2, blocks, 16, rank_pad]
+  bf16_t* v_parts;  // split_v's [2, up to kItemBlocks x 16, rank_pad]
   bf16_t* b_pairs;  // [kStripCols / 32, rank_pad / 32, 2 tiles, 16, 32]
   float* c_rows;    // [16, kStripCols]
 };
 constexpr int64_t kStripCols = 128;  // output columns of B^T packed at a time
+constexpr int64_t kItemBlocks = 16;  // token blocks of 16 per work item: 256 tokens
 
-// out[t, o0:o1] += scale * v_m[t] @ B_m^T[:, o0:o1] for the segment's tokens, on the tiles. Per
-// strip of 128 columns, B^T is packed once for all token blocks, then each block of 16 tokens is
-// multiplied and added to the output.
-inline void amx_expand(const TiledSegment<bf16_t>& seg, int64_t module, int64_t o0, int64_t o1, const float* vt,
-                       int64_t ld_t, bf16_t* out, int64_t width, const ExpandScratch& scratch) {
+// out[t, o0:o1] += scale * v_m[t] @ B_m^T[:, o0:o1] for the segment's token blocks [b0, b1) of
+// 16 (at most kItemBlocks), on the tiles. Per strip of 128 columns, B^T is packed once for all
+// of those blocks, then each block is multiplied and added to the output.
+inline void amx_expand(const TiledSegment<bf16_t>& seg, int64_t module, int64_t o0, int64_t o1, int64_t b0,
+                       int64_t b1, const float* vt, int64_t ld_t, bf16_t* out, int64_t width,
+                       const ExpandScratch& scratch) {
   const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
   const int64_t rank = mm[1], rank_pad = padded(rank, kTileTerms), chunks = rank_pad / kTileTerms;
-  const int64_t num_blocks = (seg.num + kTileRows - 1) / kTileRows, part = num_blocks * kTileRows * rank_pad;
-  split_v(seg, vt, ld_t, mm[0], rank, rank_pad, scratch.v_parts);
+  const int64_t part = (b1 - b0) * kTileRows * rank_pad;
+  split_v(vt, ld_t, mm[0], rank, rank_pad, b0 * kTileRows, std::min(seg.num, b1 * kTileRows), scratch.v_parts);
   constexpr int64_t kCols = 2 * kTileRows, kTile = kTileRows * kTileTerms;  // columns a step, elements a B tile
   const int64_t v_stride = rank_pad * sizeof(bf16_t), b_stride = kTileTerms * sizeof(bf16_t);
   for (int64_t s0 = o0; s0 < o1; s0 += kStripCols) {
@@ -187,11 +192,12 @@ inline void amx_expand(const TiledSegment<bf16_t>& seg, int64_t module, int64_t 
       const int64_t o = s0 + step * kCols;
       for (int64_t rc = 0; rc < chunks; ++rc) {
         bf16_t* tiles = scratch.b_pairs + (step * chunks + rc) * 2 * kTile;
-        pack_rank_pairs(seg.b_rows[module], rank, rc * kTileTerms, o, std::min(kCols, s1 - o), tiles, tiles + kTile);
+        pack_rank_pairs(seg.b_rows[module], rank, rc * kTileTerms, o, std::min(kCols, s1 - o), tiles,
+                        tiles + kTile);
       }
     }
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const bf16_t *hi = scratch.v_parts + b * kTileRows * rank_pad, *lo = hi + part;
+    for (int64_t b = b0; b < b1; ++b) {
+      const bf16_t *hi = scratch.v_parts + (b - b0) * kTileRows * rank_pad, *lo = hi + part;
       for (int64_t step = 0; step < steps; ++step) {
         _tile_zero(0);
         _tile_zero(1);
@@ -211,7 +217,8 @@ inline void amx_expand(const TiledSegment<bf16_t>& seg, int64_t module, int64_t 
       }
       const int64_t t0 = b * kTileRows, tokens = std::min<int64_t>(kTileRows, seg.num - t0);
       for (int64_t t = 0; t < tokens; ++t) {
-        add_scaled(out + (seg.start + t0 + t) * width + s0, scratch.c_rows + t * kStripCols, seg.scale[module], s1 - s0);
+        add_scaled(out + (seg.start + t0 + t) * width + s0, scratch.c_rows + t * kStripCols, seg.scale[module],
+                   s1 - s0);
       }
     }
   }

@@ -2,7 +2,8 @@
 // segment of tokens using one adapter, shrink v = x @ A^T and expand out_m += scale_m * v_m @ B_m^T,
 // with the adapter's weights read in place from the pool's pages. Semantics and argument shapes
 // are documented in kernels/cpu.py; the torch reference is kernels/lora.py. The weights are
-// float32 or bfloat16 (widened to float32 as they are read); the arithmetic is float32.
+// float32 or bfloat16 (widened to float32 as they are read, or multiplied in bfloat16 pairs on
+// AMX tiles: lora_amx.h); the sums are float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -94,6 +95,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
   const float* x_ptr = args.x;
   const int ldv = static_cast<int>(max_rows);
   W* const* out_ptrs = args.outs.data();
+  const bool amx = on_amx_tiles<W>();  // read once: long segments' route and the tiled loops agree
 
   // Each segment's weights. Short segments read them in place: an adapter on consecutive pages
   // through one pointer, one on scattered pages through its page table (row pointers into its
@@ -141,7 +143,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
       continue;
     }
     if (bound_ptr[s * 4 + 2] == 0) buffer.base = layer_ptr + bound_ptr[s * 4 + 3];
-    if (num <= kTiledMax || long_segments_tiled<W>()) {
+    if (num <= kTiledMax || amx) {
       TiledSegment<W> seg;
       seg.start = bound_ptr[s * 4];
       seg.num = num;
@@ -169,7 +171,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
     }
   }
   if (!tiled.empty()) {
-    run_short(tiled, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs);
+    run_short(tiled, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs, amx);
   }
   if (!large.empty()) {
     run_long(large, buffers, meta_ptr, scale_ptr, bound_ptr, x_ptr, in_features, v_ptr, ldv, out_ptrs,

@@ -25,7 +25,8 @@ constexpr int64_t kModuleStride = 4;  // column, rank, b_offset, out_features
 constexpr int64_t kMetaWidth = kModuleBase + kModuleStride * kMaxModules;
 // Segments of 3 up to this many tokens (decode steps, short prefills) run as the register-tiled
 // loops below, which read each weight row of the segment's adapter once, in place in its pages;
-// longer ones go to MKL's grouped GEMM (or, over a bfloat16 pool, to AMX tiles: lora_amx.h). Measured on SmolLM2 shapes (8 adapters, ranks 8-64, all
+// longer ones go to MKL's grouped GEMM. (Over a bfloat16 pool on AMX, segments of any length go
+// to lora_amx.h instead.) Measured on SmolLM2 shapes (8 adapters, ranks 8-64, all
 // four groups, weights cold in cache), tiled time / MKL time: 0.7 at 4 tokens per segment, 0.85
 // at 8, about 1 at 24-32; on scattered pages, which MKL needs copied out first, 0.25-0.8.
 constexpr int64_t kTiledMax = 32;
@@ -145,6 +146,22 @@ constexpr size_t kKeepBytes = size_t{16} << 20;
 template <typename T>
 inline void trim(std::vector<T>& v) {
   if (v.capacity() * sizeof(T) > kKeepBytes) std::vector<T>().swap(v);
+}
+
+// Binds every segment's rows (bind_rows) in scratch of the calling thread, kept across calls.
+template <typename W>
+void bind_all_rows(std::vector<TiledSegment<W>>& segs, int64_t in, int64_t num_outputs) {
+  int64_t total_rows = 0, total_crossing = 0;
+  for (const TiledSegment<W>& seg : segs) {
+    const auto [num_rows, crossing] = rows_needed(seg, in, num_outputs);
+    total_rows += num_rows;
+    total_crossing += crossing;
+  }
+  thread_local std::vector<const W*> rows;
+  thread_local std::vector<W> scratch;
+  const W** row_ptr = at_least(rows, total_rows);
+  W* scratch_ptr = at_least(scratch, total_crossing);
+  for (TiledSegment<W>& seg : segs) bind_rows(seg, in, num_outputs, row_ptr, scratch_ptr);
 }
 
 // Output columns per expand work item: at most about kExpandBlock, a multiple of kExpandCols.
@@ -271,17 +288,7 @@ void run_tiled(std::vector<TiledSegment<W>>& segs, const float* x, int64_t in, W
   // Few segments: their rows bound here, tokens transposed per segment, then shrink items
   // (segment, up to 48 rows of A), then expand items (segment, module, up to 512 output columns),
   // each phase across threads; v is shared, transposed: vt[row, token] over all of the call's tokens.
-  int64_t total_rows = 0, total_crossing = 0;
-  for (const TiledSegment<W>& seg : segs) {
-    const auto [num_rows, crossing] = rows_needed(seg, in, num_outputs);
-    total_rows += num_rows;
-    total_crossing += crossing;
-  }
-  thread_local std::vector<const W*> rows;
-  thread_local std::vector<W> scratch;
-  const W** row_ptr = at_least(rows, total_rows);
-  W* scratch_ptr = at_least(scratch, total_crossing);
-  for (TiledSegment<W>& seg : segs) bind_rows(seg, in, num_outputs, row_ptr, scratch_ptr);
+  bind_all_rows(segs, in, num_outputs);
   std::vector<std::pair<int64_t, int64_t>> shrinks;            // (segment, first row)
   std::vector<std::tuple<int64_t, int64_t, int64_t>> expands;  // (segment, module, first column)
   int64_t num_tokens = 0;
