@@ -51,13 +51,21 @@ inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const float* 
     max_chunk = std::max(max_chunk, expand_chunk(out_widths[module]));
   }
   bind_all_rows(segs, in, num_outputs);
+  std::vector<std::pair<int64_t, size_t>> by_work(segs.size());  // (-work, segment): largest first
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const int64_t work = work_per_token(segs[i], in, out_widths, num_outputs) * segs[i].num;
+    by_work[i] = {-work, i};
+    total_work += work;
+  }
+  std::sort(by_work.begin(), by_work.end());
+  const int max_threads = at::get_num_threads();
+  const bool whole = static_cast<int64_t>(segs.size()) >= kSegmentsPerThread * max_threads &&
+                     -by_work.front().first * max_threads <= total_work;
   std::vector<std::pair<int64_t, int64_t>> packs;                       // (segment, first block)
   std::vector<std::tuple<int64_t, int64_t, int64_t>> shrinks;           // (segment, first row, first block)
   std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> expands;  // (segment, module, column, block)
-  std::vector<std::pair<int64_t, size_t>> by_work(segs.size());         // (-work, segment): largest first
-  for (size_t i = 0; i < segs.size(); ++i) {
+  for (size_t i = 0; i < segs.size() && !whole; ++i) {  // the split phases' work items
     const int64_t s = static_cast<int64_t>(i), blocks = first_block[i + 1] - first_block[i];
-    int64_t work = segs[i].meta[1] * in;
     for (int64_t b = 0; b < blocks; b += kItemBlocks) {
       packs.emplace_back(s, b);
       for (int64_t c = 0; c < segs[i].meta[1]; c += kAmxShrinkRows) shrinks.emplace_back(s, c, b);
@@ -68,15 +76,8 @@ inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const float* 
       for (int64_t o = 0; o < width; o += chunk) {
         for (int64_t b = 0; b < blocks; b += kItemBlocks) expands.emplace_back(s, module, o, b);
       }
-      work += segs[i].meta[kModuleBase + 1 + kModuleStride * module] * width;
     }
-    by_work[i] = {-work * segs[i].num, i};
-    total_work += work * segs[i].num;
   }
-  std::sort(by_work.begin(), by_work.end());
-  const int max_threads = at::get_num_threads();
-  const bool whole = static_cast<int64_t>(segs.size()) >= kSegmentsPerThread * max_threads &&
-                     -by_work.front().first * max_threads <= total_work;
   const int64_t kpad = padded(in, kTileTerms), block_words = kpad / 2 * kTileRows;
   const int64_t rank_pad = padded(max_rank, kTileTerms);
   const int64_t item_tokens = std::min(padded(max_num, kTileRows), kItemBlocks * kTileRows);

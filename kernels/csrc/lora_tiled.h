@@ -148,6 +148,16 @@ inline void trim(std::vector<T>& v) {
   if (v.capacity() * sizeof(T) > kKeepBytes) std::vector<T>().swap(v);
 }
 
+// A segment's weight elements per token (A's rows x inputs, plus each module's rank x outputs).
+template <typename W>
+int64_t work_per_token(const TiledSegment<W>& seg, int64_t in, const int64_t* out_widths, int64_t num_outputs) {
+  int64_t work = seg.meta[1] * in;
+  for (int64_t module = 0; module < num_outputs; ++module) {
+    work += seg.meta[kModuleBase + 1 + kModuleStride * module] * out_widths[module];
+  }
+  return work;
+}
+
 // Binds every segment's rows (bind_rows) in scratch of the calling thread, kept across calls.
 template <typename W>
 void bind_all_rows(std::vector<TiledSegment<W>>& segs, int64_t in, int64_t num_outputs) {
@@ -244,11 +254,7 @@ void run_tiled(std::vector<TiledSegment<W>>& segs, const float* x, int64_t in, W
     thread_local std::vector<std::pair<int64_t, size_t>> by_work;  // (-work, segment)
     by_work.resize(segs.size());
     for (size_t i = 0; i < segs.size(); ++i) {
-      int64_t work = segs[i].meta[1] * in;
-      for (int64_t module = 0; module < num_outputs; ++module) {
-        work += segs[i].meta[kModuleBase + 1 + kModuleStride * module] * out_widths[module];
-      }
-      by_work[i] = {-work, i};
+      by_work[i] = {-work_per_token(segs[i], in, out_widths, num_outputs), i};
     }
     std::sort(by_work.begin(), by_work.end());
     const std::pair<int64_t, size_t>* order = by_work.data();  // thread_locals are named outside the region only
