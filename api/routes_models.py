@@ -69,6 +69,8 @@ async def health(request: Request) -> JSONResponse:
         body["kernel_fallbacks"] = list(stats.kernel_fallbacks)
     if stats.cpu_gemm:  # the CPU GEMM kernel of each linear layer shape and row bucket, and how it was chosen
         body["cpu_gemm"] = stats.cpu_gemm
+    if stats.cpu_lora:  # whether the compiled LoRA kernel runs each segment length on AMX tiles, and how it was chosen
+        body["cpu_lora"] = stats.cpu_lora
     if stats.adapter_decode_paths:  # decode graphs: the path measured faster for steps with adapters, per size
         body["adapter_decode_paths"] = {str(size): path for size, path in stats.adapter_decode_paths.items()}
     return JSONResponse(body)

@@ -156,7 +156,10 @@ def _server_kernels(health: dict[str, Any] | None) -> str:
     shapes = "; ".join(f"{shape} {'/'.join(by_rows.values())}" for shape, by_rows in gemm["layers"].items())
     widest: dict[str, str] = max(gemm["layers"].values(), key=len)  # the row buckets of any shape
     rows = "/".join(widest)
-    return f"{health['kernels']}; GEMM kernel per row bucket ({rows} rows, {gemm['source']}): {shapes}"
+    lora = health.get("cpu_lora") or {}
+    by_length = ", ".join(f"{tokens} {way}" for tokens, way in lora.get("segment_tokens", {}).items())
+    lora_part = f"; LoRA per segment length ({lora['source']}): {by_length}" if by_length else ""
+    return f"{health['kernels']}; GEMM kernel per row bucket ({rows} rows, {gemm['source']}): {shapes}{lora_part}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

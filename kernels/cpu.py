@@ -34,9 +34,12 @@ ones as two grouped MKL GEMM calls (all shrinks, then all expands). float32 or b
 bfloat16 pool's weights are widened to float32 as they are read (long segments: as they are
 copied out for MKL), the segments' rows of x are widened once, the sums are float32 and each
 output is rounded once (to nearest even; a NaN to torch's quiet NaN). Over a bfloat16 pool on a
-CPU with AMX (``lora_amx()``), segments of 3 or more tokens, long ones too, run on AMX tiles
+CPU with AMX (``lora_amx()``), segments of 3 or more tokens whose length class is set in
+``tile_lengths`` (bit ``c``: lengths up to ``lora_tile_length_bounds()[c]``, above the class
+before; the last bit: every longer length; -1: every class), long ones too, run on AMX tiles
 instead: bfloat16 products (exact; denormals count as zero) summed in float32, v split in two
-bfloat16 parts (hi + lo, ~16 of its 24 bits) for the expand beyond 8 tokens.
+bfloat16 parts (hi + lo, ~16 of its 24 bits) for the expand beyond 8 tokens. The engine sets the
+classes by timing both ways on the CPU (``lora/tile_choice.py``).
 
     x:        [num_tokens, in_features] float32 | bfloat16, contiguous
     outputs:  per module of the group, [num_tokens, out_m] x's dtype, contiguous, updated in place
@@ -105,6 +108,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_kernels.cpp", "elementwise.cpp", "lora_segments.cpp", "linear_panels.cpp", "prefill_attention.cpp")
+EVERY_TILE_LENGTH = -1  # lora_segments: every segment-length class on AMX tiles (where the CPU has them)
 _lock = threading.Lock()
 _state: dict[str, ModuleType | str] = {}
 
@@ -246,10 +250,13 @@ def lora_segments(
     page_tables: torch.Tensor,  # [num_segments, max_pages] int64
     meta: torch.Tensor,  # [num_layers, num_groups, num_segments, 14] int64
     scales: torch.Tensor,  # [num_layers, num_groups, num_segments, 3] float32
+    tile_lengths: int = EVERY_TILE_LENGTH,  # bit per segment-length class: on AMX tiles (bfloat16)
 ) -> None:
     module = load_extension()
     assert module is not None, "lora_segments needs the compiled CPU kernels"
-    module.lora_segments(x.contiguous(), list(outputs), storage, layer, group, bounds, page_tables, meta, scales)
+    module.lora_segments(
+        x.contiguous(), list(outputs), storage, layer, group, bounds, page_tables, meta, scales, tile_lengths
+    )
 
 
 def lora_grouped_gemm(enable: bool = True) -> bool:
@@ -260,16 +267,20 @@ def lora_grouped_gemm(enable: bool = True) -> bool:
     return bool(module.lora_grouped_gemm(enable))
 
 
-def lora_amx(enable: bool | None = None) -> bool:
-    """Whether LoRA segments of 3 or more tokens over a bfloat16 pool run on AMX tiles (built in
-    where the CPU has amx_bf16 and avx512_bf16, used where the OS grants the tile state): the
-    shrink on the tiles, the expand on the tiles beyond 8 tokens and on the vector loops up to 8
-    (segments beyond 32 tokens otherwise run as MKL GEMMs on float32 copies). ``enable=False``
-    runs the vector loops and MKL instead (tests, measurements), ``True`` turns the tiles back on
-    where available, ``None`` only asks."""
+def lora_amx() -> bool:
+    """Whether LoRA segments over a bfloat16 pool can run on AMX tiles: built in where the CPU has
+    amx_bf16 and avx512_bf16, and the OS grants the tile state. Which lengths do is each call's
+    ``tile_lengths``."""
     module = load_extension()
     assert module is not None, "lora_amx needs the compiled CPU kernels"
-    return bool(module.lora_amx(enable))
+    return bool(module.lora_amx())
+
+
+def lora_tile_length_bounds() -> tuple[int, ...]:
+    """The upper bounds of ``lora_segments``' segment-length classes (one more class: longer)."""
+    module = load_extension()
+    assert module is not None, "lora_tile_length_bounds needs the compiled CPU kernels"
+    return tuple(module.lora_tile_length_bounds())
 
 
 def fallbacks() -> tuple[str, ...]:

@@ -24,6 +24,7 @@ ADAPTER_REGIONS = ("unified", "fixed")  # where resident adapters' pages come fr
 KV_ALLOCATIONS = ("paged", "reserve")  # when a request's KV pages are taken
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # see loraserve/kernel_backend.py
 CPU_GEMM_CHOICES = ("auto", "panels", "onednn", "torch")  # "auto" or a GemmKernel (models/packed_linear.py)
+CPU_LORA_CHOICES = ("auto", "amx", "vector")  # lora/tile_choice.py
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,9 @@ class EngineConfig:
     ``cpu_gemm`` picks the GEMM kernel of the linear layers under the ``cpu`` backend: ``auto``
     (timed per layer shape and row count on this CPU at start, the choice cached per CPU kind),
     or ``panels``, ``onednn`` or ``torch`` for every layer (``models/gemm_choice.py``).
+    ``cpu_lora``: under the ``cpu`` backend with a bfloat16 pool on a CPU with AMX, whether LoRA
+    segments of 3 or more tokens run on AMX tiles: ``auto`` (timed per segment length on this CPU at
+    start, cached per CPU kind), ``amx`` (always; an error without AMX) or ``vector`` (never).
     ``max_lora_rank`` and ``max_adapters``: the largest adapter rank, and the most adapters, the
     registry accepts (an operator's limits; there is no rank limit in the design).
     ``adapter_region``: ``unified`` (adapters take pages from the one pool the KV cache uses, any
@@ -81,6 +85,7 @@ class EngineConfig:
     host_adapter_cache_mb: int = 2048
     kernels: str = "auto"
     cpu_gemm: str = "auto"
+    cpu_lora: str = "auto"
     enforce_eager: bool = False
     adapter_decode_path: str = "auto"
     max_lora_rank: int = 512
@@ -158,6 +163,14 @@ class EngineConfig:
         _require(
             self.cpu_gemm == "auto" or (self.kernels in ("auto", "cpu") and torch.device(self.device).type == "cpu"),
             f"cpu_gemm={self.cpu_gemm!r} applies to the compiled CPU backend only (kernels 'cpu' or 'auto' on "
+            f"a CPU device), not kernels={self.kernels!r} on device {self.device!r}",
+        )
+        _require(
+            self.cpu_lora in CPU_LORA_CHOICES, f"cpu_lora must be one of {CPU_LORA_CHOICES}, got {self.cpu_lora!r}"
+        )
+        _require(
+            self.cpu_lora == "auto" or (self.kernels in ("auto", "cpu") and torch.device(self.device).type == "cpu"),
+            f"cpu_lora={self.cpu_lora!r} applies to the compiled CPU backend only (kernels 'cpu' or 'auto' on "
             f"a CPU device), not kernels={self.kernels!r} on device {self.device!r}",
         )
         try:

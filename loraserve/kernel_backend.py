@@ -39,13 +39,16 @@ class KernelBackend:
     ``make_lora_hook`` to the runner, which builds its hook over the pool's storage;
     ``pack_linears``: run the linear layers as ``PackedLinear`` on the chosen CPU GEMM kernels,
     the projections that share an input (q/k/v, gate/up) as one ``PackedLinearGroup`` each;
-    ``decode_graphs``: the backend's decode forward can be captured (``decode_graphs.py``)."""
+    ``decode_graphs``: the backend's decode forward can be captured (``decode_graphs.py``);
+    ``lora_tile_choice``: its hook takes the segment lengths that run on AMX tiles
+    (``tile_lengths``, timed by ``lora/tile_choice.py``)."""
 
     name: str
     model: ModelKernels
-    make_lora_hook: Callable[[torch.Tensor], PerBatchLoRAHook[Any]]  # (storage [num_layers, num_pages, page_elems])
+    make_lora_hook: Callable[..., PerBatchLoRAHook[Any]]  # (storage [num_layers, num_pages, page_elems])
     pack_linears: bool = False
     decode_graphs: bool = False  # decode steps padded on static buffers, adapters by slot (CUDA graphs)
+    lora_tile_choice: bool = False
 
 
 def _torch_backend(dtype: torch.dtype) -> KernelBackend:
@@ -58,7 +61,7 @@ def _cpu_backend(dtype: torch.dtype) -> KernelBackend:
     attention = (cpu.paged_decode_attention, cpu.paged_prefill_attention, cpu.write_kv_)  # any dtype
     fused = ModelKernels(*attention, cpu.rms_norm, cpu.rope_, silu_and_mul=cpu.silu_and_mul_)
     if dtype in (torch.float32, torch.bfloat16):
-        return KernelBackend("cpu", fused, CompiledLoRAApplier, pack_linears=True)
+        return KernelBackend("cpu", fused, CompiledLoRAApplier, pack_linears=True, lora_tile_choice=True)
     return KernelBackend("cpu", ModelKernels(*attention), LoRAApplier, pack_linears=True)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -30,6 +31,7 @@ from loraserve.kernels import cpu
 from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, tokens_at_most
 from loraserve.lora.layout import max_rank_pages
 from loraserve.lora.residency import AdapterManager
+from loraserve.lora.tile_choice import LoRAKernelPlan, LoRAKernelPolicy, choose_lora_kernels, group_shapes
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.gemm_choice import GemmPolicy
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
@@ -142,6 +144,18 @@ class LLMEngine:
             self.adapters,
             StopChecker(self.detokenizer, eos_token_ids, self.max_model_len),
         )
+        # Where the compiled LoRA kernel can use AMX tiles: the segment lengths that do, timed or cached.
+        make_lora_hook = self.kernels.make_lora_hook
+        self.lora_plan: LoRAKernelPlan | None = None
+        if self.kernels.lora_tile_choice:
+            lora_policy = LoRAKernelPolicy(config.cpu_lora, cache_root() / "cpu_lora")
+            lora_shapes = group_shapes(shapes.module_shapes)
+            self.lora_plan = choose_lora_kernels(lora_shapes, config.torch_dtype, self.layout.page_elems, lora_policy)
+            make_lora_hook = functools.partial(make_lora_hook, tile_lengths=self.lora_plan.tile_lengths)
+            logger.info("CPU LoRA kernel by segment length (%.1f s timing): %s", self.lora_plan.seconds,
+                        self.lora_plan.summary())  # fmt: skip
+        elif config.cpu_lora != "auto":
+            raise ConfigError(f"cpu_lora={config.cpu_lora!r} needs the compiled CPU LoRA kernel (kernels 'cpu')")
         self.runner = ModelRunner(
             self.model,
             self.layout,
@@ -149,7 +163,7 @@ class LLMEngine:
             config.num_swap_pages,
             config.torch_dtype,
             self.device,
-            self.kernels.make_lora_hook,
+            make_lora_hook,
             config.max_num_seqs,
             self.max_model_len,
             eos_token_ids,
@@ -288,6 +302,7 @@ class LLMEngine:
             prefix_cache_hit_rate=float(index.hit_rate) if index is not None else 0.0,
             prefix_cache_blocks=len(index) if index is not None else 0,
             cpu_gemm=self.gemm_plan.as_dict() if self.gemm_plan.choices else {},
+            cpu_lora=self.lora_plan.as_dict() if self.lora_plan is not None else {},
             kernel_fallbacks=self.kernel_fallbacks,
             num_kv_tokens=sum(seq.num_computed_tokens for seq in running),
             num_running_adapters=len({seq.adapter_id for seq in running if seq.adapter_id is not None}),

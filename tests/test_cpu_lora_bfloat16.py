@@ -6,14 +6,14 @@ the tiles, and on the vector loops and MKL (the "amx-tiles" cases are skipped by
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from kernel_cases import POPULARITY, run_segments
+from kernel_cases import NUM_ADAPTERS, POPULARITY, SegmentsKernel, run_segments
 from loraserve.kernels import cpu, cpu_features
 
 from tests.adapter_factory import make_peft_adapter
@@ -21,38 +21,67 @@ from tests.adapter_factory import make_peft_adapter
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
 
 
-def cpu_bfloat16(x: torch.Tensor, outputs: tuple[torch.Tensor, ...], storage: torch.Tensor, *args: object) -> None:
+def cpu_bfloat16(
+    x: torch.Tensor, outputs: tuple[torch.Tensor, ...], storage: torch.Tensor, *args: Any, tile_lengths: int = 0
+) -> None:
     """``kernel_cases.SegmentsKernel`` over ``cpu.lora_segments`` with x, outputs and pool in bfloat16."""
     results = tuple(out.to(torch.bfloat16) for out in outputs)
-    cpu.lora_segments(x.to(torch.bfloat16), results, storage.to(torch.bfloat16), *args)
+    cpu.lora_segments(x.to(torch.bfloat16), results, storage.to(torch.bfloat16), *args, tile_lengths)
     for out, result in zip(outputs, results, strict=True):
         out.copy_(result.float())
 
 
 @pytest.fixture(params=["amx-tiles", "vector-loops"])
-def segment_loops(request: pytest.FixtureRequest) -> Iterator[str]:
-    """How segments of 3 or more tokens run: on AMX tiles (where built in and granted; the expand of
-    3-8 tokens on the vector loops), or on the vector loops and MKL (every CPU)."""
+def segment_kernel(request: pytest.FixtureRequest) -> SegmentsKernel:
+    """``cpu_bfloat16`` with segments of 3 or more tokens on AMX tiles (where built in and granted;
+    the expand of 3-8 tokens on the vector loops), or on the vector loops and MKL (every CPU)."""
     amx = request.param == "amx-tiles"
-    if amx and not cpu.lora_amx(enable=True):
+    if amx and not cpu.lora_amx():
         pytest.skip("the AMX tiles are not in this CPU's build (no amx_bf16/avx512_bf16) or the OS refused them")
-    cpu.lora_amx(enable=amx)
-    try:
-        yield request.param
-    finally:
-        cpu.lora_amx(enable=True)
+    return functools.partial(cpu_bfloat16, tile_lengths=cpu.EVERY_TILE_LENGTH if amx else 0)
 
 
 def test_the_amx_tiles_are_used_where_the_cpu_has_them() -> None:
-    """Built in and granted on every CPU with AMX bfloat16 tiles (no silent fall back there),
-    switched off and on by request, and only reported when asked."""
+    """Built in and granted on every CPU with AMX bfloat16 tiles (no silent fall back there)."""
     info = cpu_features.cpu_info()
     has_amx = all(info.has(f) for f in ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"))
-    assert cpu.lora_amx(enable=True) is has_amx
-    assert cpu.lora_amx(enable=False) is False
-    assert cpu.lora_amx() is False  # asking leaves it as set
-    assert cpu.lora_amx(enable=True) is has_amx
     assert cpu.lora_amx() is has_amx
+    assert cpu.lora_tile_length_bounds() == (8, 16, 32, 64, 128, 256)
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
+def test_each_segment_length_class_takes_the_way_its_bit_chooses(scattered: bool) -> None:
+    """One call with segments in every length class and every other class on the tiles: each
+    segment's outputs are bit for bit those of the same segment in a call with every class on the
+    tiles, or with none, as its class's bit says (the two ways round differently), and all match
+    the float32 reference."""
+    if not cpu.lora_amx():
+        pytest.skip("the AMX tiles are not in this CPU's build (no amx_bf16/avx512_bf16) or the OS refused them")
+    lengths = [5, 12, 2, 20, 40, 100, 200, 300, 8, 9, 32, 33, 256, 257]  # classes 0 1 - 2 3 4 5 6 0 1 2 3 5 6
+    mixed = 0b1010101  # classes 0, 2, 4, 6 on the tiles
+    indices = [i % NUM_ADAPTERS for i, num in enumerate(lengths) for _ in range(num)]
+    checked: list[int] = []
+
+    def three_ways(x: torch.Tensor, outputs: tuple[torch.Tensor, ...], storage: torch.Tensor, *args: Any) -> None:
+        ways = {}
+        for mask in (mixed, cpu.EVERY_TILE_LENGTH, 0):
+            ways[mask] = tuple(out.clone() for out in outputs)
+            cpu_bfloat16(x, ways[mask], storage, *args, tile_lengths=mask)
+        assert not all(torch.equal(a, b) for a, b in zip(ways[-1], ways[0], strict=True)), "the ways agree bitwise"
+        bounds = args[2]
+        for start, end, _, _ in bounds.tolist():
+            num = end - start
+            tiles = num > 2 and (mixed >> sum(num > b for b in cpu.lora_tile_length_bounds())) & 1
+            expected = ways[cpu.EVERY_TILE_LENGTH if tiles else 0]
+            for got, want in zip(ways[mixed], expected, strict=True):
+                assert torch.equal(got[start:end], want[start:end]), f"segment of {num} tokens (tiles: {bool(tiles)})"
+            checked.append(num)
+        for out, result in zip(outputs, ways[mixed], strict=True):
+            out.copy_(result)
+
+    run_segments(three_ways, indices, seed=7, scattered=scattered, layer=1, hidden=576, outs=(192, 17, 1536),
+                 atol=BF16_RTOL, dtype=torch.bfloat16)  # fmt: skip
+    assert checked == lengths
 
 
 # bfloat16: the kernel sums in float32 and rounds each output once, so it is held to half a
@@ -63,21 +92,21 @@ BF16_RTOL = 2**-8
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
 @pytest.mark.parametrize("pattern", list(POPULARITY))
 def test_lora_segments_bfloat16_pool_match_the_float32_reference(
-    pattern: str, scattered: bool, segment_loops: str
+    pattern: str, scattered: bool, segment_kernel: SegmentsKernel
 ) -> None:
     """A bfloat16 pool under Punica's popularity patterns: grouped by adapter (segments of the tiled
     loops) and interleaved (mostly 1-2 token row loops)."""
     indices = POPULARITY[pattern](random.Random(pattern))
-    run_segments(cpu_bfloat16, sorted(indices), seed=len(pattern), scattered=scattered, layer=1, atol=BF16_RTOL,
+    run_segments(segment_kernel, sorted(indices), seed=len(pattern), scattered=scattered, layer=1, atol=BF16_RTOL,
                  dtype=torch.bfloat16)  # fmt: skip
-    run_segments(cpu_bfloat16, indices, seed=3, scattered=scattered, layer=0, atol=BF16_RTOL, dtype=torch.bfloat16)
+    run_segments(segment_kernel, indices, seed=3, scattered=scattered, layer=0, atol=BF16_RTOL, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
 @pytest.mark.parametrize("hidden, outs", [(37, (29, 5, 70)), (576, (192, 17, 1536))], ids=["odd", "wide"])
 def test_lora_segments_bfloat16_on_every_path(
-    hidden: int, outs: tuple[int, ...], scattered: bool, threads: int, segment_loops: str
+    hidden: int, outs: tuple[int, ...], scattered: bool, threads: int, segment_kernel: SegmentsKernel
 ) -> None:
     """Every segment length class (1-9, 13, 32 tokens tiled, 33 and 40 on MKL or the AMX tiles) on
     widths with scalar tails and wide ones, with and without MKL's grouped GEMM: bfloat16 weights
@@ -93,7 +122,7 @@ def test_lora_segments_bfloat16_on_every_path(
         for grouped in (True, False):
             cpu.lora_grouped_gemm(enable=grouped)
             for indices in (many, few):
-                run_segments(cpu_bfloat16, indices, seed=5, scattered=scattered, layer=1, hidden=hidden, outs=outs,
+                run_segments(segment_kernel, indices, seed=5, scattered=scattered, layer=1, hidden=hidden, outs=outs,
                              atol=BF16_RTOL, dtype=torch.bfloat16)  # fmt: skip
     finally:
         cpu.lora_grouped_gemm(enable=True)
@@ -101,20 +130,20 @@ def test_lora_segments_bfloat16_on_every_path(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_lora_segments_bfloat16_long_rows_and_long_segments(threads: int, segment_loops: str) -> None:
+def test_lora_segments_bfloat16_long_rows_and_long_segments(threads: int, segment_kernel: SegmentsKernel) -> None:
     """A hidden size of 4096 (long float32 sums in the shrink) and a 300-token segment (on AMX: work
     items of 256 tokens and a remainder), beside short segments, against the float32 reference."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         indices = [0] * 5 + [1] * 300 + [2] * 20 + [-1] * 3 + [3] * 9
-        run_segments(cpu_bfloat16, indices, seed=11, scattered=False, layer=0, hidden=4096, outs=(96, 40, 8),
+        run_segments(segment_kernel, indices, seed=11, scattered=False, layer=0, hidden=4096, outs=(96, 40, 8),
                      atol=BF16_RTOL, dtype=torch.bfloat16)  # fmt: skip
     finally:
         torch.set_num_threads(previous)
 
 
-def test_lora_segments_bfloat16_outputs_round_to_nearest_even(segment_loops: str) -> None:
+def test_lora_segments_bfloat16_outputs_round_to_nearest_even(segment_kernel: SegmentsKernel) -> None:
     """Each output is the bfloat16 nearest to its float32 sum, ties to even, as torch rounds: with
     weights of ones the LoRA term is exactly x's first element v, so the results are fixed bit for
     bit, on the row loops (1 token), the tiles (5) and MKL (40), in vectors and scalar tails."""
@@ -136,8 +165,8 @@ def test_lora_segments_bfloat16_outputs_round_to_nearest_even(segment_loops: str
             out = torch.tensor([base * 4] * num, dtype=torch.bfloat16)  # [num, 36]
             x = torch.zeros(num, 4, dtype=torch.bfloat16)
             x[:, 0] = v
-            cpu.lora_segments(x, (out,), storage, 0, 0, torch.tensor([[0, num, 0, 0]]), torch.tensor([[0]]), meta,
-                              torch.ones(1, 1, 1, 3))  # fmt: skip
+            segment_kernel(x, (out,), storage, 0, 0, torch.tensor([[0, num, 0, 0]]), torch.tensor([[0]]), meta,
+                       torch.ones(1, 1, 1, 3))  # fmt: skip
             expected_rows = torch.tensor([expected * 4] * num)
             torch.testing.assert_close(out.float(), expected_rows, rtol=0, atol=0, equal_nan=True, msg=f"{num}, {v}")
 

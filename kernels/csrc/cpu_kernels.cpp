@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <optional>
 #include <vector>
 
 #include "attention_common.h"
@@ -178,10 +177,11 @@ void silu_and_mul_(at::Tensor& gate, const at::Tensor& up);
 // lora_segments.cpp
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
-                   const at::Tensor& meta, const at::Tensor& scales);
+                   const at::Tensor& meta, const at::Tensor& scales, int64_t tile_lengths);
 std::vector<int64_t> lora_meta_layout();
 bool lora_grouped_gemm(bool enable);
-bool lora_amx(std::optional<bool> enable);
+bool lora_amx();
+std::vector<int64_t> lora_tile_length_bounds();
 // linear_panels.cpp
 std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& panels,
                                       const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes,
@@ -201,8 +201,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)", no_gil());
   m.def("lora_grouped_gemm", &lora_grouped_gemm,
         "whether long LoRA segments run as MKL grouped GEMMs (enable=False forces the ATen fallback)");
-  m.def("lora_amx", &lora_amx, "whether LoRA segments over a bfloat16 pool run on AMX tiles (set it, or None: ask)",
-        py::arg("enable") = py::none());
+  m.def("lora_amx", &lora_amx, "whether LoRA segments over a bfloat16 pool can run on AMX tiles");
+  m.def("lora_tile_length_bounds", &lora_tile_length_bounds,
+        "the upper bounds of the segment-length classes of lora_segments' tile_lengths (the last: longer)");
   m.def("lora_meta_layout", &lora_meta_layout, "the segment metadata layout: width, max modules, module base, stride");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)",
         no_gil());

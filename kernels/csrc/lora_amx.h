@@ -5,12 +5,12 @@
 // kVectorExpandMax tokens expand on the vector loops of lora_tiles.h, longer ones on the tiles.
 #pragma once
 
+#include <iterator>
+
 #include "lora_amx_tiles.h"
 
 #if defined(LORASERVE_LORA_AMX)
 namespace loraserve_lora {
-
-inline bool use_amx_tiles = true;  // tests turn it off to run the vector loops and MKL on an AMX CPU
 
 // Whether the tiles may be used: Linux hands out the tile state on request (once per process).
 inline bool amx_available() {
@@ -18,7 +18,7 @@ inline bool amx_available() {
     constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
     return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
   }();
-  return use_amx_tiles && permitted;
+  return permitted;
 }
 
 constexpr int64_t kAmxShrinkRows = 64;  // A rows per shrink work item
@@ -161,21 +161,33 @@ inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const float* 
 
 #else
 namespace loraserve_lora {
-inline bool use_amx_tiles = false;
 inline bool amx_available() { return false; }
 }  // namespace loraserve_lora
 #endif
 
 namespace loraserve_lora {
 
-// Whether this call's segments of 3 or more tokens (any length) run on AMX tiles: a bfloat16 pool
-// and the tiles at hand. Asked once per call (tests switch the tiles from Python).
-template <typename W>
-bool on_amx_tiles() {
-  return std::is_same_v<W, bf16_t> && amx_available();
+// The segment-length classes of the choice between the tiles and the vector loops (and MKL):
+// class c holds segments of up to kTileLengthBounds[c] tokens (and more than the class before);
+// the last class, kNumTileLengthClasses - 1, every longer one. Segments of 1-2 tokens never
+// reach the tiles. Bit c of a call's `tile_lengths` puts class c on the tiles.
+constexpr int64_t kTileLengthBounds[] = {8, 16, 32, 64, 128, 256};
+constexpr int kNumTileLengthClasses = static_cast<int>(std::size(kTileLengthBounds)) + 1;
+
+inline int tile_length_class(int64_t num) {
+  int c = 0;
+  while (c < kNumTileLengthClasses - 1 && num > kTileLengthBounds[c]) ++c;
+  return c;
 }
 
-// Tiled segments: on the tiles where `amx` (on_amx_tiles), else on the vector loops.
+// Whether a segment of `num` tokens over a pool of W runs on AMX tiles: a bfloat16 pool, the tiles
+// at hand, and its length class chosen for the tiles in `tile_lengths`.
+template <typename W>
+bool on_amx_tiles(int64_t num, int64_t tile_lengths) {
+  return std::is_same_v<W, bf16_t> && ((tile_lengths >> tile_length_class(num)) & 1) != 0 && amx_available();
+}
+
+// Tiled segments: on the tiles where `amx` (each chose them: on_amx_tiles), else on the vector loops.
 template <typename W>
 void run_short(std::vector<TiledSegment<W>>& segs, const float* x, int64_t in, W* const* outs,
                const int64_t* out_widths, int64_t num_outputs, bool amx) {

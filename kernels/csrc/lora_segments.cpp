@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <optional>
+#include <iterator>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -78,7 +78,7 @@ struct SegmentArgs {
 template <typename W>
 void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t layer, int64_t group,
                   const at::Tensor& bounds, const at::Tensor& page_tables, const at::Tensor& meta,
-                  const at::Tensor& scales) {
+                  const at::Tensor& scales, int64_t tile_lengths) {
   const int64_t num_segments = bounds.size(0), in_features = args.in_features;
   const int64_t num_outputs = static_cast<int64_t>(args.outs.size());
   const int64_t page_elems = storage.size(2), max_pages = page_tables.size(1), num_pages = storage.size(1);
@@ -95,15 +95,14 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
   const float* x_ptr = args.x;
   const int ldv = static_cast<int>(max_rows);
   W* const* out_ptrs = args.outs.data();
-  const bool amx = on_amx_tiles<W>();  // read once: long segments' route and the tiled loops agree
 
   // Each segment's weights. Short segments read them in place: an adapter on consecutive pages
   // through one pointer, one on scattered pages through its page table (row pointers into its
-  // pages, copying only rows that cross a page boundary); so do long ones over a bfloat16 pool on
-  // AMX tiles. Other long ones go to run_long, which copies them out where MKL cannot read them in
-  // place (scattered pages, or bfloat16).
+  // pages, copying only rows that cross a page boundary); so do segments of any length on AMX
+  // tiles (bfloat16, their length class chosen in tile_lengths). Other long ones go to run_long,
+  // which copies them out where MKL cannot read them in place (scattered pages, or bfloat16).
   std::vector<AdapterBuffer<W>> buffers(num_segments);
-  std::vector<TiledSegment<W>> tiled;
+  std::vector<TiledSegment<W>> tiled, on_tiles;
   tiled.reserve(num_segments);
   std::vector<int64_t> small, large;
   int64_t max_row = in_features;
@@ -143,6 +142,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
       continue;
     }
     if (bound_ptr[s * 4 + 2] == 0) buffer.base = layer_ptr + bound_ptr[s * 4 + 3];
+    const bool amx = on_amx_tiles<W>(num, tile_lengths);
     if (num <= kTiledMax || amx) {
       TiledSegment<W> seg;
       seg.start = bound_ptr[s * 4];
@@ -150,7 +150,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
       seg.meta = m;
       seg.scale = scale_ptr + s * kMaxModules;
       seg.buffer = &buffer;
-      tiled.push_back(seg);
+      (amx ? on_tiles : tiled).push_back(seg);
       continue;
     }
     large.push_back(s);
@@ -170,9 +170,8 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
       }
     }
   }
-  if (!tiled.empty()) {
-    run_short(tiled, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs, amx);
-  }
+  if (!on_tiles.empty()) run_short(on_tiles, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs, true);
+  if (!tiled.empty()) run_short(tiled, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs, false);
   if (!large.empty()) {
     run_long(large, buffers, meta_ptr, scale_ptr, bound_ptr, x_ptr, in_features, v_ptr, ldv, out_ptrs,
              out_widths.data(), num_outputs);
@@ -184,7 +183,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
 
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
-                   const at::Tensor& meta, const at::Tensor& scales) {
+                   const at::Tensor& meta, const at::Tensor& scales, int64_t tile_lengths) {
   const at::ScalarType dtype = storage.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
               "lora_segments takes float32 or bfloat16: x and storage of one dtype");
@@ -238,7 +237,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
       }
       args.x = x_ptr;
     }
-    run_segments<W>(args, storage, layer, group, bounds, page_tables, meta, scales);
+    run_segments<W>(args, storage, layer, group, bounds, page_tables, meta, scales, tile_lengths);
     trim(wide_x);
   };
   if (dtype == at::kFloat) return run_as(float{});
@@ -252,12 +251,13 @@ bool lora_grouped_gemm(bool enable) {
   return grouped_gemm_available();
 }
 
-// Whether segments of 3 or more tokens over a bfloat16 pool run on AMX tiles (compiled in, and
-// the OS grants the tile state); `enable` false runs the vector loops and MKL instead, true turns
-// the tiles back on where available, nullopt only asks.
-bool lora_amx(std::optional<bool> enable) {
-  if (enable.has_value()) use_amx_tiles = *enable;
-  return amx_available();
+// Whether segments of 3 or more tokens over a bfloat16 pool can run on AMX tiles (compiled in, and
+// the OS grants the tile state); each call's tile_lengths says which lengths do.
+bool lora_amx() { return amx_available(); }
+
+// The upper bounds of the segment-length classes of tile_lengths (the last class: every longer one).
+std::vector<int64_t> lora_tile_length_bounds() {
+  return std::vector<int64_t>(std::begin(kTileLengthBounds), std::end(kTileLengthBounds));
 }
 
 // The segment metadata layout these kernels read: {width, max modules, module base, module stride}.

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loraserve.config import CPU_GEMM_CHOICES, DTYPES, KERNEL_CHOICES, EngineConfig
+from loraserve.config import CPU_GEMM_CHOICES, CPU_LORA_CHOICES, DTYPES, KERNEL_CHOICES, EngineConfig
 from loraserve.decode_path import ADAPTER_DECODE_PATHS
 from loraserve.entrypoints.startup_heap import freeze_startup_objects
 
@@ -63,6 +63,14 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
         str,
         f"GEMM kernel of the linear layers on the CPU, one of {CPU_GEMM_CHOICES} (default auto: timed on this "
         "CPU per layer shape and row count at the first start, the choice cached per CPU kind)",
+    ),
+    (
+        "--cpu-lora",
+        "cpu_lora",
+        str,
+        f"LoRA of 3+ token segments over a bfloat16 pool on a CPU with AMX, one of {CPU_LORA_CHOICES}: amx "
+        "(tiles), vector (vector loops and MKL); default auto: timed per segment length at the first start, "
+        "cached per CPU kind",
     ),
     (
         "--adapter-decode-path",

@@ -127,11 +127,13 @@ def _grown(array: np.ndarray, axis: int, size: int) -> np.ndarray:
 
 
 class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
-    """``LoRAHook`` reading adapter weights in place from the pool's storage (float32 or bfloat16)."""
+    """``LoRAHook`` reading adapter weights in place from the pool's storage (float32 or bfloat16);
+    ``tile_lengths``: the segment-length classes that run on AMX tiles (``cpu.lora_segments``)."""
 
-    def __init__(self, storage: torch.Tensor) -> None:
+    def __init__(self, storage: torch.Tensor, tile_lengths: int = cpu.EVERY_TILE_LENGTH) -> None:
         super().__init__(storage)
         self.packer = SegmentPacker(storage.shape[0], storage.shape[2])
+        self.tile_lengths = tile_lengths
 
     def prepare(self, lora: LoRABatch) -> Packed:
         return self.packer.pack(lora)
@@ -145,4 +147,6 @@ class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
         prepared: Packed,
     ) -> None:
         bounds, page_tables, meta, scales = prepared
-        cpu.lora_segments(x, outputs, self.storage, layer, GROUP_INDEX[group], bounds, page_tables, meta, scales)
+        cpu.lora_segments(
+            x, outputs, self.storage, layer, GROUP_INDEX[group], bounds, page_tables, meta, scales, self.tile_lengths
+        )

@@ -1,0 +1,227 @@
+"""Choosing, per segment length, whether LoRA over a bfloat16 pool runs on AMX tiles, by timing it.
+
+On a CPU with AMX (``cpu.lora_amx()``) the compiled kernel can run a segment of 3 or more tokens
+on the tiles or on the vector loops (and MKL for long ones); which is faster depends on the CPU,
+the model's widths and the segment's length. For each segment-length class of the kernel
+(``cpu.lora_tile_length_bounds()``: up to 8 tokens, 16, 32, 64, 128, 256, longer) both ways are
+timed on the model's four LoRA groups (q/k/v, o, gate/up, down) with adapters of ranks 64/32/16/8,
+segments of the middle of the class, over up to 8 layers of distinct weights, alternating, the
+best of several passes; the tiles are kept for a class only when more than ``TIE_TOLERANCE``
+faster. The choice is cached per CPU signature in ``<cache>/cpu_lora/`` (``choice_file``) and
+shown in ``/health``. A timing that other processes disturbed is repeated once, and if disturbed
+again serves this process without being cached. ``--cpu-lora amx|vector`` forces one way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraserve.choice_file import ChoiceFile, build_key
+from loraserve.config import CPU_LORA_CHOICES
+from loraserve.kernels import cpu, cpu_features
+from loraserve.lora.layout import LORA_GROUPS
+from loraserve.models.cpu_load import OtherLoad
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+RANKS = (64, 16, 32, 8) * 2  # the timed adapters' ranks, in the order segments take them
+TIE_TOLERANCE = 0.03  # the tiles must be this much faster to be kept (noise between passes)
+MIN_PASS_SECONDS = 0.02  # passes are repeated until at least this long in total (and at least 3)
+TIMING_ATTEMPTS = 2  # a timing disturbed by other processes is repeated once
+MAX_LAYERS, LAYER_BYTES = 8, 64 * 2**20  # layers of distinct weights per group, within this many bytes
+MAX_TOKENS = 768  # tokens of one timed call (segments of a class: up to 8 adapters)
+
+_DISTURBED: dict[str, tuple[bool, ...]] = {}  # choices timed under load in this process, by cache key
+
+
+@dataclass(frozen=True)
+class LoRAKernelPolicy:
+    """``kernel``: ``auto`` (timed, cached under ``cache_dir``; None: timed at every start),
+    ``amx`` (the tiles for every length; needs them) or ``vector`` (never the tiles)."""
+
+    kernel: str = "auto"
+    cache_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel not in CPU_LORA_CHOICES:
+            raise ValueError(f"cpu_lora must be one of {CPU_LORA_CHOICES}, got {self.kernel!r}")
+
+
+@dataclass(frozen=True)
+class LoRAKernelPlan:
+    """Per segment-length class (``bounds``, the last class longer), whether it runs on the tiles."""
+
+    tiles: tuple[bool, ...]
+    bounds: tuple[int, ...]
+    source: str  # measured | cached | forced | disturbed | no tiles (float32, or a CPU without AMX)
+    seconds: float = 0.0  # spent timing
+    ms: dict[str, list[float]] = field(default_factory=dict)  # per way, per class: the timings
+
+    @property
+    def tile_lengths(self) -> int:
+        """The kernel's ``tile_lengths`` bit mask."""
+        return sum(1 << c for c, on in enumerate(self.tiles) if on)
+
+    def class_names(self) -> list[str]:
+        lows = [3, *(b + 1 for b in self.bounds)]
+        highs = [str(b) for b in self.bounds] + [""]
+        return [f"{low}-{high}" if high else f"{low}+" for low, high in zip(lows, highs, strict=True)]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "cpu": cpu_features.summary(),
+            "timing_seconds": round(self.seconds, 2),
+            "segment_tokens": {
+                name: "amx" if on else "vector" for name, on in zip(self.class_names(), self.tiles, strict=True)
+            },
+        }
+
+    def summary(self) -> str:
+        ways = ", ".join(f"{name}: {way}" for name, way in self.as_dict()["segment_tokens"].items())
+        return f"{self.source}; {ways}"
+
+
+GroupShape = tuple[int, tuple[int, ...]]  # (in_features, out widths of the group's modules)
+
+
+def group_shapes(module_shapes: dict[str, tuple[int, int]]) -> tuple[GroupShape, ...]:
+    """The LoRA groups' shapes from the base model's ``(in_features, out_features)`` per projection."""
+    return tuple(
+        (module_shapes[modules[0]][0], tuple(module_shapes[m][1] for m in modules)) for modules in LORA_GROUPS.values()
+    )
+
+
+def choose_lora_kernels(
+    shapes: tuple[GroupShape, ...], dtype: torch.dtype, page_elems: int, policy: LoRAKernelPolicy
+) -> LoRAKernelPlan:
+    """The plan for a pool of ``dtype`` and a model of LoRA group ``shapes``: forced, cached or timed."""
+    bounds = cpu.lora_tile_length_bounds()
+    num_classes = len(bounds) + 1
+    has_tiles = dtype == torch.bfloat16 and cpu.lora_amx()
+    if policy.kernel == "amx" and not has_tiles:
+        raise ValueError(
+            "cpu_lora='amx' needs a bfloat16 pool on a CPU with AMX tiles (amx_bf16, avx512_bf16) that the OS "
+            f"grants; this is {dtype} on {cpu_features.summary()}"
+        )
+    if not has_tiles or policy.kernel != "auto":
+        on = policy.kernel == "amx"
+        return LoRAKernelPlan((on,) * num_classes, bounds, "forced" if policy.kernel != "auto" else "no tiles")
+    what = "bfloat16 " + " ".join(f"{i}->{'+'.join(map(str, o))}" for i, o in shapes)
+    key = build_key(what, CACHE_FORMAT)
+    cache = ChoiceFile(policy.cache_dir, "LoRA tile")
+    cached = cache.get(key)
+    if isinstance(cached, dict) and isinstance(cached.get("tiles"), list) and len(cached["tiles"]) == num_classes:
+        return LoRAKernelPlan(tuple(bool(t) for t in cached["tiles"]), bounds, "cached", ms=cached.get("ms", {}))
+    if policy.cache_dir is not None and key in _DISTURBED:
+        return LoRAKernelPlan(_DISTURBED[key], bounds, "disturbed")
+    start = time.perf_counter()
+    for _ in range(TIMING_ATTEMPTS):
+        with OtherLoad() as load:
+            times = time_both_ways(shapes, page_elems, [_middle(c, bounds) for c in range(num_classes)])
+        if not load.disturbed:
+            break
+    tiles = tuple(t < v * (1 - TIE_TOLERANCE) for t, v in zip(times["amx"], times["vector"], strict=True))
+    ms = {way: [round(t * 1e3, 3) for t in ts] for way, ts in times.items()}
+    seconds = time.perf_counter() - start
+    if load.disturbed:
+        logger.warning(
+            "the LoRA tile timing was disturbed (other processes kept %.1f CPUs busy): its choice serves this "
+            "process and is timed again at the next start",
+            load.cores,
+        )
+        _DISTURBED[key] = tiles
+        return LoRAKernelPlan(tiles, bounds, "disturbed", seconds, ms)
+    cache.put(key, {"tiles": list(tiles), "ms": ms, "cpu": cpu_features.summary()})
+    return LoRAKernelPlan(tiles, bounds, "measured", seconds, ms)
+
+
+def _middle(length_class: int, bounds: tuple[int, ...]) -> int:
+    """A segment length in the middle of a class (the last class: 1.25x its lower bound)."""
+    low = 3 if length_class == 0 else bounds[length_class - 1] + 1
+    high = bounds[length_class] if length_class < len(bounds) else (low - 1) * 5 // 4
+    return (low + high + 1) // 2
+
+
+def time_both_ways(shapes: tuple[GroupShape, ...], page_elems: int, lengths: list[int]) -> dict[str, list[float]]:
+    """Seconds of one pass over every group and timed layer, per way ("amx", "vector") and length:
+    the best of several passes, the ways alternating (a drift of the machine slows both alike)."""
+    gen = torch.Generator().manual_seed(0)
+    groups = [_GroupCase(in_features, outs, page_elems, gen) for in_features, outs in shapes]
+    times: dict[str, list[float]] = {"amx": [], "vector": []}
+    ways = {"amx": cpu.EVERY_TILE_LENGTH, "vector": 0}
+    with torch.no_grad():
+        for length in lengths:
+            calls = [case.call(length, gen) for case in groups]
+            best = dict.fromkeys(ways, float("inf"))
+            for mask in ways.values():  # warm-up: first-call costs (page faults, scratch growth)
+                _one_pass(calls, mask)
+            total, passes = 0.0, 0
+            while passes < 3 or (total < MIN_PASS_SECONDS * len(ways) and passes < 50):
+                for way, mask in ways.items():
+                    elapsed = _one_pass(calls, mask)
+                    best[way] = min(best[way], elapsed)
+                    total += elapsed
+                passes += 1
+            for way in ways:
+                times[way].append(best[way])
+    return times
+
+
+Call = tuple[int, tuple[Any, ...]]  # (layers, lora_segments' arguments after the layer and group)
+
+
+def _one_pass(calls: list[Call], mask: int) -> float:
+    start = time.perf_counter()
+    for layers, (x, outs, storage, bounds, tables, meta, scales) in calls:
+        for layer in range(layers):
+            cpu.lora_segments(x, outs, storage, layer, 0, bounds, tables, meta, scales, mask)
+    return time.perf_counter() - start
+
+
+class _GroupCase:
+    """Random bfloat16 adapters of ``RANKS`` for one group, each on its own consecutive pages."""
+
+    def __init__(self, in_features: int, outs: tuple[int, ...], page_elems: int, gen: torch.Generator) -> None:
+        self.in_features, self.outs = in_features, outs
+        flats, metas = [], []
+        for rank in RANKS:
+            rows = rank * len(outs)
+            parts = [torch.randn(rows * in_features, generator=gen) / in_features**0.5]  # A [rows, in]
+            meta, offset = [0, rows], rows * in_features
+            for index, width in enumerate(outs):
+                parts.append(torch.randn(rank * width, generator=gen) / rank**0.5)  # B^T [rank, width]
+                meta += [index * rank, rank, offset, width]
+                offset += rank * width
+            flats.append(torch.cat(parts))
+            metas.append(meta + [0, 0, 0, 0] * (3 - len(outs)))
+        self.pages = max(-(-f.numel() // page_elems) for f in flats)  # pages per adapter
+        layer_bytes = 2 * self.pages * page_elems * len(RANKS)
+        self.layers = max(1, min(MAX_LAYERS, LAYER_BYTES // layer_bytes))
+        storage = torch.zeros(self.layers, len(RANKS) * self.pages, page_elems, dtype=torch.bfloat16)
+        for i, flat in enumerate(flats):
+            padded = torch.zeros(self.pages * page_elems)
+            padded[: flat.numel()] = flat
+            storage[:, i * self.pages : (i + 1) * self.pages] = padded.view(self.pages, page_elems)
+        self.storage = storage  # [layers, adapters * pages, page_elems]
+        self.metas = metas
+
+    def call(self, length: int, gen: torch.Generator) -> Call:
+        """Segments of ``length`` tokens, one per adapter (up to ``MAX_TOKENS`` tokens, at least 2)."""
+        num = max(2, min(len(RANKS), MAX_TOKENS // length))
+        adapters = [i % len(RANKS) for i in range(num)]
+        bounds = torch.tensor([(s * length, (s + 1) * length, 0, a * self.pages * self.storage.shape[2])
+                               for s, a in enumerate(adapters)])  # fmt: skip
+        tables = torch.tensor([[a * self.pages + p for p in range(self.pages)] for a in adapters])
+        meta = torch.tensor([self.metas[a] for a in adapters])[None, None].expand(self.layers, 1, -1, -1)
+        scales = torch.ones(self.layers, 1, num, 3)
+        x = torch.randn(num * length, self.in_features, generator=gen).to(torch.bfloat16)
+        outs = tuple(torch.zeros(num * length, width, dtype=torch.bfloat16) for width in self.outs)
+        return self.layers, (x, outs, self.storage, bounds, tables, meta.contiguous(), scales)

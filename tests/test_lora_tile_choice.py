@@ -1,0 +1,130 @@
+"""The choice of AMX tiles or vector loops per LoRA segment length (``lora/tile_choice.py``): timed
+on CPUs with AMX and cached per CPU kind, forced by option, refused where it cannot run, and the
+engine's hook and ``/health`` following it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from loraserve.kernels import cpu, cpu_features
+
+from loraserve.config import ConfigError, EngineConfig
+from loraserve.lora import tile_choice
+from loraserve.lora.tile_choice import LoRAKernelPolicy, choose_lora_kernels, group_shapes
+
+pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
+
+# The four LoRA groups of a small model: q/k/v, o, gate/up, down.
+SHAPES = group_shapes({
+    "q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+    "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64),
+})  # fmt: skip
+PAGE_ELEMS = 1024
+EVERY_CLASS = 0b1111111
+needs_amx = pytest.mark.skipif(not cpu.lora_amx(), reason="no AMX tiles on this CPU (no amx_bf16/avx512_bf16)")
+
+
+class _Busy:
+    """Stands for ``cpu_load.OtherLoad``: other processes kept a whole CPU busy."""
+
+    def __enter__(self) -> _Busy:
+        self.cores, self.disturbed = 1.0, True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_the_classes_and_the_groups_shapes() -> None:
+    plan = choose_lora_kernels(SHAPES, torch.float32, PAGE_ELEMS, LoRAKernelPolicy())
+    assert plan.class_names() == ["3-8", "9-16", "17-32", "33-64", "65-128", "129-256", "257+"]
+    assert SHAPES == ((64, (64, 32, 32)), (64, (64,)), (64, (128, 128)), (128, (64,)))
+
+
+def test_float32_and_forced_ways_need_no_timing_and_amx_is_refused_where_it_cannot_run() -> None:
+    float32 = choose_lora_kernels(SHAPES, torch.float32, PAGE_ELEMS, LoRAKernelPolicy())
+    assert (float32.source, float32.tile_lengths) == ("no tiles", 0)
+    assert set(float32.as_dict()["segment_tokens"].values()) == {"vector"}
+    vector = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy("vector"))
+    assert (vector.source, vector.tile_lengths, vector.seconds) == ("forced", 0, 0.0)
+    with pytest.raises(ValueError, match="cpu_lora='amx' needs a bfloat16 pool on a CPU with AMX tiles"):
+        choose_lora_kernels(SHAPES, torch.float32, PAGE_ELEMS, LoRAKernelPolicy("amx"))
+    if cpu.lora_amx():
+        amx = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy("amx"))
+        assert (amx.source, amx.tile_lengths) == ("forced", EVERY_CLASS)
+    else:
+        with pytest.raises(ValueError, match=r"needs a bfloat16 pool on a CPU with AMX .*this is torch\.bfloat16"):
+            choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy("amx"))
+        plain = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy())
+        assert (plain.source, plain.tile_lengths) == ("no tiles", 0)
+    with pytest.raises(ValueError, match="cpu_lora must be one of"):
+        LoRAKernelPolicy("tiles")
+
+
+@needs_amx
+def test_the_tiles_are_timed_per_length_class_then_read_from_the_cache(tmp_path: Path) -> None:
+    plan = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
+    assert plan.source in ("measured", "disturbed") and plan.seconds > 0
+    assert all(len(plan.ms[way]) == 7 and min(plan.ms[way]) > 0 for way in ("amx", "vector"))
+    for c, on in enumerate(plan.tiles):  # the tiles only where more than a tie faster
+        assert on == (plan.ms["amx"][c] < plan.ms["vector"][c] * (1 - tile_choice.TIE_TOLERANCE))
+    if plan.source == "disturbed":
+        pytest.skip("other processes disturbed the timing twice: nothing was cached to read back")
+    entries = json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())
+    (entry,) = entries.values()
+    assert entry["tiles"] == list(plan.tiles) and entry["cpu"] == cpu_features.summary()
+    again = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
+    assert (again.source, again.tiles, again.seconds) == ("cached", plan.tiles, 0.0)
+    wider = ((64, (64, 32, 16)), *SHAPES[1:])  # another model: timed anew, beside the first entry
+    assert choose_lora_kernels(wider, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path)).seconds > 0
+    assert len(json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())) == 2
+
+
+@needs_amx
+def test_a_disturbed_timing_serves_the_process_but_is_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(tile_choice, "OtherLoad", _Busy)
+    monkeypatch.setattr(tile_choice, "_DISTURBED", {})
+    timings = []
+    real = tile_choice.time_both_ways
+
+    def counting(*args: object) -> dict[str, list[float]]:
+        timings.append(args)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tile_choice, "time_both_ways", counting)
+    with caplog.at_level(logging.WARNING):
+        plan = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
+    assert plan.source == "disturbed" and len(timings) == 2  # timed again once
+    assert "LoRA tile timing was disturbed (other processes kept 1.0 CPUs busy)" in caplog.text
+    assert not (tmp_path / f"{cpu_features.signature()}.json").exists()
+    again = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
+    assert (again.source, again.tiles) == ("disturbed", plan.tiles) and len(timings) == 2
+
+
+def test_the_option_is_validated_and_applies_only_to_the_cpu_backend() -> None:
+    with pytest.raises(ConfigError, match="cpu_lora must be one of"):
+        EngineConfig(cpu_lora="tiles")
+    with pytest.raises(ConfigError, match="cpu_lora='vector' applies to the compiled CPU backend only"):
+        EngineConfig(cpu_lora="vector", kernels="torch")
+
+
+def test_the_engine_hook_runs_the_plan_and_health_shows_it(tiny_model_dir: Path) -> None:
+    from loraserve import LLM
+    from loraserve.lora.apply_cpu import CompiledLoRAApplier
+
+    llm = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu", dtype="bfloat16", cpu_lora="vector")
+    hook = llm.engine.runner.lora_hook
+    assert isinstance(hook, CompiledLoRAApplier) and hook.tile_lengths == 0
+    shown = llm.engine.stats().cpu_lora
+    assert shown["source"] == "forced" and set(shown["segment_tokens"].values()) == {"vector"}  # type: ignore[union-attr]
+    auto = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu", dtype="bfloat16")
+    plan = auto.engine.lora_plan
+    assert plan is not None and auto.engine.runner.lora_hook.tile_lengths == plan.tile_lengths  # type: ignore[attr-defined]
+    assert plan.source in (("measured", "cached", "disturbed") if cpu.lora_amx() else ("no tiles",))
+    assert LLM(str(tiny_model_dir), num_pages=64, kernels="torch", dtype="bfloat16").engine.stats().cpu_lora == {}
