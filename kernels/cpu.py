@@ -3,9 +3,10 @@
 ``paged_decode_attention`` has the semantics of ``paged_attention.paged_decode_attention``
 but reads K and V straight from the pages named by each block table (no gathered copy
 of the context, each next page prefetched): one sequence per work item, float32 scores
-and accumulation. float32 with head_dim 32/64/128 and a block size that is a multiple of 8
-runs a register-tiled version with one online-softmax pass over the pages
-(``csrc/decode_attention_f32.h``), everything else the generic two-pass loops.
+and accumulation. float32 and bfloat16 (widened as read, the output rounded once) with head_dim
+16/32/48/64/96/128 and a block size that is a multiple of 8 run a register-tiled version with one
+online-softmax pass over the pages (``csrc/decode_attention_tiled.h``), everything else the
+generic two-pass loops.
 
     query:        [num_seqs, num_heads, head_dim]                     float32 | bfloat16 | float16, contiguous
     kv:           [num_pages, 2, block_size, num_kv_heads, head_dim]  same dtype, rows contiguous

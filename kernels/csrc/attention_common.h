@@ -1,4 +1,4 @@
-// Pieces of the decode-attention kernels (cpu_kernels.cpp's generic loops, decode_attention_f32.h).
+// Pieces of the decode-attention kernels (cpu_kernels.cpp's generic loops, decode_attention_tiled.h).
 #pragma once
 
 #include <algorithm>

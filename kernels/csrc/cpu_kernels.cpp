@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "attention_common.h"
-#include "decode_attention_f32.h"
+#include "decode_attention_tiled.h"
 
 namespace {
 
@@ -123,15 +123,24 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv,
     loraserve_attention::check_block_table(s, lens[s], tables + s * max_blocks, max_blocks, kv.size(2), kv.size(0));
   at::Tensor out = at::empty_like(query);
   const int64_t head_dim = query.size(2);
-  if (query.scalar_type() == at::kFloat && loraserve_attention::can_tile(head_dim, kv.size(2))) {
-    using loraserve_attention::decode_attention_tiled;
-    switch (head_dim) {  // the head dims can_tile accepts, head_dim / 8 vectors each
-      case 16: decode_attention_tiled<2>(query, kv, block_tables, context_lens, scale, out); break;
-      case 32: decode_attention_tiled<4>(query, kv, block_tables, context_lens, scale, out); break;
-      case 48: decode_attention_tiled<6>(query, kv, block_tables, context_lens, scale, out); break;
-      case 64: decode_attention_tiled<8>(query, kv, block_tables, context_lens, scale, out); break;
-      case 96: decode_attention_tiled<12>(query, kv, block_tables, context_lens, scale, out); break;
-      default: decode_attention_tiled<16>(query, kv, block_tables, context_lens, scale, out); break;
+  const at::ScalarType dtype = query.scalar_type();
+  if ((dtype == at::kFloat || dtype == at::kBFloat16) && loraserve_attention::can_tile(head_dim, kv.size(2))) {
+    const auto run = [&](auto type) {
+      using T = decltype(type);
+      using loraserve_attention::decode_attention_tiled;
+      switch (head_dim) {  // the head dims can_tile accepts, head_dim / 8 vectors each
+        case 16: decode_attention_tiled<2, T>(query, kv, block_tables, context_lens, scale, out); break;
+        case 32: decode_attention_tiled<4, T>(query, kv, block_tables, context_lens, scale, out); break;
+        case 48: decode_attention_tiled<6, T>(query, kv, block_tables, context_lens, scale, out); break;
+        case 64: decode_attention_tiled<8, T>(query, kv, block_tables, context_lens, scale, out); break;
+        case 96: decode_attention_tiled<12, T>(query, kv, block_tables, context_lens, scale, out); break;
+        default: decode_attention_tiled<16, T>(query, kv, block_tables, context_lens, scale, out); break;
+      }
+    };
+    if (dtype == at::kFloat) {
+      run(float{});
+    } else {
+      run(uint16_t{});  // bfloat16 as its bits
     }
     return out;
   }

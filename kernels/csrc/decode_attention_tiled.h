@@ -1,4 +1,5 @@
-// Paged decode attention, float32, register-tiled (included by cpu_kernels.cpp only). Same
+// Paged decode attention, register-tiled, over float32 or bfloat16 KV (bfloat16 widened to float32
+// as it is read; the output rounded once to nearest even) (included by cpu_kernels.cpp only). Same
 // semantics, arguments and work split as the generic decode_attention_impl there:
 //   out[s, h] = softmax_j(scale * q[s, h] . K[s, j, h / group]) @ V[s, j, h / group],  j < context_lens[s]
 // with K/V row j of sequence s in page block_tables[s, j / B], row j % B. One sequence per work
@@ -22,10 +23,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attention_common.h"
+#include "bf16_bits.h"
 #include "simd8.h"
 
 namespace loraserve_attention {
@@ -49,7 +53,7 @@ struct PagePrefetcher {
   const char* next = nullptr;
   const char* end = nullptr;
 
-  void start(const float* page, int64_t bytes) {
+  void start(const void* page, int64_t bytes) {
     next = reinterpret_cast<const char*>(page);
     end = next + bytes;
   }
@@ -65,26 +69,59 @@ constexpr int64_t kPrefetchDistance = 2;
 // one are mostly read by the same thread.
 constexpr int64_t kSeqsPerItem = 8;
 
-// kChunks = head_dim / 8 vectors per head row.
-template <int kChunks>
+// The tiled kernel's element types: float, or bfloat16 as its bits (uint16_t). 16 elements of a
+// row load as two vectors of 8 floats: in order for float; for bfloat16, each word unpacked under a
+// zero word (a shuffle, which leaves the FMA ports to the FMAs; a shift would compete for them),
+// which takes elements 0-3 and 8-11 into the first vector and 4-7 and 12-15 into the second. A
+// bfloat16 query and output use the same order (kv_order swaps the middle quarters of each 16), so
+// the dot products and the value sums need no shuffle back.
+inline void load_kv16(const float* p, f32x8& first, f32x8& second) {
+  first = load8(p);
+  second = load8(p + 8);
+}
+inline void load_kv16(const uint16_t* p, f32x8& first, f32x8& second) {
+  using u16x16 = uint16_t __attribute__((vector_size(32)));
+  u16x16 half;
+  std::memcpy(&half, p, sizeof(half));
+  const u16x16 zero = {};
+  const u16x16 lo = __builtin_shufflevector(zero, half, 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27);
+  const u16x16 hi = __builtin_shufflevector(zero, half, 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31);
+  std::memcpy(&first, &lo, sizeof(first));
+  std::memcpy(&second, &hi, sizeof(second));
+}
+// Where element i of a row sits in load_kv16's two vectors (self-inverse): in place for float; for
+// bfloat16 the middle quarters of each 16 swap places.
+template <typename T>
+constexpr int64_t kv_order(int64_t i) {
+  if constexpr (std::is_same_v<T, float>) return i;
+  const int64_t quarter = (i / 4) % 4;
+  return quarter == 1 ? i + 4 : quarter == 2 ? i - 4 : i;
+}
+inline float widen_kv(float x) { return x; }
+inline float widen_kv(uint16_t x) { return loraserve_bf16::widened(x); }
+
+// kChunks = head_dim / 8 vectors per head row (even); T = float or uint16_t (bfloat16 bits) for query, KV
+// and output alike.
+template <int kChunks, typename T>
 void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  constexpr bool kFloat = std::is_same_v<T, float>;
   constexpr int64_t head_dim = kChunks * 8;
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t block_size = kv.size(2), num_kv_heads = kv.size(3);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   const int64_t page_stride = kv.stride(0), kv_stride = kv.stride(1), row_stride = kv.stride(2);
-  const float* q_ptr = query.data_ptr<float>();
-  const float* kv_ptr = kv.data_ptr<float>();
+  const T* q_ptr = static_cast<const T*>(query.data_ptr());
+  const T* kv_ptr = static_cast<const T*>(kv.data_ptr());
   const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
   const int64_t* len_ptr = context_lens.data_ptr<int64_t>();
-  float* out_ptr = out.data_ptr<float>();
+  T* out_ptr = static_cast<T*>(out.data_ptr());
   const float fscale = static_cast<float>(scale);
   // A page is 2 * kv_stride floats; its lines are issued over the first half of one page's work,
   // counted in value rows (num_heads * block_size of them) and score tiles (an eighth as many, each
   // about as much work as 8 value rows: given 3 rows' share), which over the whole page issue >=
   // twice the page's lines (measured: 0.95x the time of spreading them over all of it).
-  const int64_t page_bytes = 2 * kv_stride * static_cast<int64_t>(sizeof(float));
+  const int64_t page_bytes = 2 * kv_stride * static_cast<int64_t>(sizeof(T));
   const int64_t lines_per_row = 2 * std::max<int64_t>(1, (3 * (page_bytes / 64) + 4 * num_heads * block_size - 1) /
                                                              (4 * num_heads * block_size));
   const int64_t lines_per_tile = 3 * lines_per_row;
@@ -97,15 +134,17 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
     const int64_t padded_heads = (num_heads + 7) / 8 * 8;
     std::vector<float> scores(num_heads * block_size), q(num_heads * head_dim), maxes(padded_heads),
         sums(num_heads), new_maxes(padded_heads, 0.f), corrections(padded_heads);
+    std::vector<float> sums_out(kFloat ? 0 : num_heads * head_dim);  // bfloat16: the output until it is rounded
     PagePrefetcher prefetcher;
 #pragma omp for schedule(dynamic, kSeqsPerItem)
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
       const int64_t n = len_ptr[seq];
       const int64_t* table = table_ptr + seq * max_blocks;
       const int64_t num_blocks = (n + block_size - 1) / block_size;
-      const float* src = q_ptr + seq * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = src[i] * fscale;
-      float* dst = out_ptr + seq * num_heads * head_dim;
+      const T* src = q_ptr + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) q[kv_order<T>(i)] = widen_kv(src[i]) * fscale;
+      float* dst = sums_out.data();
+      if constexpr (kFloat) dst = out_ptr + seq * num_heads * head_dim;
       std::fill(dst, dst + num_heads * head_dim, 0.f);
       std::fill(maxes.begin(), maxes.begin() + num_heads, -std::numeric_limits<float>::infinity());
       std::fill(sums.begin(), sums.end(), 0.f);
@@ -113,7 +152,7 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
       // One pass over the pages, K half then V half of each: the page's scores (padded rows past n
       // are computed and ignored), then each head's online-softmax update of max, sum and output.
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const float* page = kv_ptr + table[b] * page_stride;
+        const T* page = kv_ptr + table[b] * page_stride;
         const int64_t rows = std::min(block_size, n - b * block_size);
         // The page kPrefetchDistance ahead: this sequence's, or past its end the next sequence's
         // first pages (short contexts would otherwise start every sequence on cold pages).
@@ -125,13 +164,18 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
         }
         for (int64_t r0 = 0; r0 < rows; r0 += 8) {
           for (int64_t g = 0; g < num_kv_heads; ++g) {
-            const float* key = page + r0 * row_stride + g * head_dim;
+            const T* key = page + r0 * row_stride + g * head_dim;
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
               const float* qh = q.data() + h * head_dim;
               f32x8 acc[8] = {};
-              for (int c = 0; c < kChunks; ++c) {
-                const f32x8 qc = load8(qh + 8 * c);
-                for (int i = 0; i < 8; ++i) acc[i] += qc * load8(key + i * row_stride + 8 * c);
+              for (int c = 0; c < kChunks; c += 2) {
+                const f32x8 q0 = load8(qh + 8 * c), q1 = load8(qh + 8 * c + 8);
+                for (int i = 0; i < 8; ++i) {
+                  f32x8 k0, k1;
+                  load_kv16(key + i * row_stride + 8 * c, k0, k1);
+                  acc[i] += q0 * k0;
+                  acc[i] += q1 * k1;
+                }
               }
               store8(scores.data() + h * block_size + r0, lane_sums(acc));
               prefetcher.advance(lines_per_tile);
@@ -163,9 +207,9 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
           }
           sums[h] = sums[h] * corrections[h] + hsum8(total);
         }
-        const float* values = page + kv_stride;
+        const T* values = page + kv_stride;
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-          const float* value = values + g * head_dim;
+          const T* value = values + g * head_dim;
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
             const float* s = scores.data() + h * block_size;
             const float correction = corrections[h];
@@ -176,7 +220,12 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
             for (int64_t r = 0; r < rows; ++r) {
               prefetcher.advance(lines_per_row);
               const f32x8 pr = splat8(s[r]);
-              for (int c = 0; c < kChunks; ++c) acc[c] += pr * load8(value + r * row_stride + 8 * c);
+              for (int c = 0; c < kChunks; c += 2) {
+                f32x8 v0, v1;
+                load_kv16(value + r * row_stride + 8 * c, v0, v1);
+                acc[c] += pr * v0;
+                acc[c + 1] += pr * v1;
+              }
             }
             for (int c = 0; c < kChunks; ++c) store8(o + 8 * c, acc[c]);
           }
@@ -185,6 +234,10 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
       for (int64_t h = 0; h < num_heads; ++h) {
         const f32x8 inv = splat8(1.f / sums[h]);
         for (int c = 0; c < kChunks; ++c) store8(dst + h * head_dim + 8 * c, load8(dst + h * head_dim + 8 * c) * inv);
+      }
+      if constexpr (!kFloat) {
+        T* rounded = out_ptr + seq * num_heads * head_dim;
+        for (int64_t i = 0; i < num_heads * head_dim; ++i) rounded[i] = loraserve_bf16::rounded_bits(dst[kv_order<T>(i)]);
       }
     }
   }
