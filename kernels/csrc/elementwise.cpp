@@ -11,7 +11,6 @@
 
 #include "attention_common.h"
 #include "bf16_bits.h"
-#include "simd8.h"
 
 // ---- fused elementwise ops of a Llama layer (float32 or bfloat16) ---------------------------
 // RMSNorm as Hugging Face's LlamaRMSNorm computes it (the sum of squares in float32):
@@ -148,9 +147,19 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 // silu(g) is exact to a few ulp for every finite g and 0 (not NaN) far below zero.
 namespace {
 
-using loraserve_simd::f32x8;
-using u16x8 = uint16_t __attribute__((vector_size(16)));
-using u32x8 = uint32_t __attribute__((vector_size(32)));
+// One vector register of lanes: 16 with AVX-512 (measured ~1.9x the 8-lane loop's speed on a
+// 2-core Sapphire-Rapids-class VM), 8 otherwise (16-lane vectors would be register pairs there).
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+using VecF = float __attribute__((vector_size(4 * kLanes)));
+using VecI = int32_t __attribute__((vector_size(4 * kLanes)));
+using VecU32 = uint32_t __attribute__((vector_size(4 * kLanes)));
+using VecU16 = uint16_t __attribute__((vector_size(2 * kLanes)));
+
+inline VecF splat_v(float x) { return VecF{} + x; }
 
 inline float exp_clamped(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
@@ -161,24 +170,28 @@ inline float exp_clamped(float x) {
   return loraserve_attention::exp_of_remainder(x, n) * scale;
 }
 
-inline f32x8 exp8_clamped(f32x8 x) {
-  const f32x8 high = loraserve_simd::splat8(88.0f);
-  return loraserve_attention::exp8_nonpositive(x > high ? high : x);  // (it clamps below at -87)
+inline VecF exp_v_clamped(VecF x) {
+  const VecF high = splat_v(88.0f);
+  x = x > high ? high : x;  // (exp_lanes_nonpositive clamps below at -87)
+  return loraserve_attention::exp_lanes_nonpositive<VecF, VecI>(x, splat_v(-87.0f), splat_v(12582912.0f));
 }
 
-// 8 elements in float and back, bfloat16 through its bits as load_f / store_f do one.
-inline f32x8 load8_f(const float* p) { return loraserve_simd::load8(p); }
-inline f32x8 load8_f(const at::BFloat16* p) { return loraserve_bf16::load_widened<f32x8, u16x8, u32x8>(p); }
-inline u32x8 bf16_bits8(f32x8 v) { return loraserve_bf16::rounded_bits<u32x8>(v); }
-inline void store8_f(float* p, f32x8 v) { loraserve_simd::store8(p, v); }
-inline void store8_f(at::BFloat16* p, f32x8 v) {
-  const u16x8 half = __builtin_convertvector(bf16_bits8(v), u16x8);
+// kLanes elements in float and back, bfloat16 through its bits as load_f / store_f do one.
+inline VecF load_v(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline VecF load_v(const at::BFloat16* p) { return loraserve_bf16::load_widened<VecF, VecU16, VecU32>(p); }
+inline void store_v(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_v(at::BFloat16* p, VecF v) {
+  const VecU16 half = __builtin_convertvector(loraserve_bf16::rounded_bits<VecU32>(v), VecU16);
   std::memcpy(p, &half, sizeof(half));
 }
-inline f32x8 round8_f(f32x8 v, const float*) { return v; }
-inline f32x8 round8_f(f32x8 v, const at::BFloat16*) {
-  const u32x8 bits = bf16_bits8(v) << 16;
-  f32x8 out;
+inline VecF round_v(VecF v, const float*) { return v; }
+inline VecF round_v(VecF v, const at::BFloat16*) {
+  const VecU32 bits = loraserve_bf16::rounded_bits<VecU32>(v) << 16;
+  VecF out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
 }
@@ -186,15 +199,15 @@ inline f32x8 round8_f(f32x8 v, const at::BFloat16*) {
 template <typename T>
 void silu_and_mul_impl(T* gate, int64_t gate_stride, const T* up, int64_t up_stride, int64_t rows, int64_t width) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));  // ~16K elements a task
-  const int64_t vector_end = width - width % 8;
+  const int64_t vector_end = width - width % kLanes;
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    const f32x8 one = loraserve_simd::splat8(1.0f);
+    const VecF one = splat_v(1.0f);
     for (int64_t t = begin; t < end; ++t) {
       T* g = gate + t * gate_stride;
       const T* u = up + t * up_stride;
-      for (int64_t j = 0; j < vector_end; j += 8) {
-        const f32x8 x = load8_f(g + j);
-        store8_f(g + j, round8_f(x / (one + exp8_clamped(-x)), g) * load8_f(u + j));
+      for (int64_t j = 0; j < vector_end; j += kLanes) {
+        const VecF x = load_v(g + j);
+        store_v(g + j, round_v(x / (one + exp_v_clamped(-x)), g) * load_v(u + j));
       }
       for (int64_t j = vector_end; j < width; ++j) {
         const float x = load_f(g[j]);
