@@ -147,8 +147,8 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 // silu(g) is exact to a few ulp for every finite g and 0 (not NaN) far below zero.
 namespace {
 
-// One vector register of lanes: 16 with AVX-512 (measured ~1.9x the 8-lane loop's speed on a
-// 2-core Sapphire-Rapids-class VM), 8 otherwise (16-lane vectors would be register pairs there).
+// One vector register of lanes: 16 with AVX-512 (measured faster than 8 lanes there; figures in
+// benchmarks/RESULTS.md), 8 otherwise (16-lane vectors would be register pairs there).
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 #else
