@@ -287,8 +287,10 @@ def lora_segments_kernel(plan: LoRAKernelPlan | None) -> str:
     if plan is None:
         return "torch (the compiled kernels could not be built)"
     ways = {"amx": "AMX tiles", "vector": "vector loops up to 32 tokens, MKL beyond"}
-    by_length = ", ".join(f"{name}: {ways[way]}" for name, way in plan.as_dict()["segment_tokens"].items())
-    return f"{plan.source}; {by_length}"
+    by_length: dict[str, str] = plan.as_dict()["segment_tokens"]
+    if len(set(by_length.values())) == 1:
+        return f"{plan.source}; every length: {ways[next(iter(by_length.values()))]}"
+    return f"{plan.source}; " + ", ".join(f"{name}: {ways[way]}" for name, way in by_length.items())
 
 
 def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs: list[Run], rounds: list[list[Run]],

@@ -147,7 +147,8 @@ def report(info: dict[str, Any], args: argparse.Namespace, url: str, ids: list[s
 
 
 def _server_kernels(health: dict[str, Any] | None) -> str:
-    """A loraserve server's kernel backend and GEMM choice per layer shape; other servers say none."""
+    """A loraserve server's kernel backend, GEMM choice per layer shape and LoRA way per segment length;
+    other servers say none."""
     if not health or "kernels" not in health:
         return "not reported (not a loraserve server)"
     gemm = health.get("cpu_gemm")

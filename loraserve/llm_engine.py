@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import random
@@ -31,7 +30,7 @@ from loraserve.kernels import cpu
 from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, tokens_at_most
 from loraserve.lora.layout import max_rank_pages
 from loraserve.lora.residency import AdapterManager
-from loraserve.lora.tile_choice import LoRAKernelPlan, LoRAKernelPolicy, choose_lora_kernels, group_shapes
+from loraserve.lora.tile_choice import LoRAKernelPolicy, lora_hook_factory
 from loraserve.model_runner import ModelRunner, PageLayout
 from loraserve.models.gemm_choice import GemmPolicy
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
@@ -145,17 +144,10 @@ class LLMEngine:
             StopChecker(self.detokenizer, eos_token_ids, self.max_model_len),
         )
         # Where the compiled LoRA kernel can use AMX tiles: the segment lengths that do, timed or cached.
-        make_lora_hook = self.kernels.make_lora_hook
-        self.lora_plan: LoRAKernelPlan | None = None
-        if self.kernels.lora_tile_choice:
-            lora_policy = LoRAKernelPolicy(config.cpu_lora, cache_root() / "cpu_lora")
-            lora_shapes = group_shapes(shapes.module_shapes)
-            self.lora_plan = choose_lora_kernels(lora_shapes, config.torch_dtype, self.layout.page_elems, lora_policy)
-            make_lora_hook = functools.partial(make_lora_hook, tile_lengths=self.lora_plan.tile_lengths)
-            logger.info("CPU LoRA kernel by segment length (%.1f s timing): %s", self.lora_plan.seconds,
-                        self.lora_plan.summary())  # fmt: skip
-        elif config.cpu_lora != "auto":
-            raise ConfigError(f"cpu_lora={config.cpu_lora!r} needs the compiled CPU LoRA kernel (kernels 'cpu')")
+        lora_policy = LoRAKernelPolicy(config.cpu_lora, cache_root() / "cpu_lora")
+        make_lora_hook, self.lora_plan = lora_hook_factory(
+            self.kernels, shapes.module_shapes, config.torch_dtype, self.layout.page_elems, lora_policy
+        )
         self.runner = ModelRunner(
             self.model,
             self.layout,

@@ -1,5 +1,5 @@
 // Paged decode attention, register-tiled, over float32 or bfloat16 KV (bfloat16 widened to float32
-// as it is read; the output rounded once to nearest even) (included by cpu_kernels.cpp only). Same
+// as it is read, the output rounded once to nearest even); included by cpu_kernels.cpp only. Same
 // semantics, arguments and work split as the generic decode_attention_impl there:
 //   out[s, h] = softmax_j(scale * q[s, h] . K[s, j, h / group]) @ V[s, j, h / group],  j < context_lens[s]
 // with K/V row j of sequence s in page block_tables[s, j / B], row j % B. One sequence per work
@@ -105,6 +105,7 @@ inline float widen_kv(uint16_t x) { return loraserve_bf16::widened(x); }
 template <int kChunks, typename T>
 void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  static_assert(kChunks % 2 == 0, "rows load 16 elements at a time; kv_order permutes within 16");
   constexpr bool kFloat = std::is_same_v<T, float>;
   constexpr int64_t head_dim = kChunks * 8;
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
@@ -117,7 +118,7 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
   const int64_t* len_ptr = context_lens.data_ptr<int64_t>();
   T* out_ptr = static_cast<T*>(out.data_ptr());
   const float fscale = static_cast<float>(scale);
-  // A page is 2 * kv_stride floats; its lines are issued over the first half of one page's work,
+  // A page is 2 * kv_stride elements; its lines are issued over the first half of one page's work,
   // counted in value rows (num_heads * block_size of them) and score tiles (an eighth as many, each
   // about as much work as 8 value rows: given 3 rows' share), which over the whole page issue >=
   // twice the page's lines (measured: 0.95x the time of spreading them over all of it).

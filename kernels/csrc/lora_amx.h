@@ -1,8 +1,9 @@
 // Segmented LoRA over a bfloat16 pool on AMX tiles (CPUs with amx_bf16 and avx512_bf16; built in
 // where -march=native has them, used where the OS grants the tile state): the split of the work
 // across threads. Included by lora_segments.cpp only; internal to it. The tile loops are in
-// lora_amx_tiles.h. Every segment of 3 or more tokens shrinks on the tiles; segments of up to
-// kVectorExpandMax tokens expand on the vector loops of lora_tiles.h, longer ones on the tiles.
+// lora_amx_tiles.h. Every segment of 3 or more tokens whose length class the call puts on the
+// tiles (tile_lengths) shrinks on them; of those, segments of up to kVectorExpandMax tokens expand
+// on the vector loops of lora_tiles.h, longer ones on the tiles.
 #pragma once
 
 #include <iterator>
@@ -171,7 +172,7 @@ namespace loraserve_lora {
 // class c holds segments of up to kTileLengthBounds[c] tokens (and more than the class before);
 // the last class, kNumTileLengthClasses - 1, every longer one. Segments of 1-2 tokens never
 // reach the tiles. Bit c of a call's `tile_lengths` puts class c on the tiles.
-constexpr int64_t kTileLengthBounds[] = {8, 16, 32, 64, 128, 256};
+constexpr int64_t kTileLengthBounds[] = {8, 16, 32, 64, 128, 256, 512};
 constexpr int kNumTileLengthClasses = static_cast<int>(std::size(kTileLengthBounds)) + 1;
 
 inline int tile_length_class(int64_t num) {

@@ -3,7 +3,7 @@
 On a CPU with AMX (``cpu.lora_amx()``) the compiled kernel can run a segment of 3 or more tokens
 on the tiles or on the vector loops (and MKL for long ones); which is faster depends on the CPU,
 the model's widths and the segment's length. For each segment-length class of the kernel
-(``cpu.lora_tile_length_bounds()``: up to 8 tokens, 16, 32, 64, 128, 256, longer) both ways are
+(``cpu.lora_tile_length_bounds()``: up to 8 tokens, 16, 32, 64, 128, 256, 512, longer) both ways are
 timed on the model's four LoRA groups (q/k/v, o, gate/up, down) with adapters of ranks 64/32/16/8,
 segments of the middle of the class, over up to 8 layers of distinct weights, alternating, the
 best of several passes; the tiles are kept for a class only when more than ``TIE_TOLERANCE``
@@ -14,17 +14,21 @@ again serves this process without being cached. ``--cpu-lora amx|vector`` forces
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from loraserve.choice_file import ChoiceFile, build_key
-from loraserve.config import CPU_LORA_CHOICES
+from loraserve.config import CPU_LORA_CHOICES, ConfigError
+from loraserve.kernel_backend import KernelBackend
 from loraserve.kernels import cpu, cpu_features
+from loraserve.lora.apply_torch import PerBatchLoRAHook
 from loraserve.lora.layout import LORA_GROUPS
 from loraserve.models.cpu_load import OtherLoad
 
@@ -99,6 +103,24 @@ def group_shapes(module_shapes: dict[str, tuple[int, int]]) -> tuple[GroupShape,
     )
 
 
+def lora_hook_factory(
+    backend: KernelBackend,
+    module_shapes: dict[str, tuple[int, int]],
+    dtype: torch.dtype,
+    page_elems: int,
+    policy: LoRAKernelPolicy,
+) -> tuple[Callable[[torch.Tensor], PerBatchLoRAHook[Any]], LoRAKernelPlan | None]:
+    """The backend's LoRA hook factory (storage -> hook), given the plan where its hook takes one (the
+    compiled CPU kernel), and that plan (None for the other backends, which refuse a forced way)."""
+    if not backend.lora_tile_choice:
+        if policy.kernel != "auto":
+            raise ConfigError(f"cpu_lora={policy.kernel!r} needs the compiled CPU LoRA kernel (kernels 'cpu')")
+        return backend.make_lora_hook, None
+    plan = choose_lora_kernels(group_shapes(module_shapes), dtype, page_elems, policy)
+    logger.info("CPU LoRA kernel by segment length (%.1f s timing): %s", plan.seconds, plan.summary())
+    return functools.partial(backend.make_lora_hook, tile_lengths=plan.tile_lengths), plan
+
+
 def choose_lora_kernels(
     shapes: tuple[GroupShape, ...], dtype: torch.dtype, page_elems: int, policy: LoRAKernelPolicy
 ) -> LoRAKernelPlan:
@@ -144,9 +166,10 @@ def choose_lora_kernels(
 
 
 def _middle(length_class: int, bounds: tuple[int, ...]) -> int:
-    """A segment length in the middle of a class (the last class: 1.25x its lower bound)."""
+    """A segment length in the middle of a class (the last class, open above: taken to end at twice
+    the bound before it, so 513+ is timed at 769 tokens)."""
     low = 3 if length_class == 0 else bounds[length_class - 1] + 1
-    high = bounds[length_class] if length_class < len(bounds) else (low - 1) * 5 // 4
+    high = bounds[length_class] if length_class < len(bounds) else 2 * (low - 1)
     return (low + high + 1) // 2
 
 
@@ -175,14 +198,24 @@ def time_both_ways(shapes: tuple[GroupShape, ...], page_elems: int, lengths: lis
     return times
 
 
-Call = tuple[int, tuple[Any, ...]]  # (layers, lora_segments' arguments after the layer and group)
+class Call(NamedTuple):
+    """One timed call of ``cpu.lora_segments`` for each of ``layers`` layers (group 0)."""
+
+    layers: int
+    x: torch.Tensor  # [tokens, in_features] bfloat16
+    outs: tuple[torch.Tensor, ...]  # each [tokens, width] bfloat16
+    storage: torch.Tensor  # [layers, pages, page_elems] bfloat16
+    bounds: torch.Tensor  # [segments, 4] int64
+    tables: torch.Tensor  # [segments, pages] int64
+    meta: torch.Tensor  # [layers, 1, segments, 14] int64
+    scales: torch.Tensor  # [layers, 1, segments, 3] float32
 
 
 def _one_pass(calls: list[Call], mask: int) -> float:
     start = time.perf_counter()
-    for layers, (x, outs, storage, bounds, tables, meta, scales) in calls:
-        for layer in range(layers):
-            cpu.lora_segments(x, outs, storage, layer, 0, bounds, tables, meta, scales, mask)
+    for c in calls:
+        for layer in range(c.layers):
+            cpu.lora_segments(c.x, c.outs, c.storage, layer, 0, c.bounds, c.tables, c.meta, c.scales, mask)
     return time.perf_counter() - start
 
 
@@ -191,7 +224,8 @@ class _GroupCase:
 
     def __init__(self, in_features: int, outs: tuple[int, ...], page_elems: int, gen: torch.Generator) -> None:
         self.in_features, self.outs = in_features, outs
-        flats, metas = [], []
+        flats: list[torch.Tensor] = []
+        metas: list[list[int]] = []
         for rank in RANKS:
             rows = rank * len(outs)
             parts = [torch.randn(rows * in_features, generator=gen) / in_features**0.5]  # A [rows, in]
@@ -224,4 +258,4 @@ class _GroupCase:
         scales = torch.ones(self.layers, 1, num, 3)
         x = torch.randn(num * length, self.in_features, generator=gen).to(torch.bfloat16)
         outs = tuple(torch.zeros(num * length, width, dtype=torch.bfloat16) for width in self.outs)
-        return self.layers, (x, outs, self.storage, bounds, tables, meta.contiguous(), scales)
+        return Call(self.layers, x, outs, self.storage, bounds, tables, meta.contiguous(), scales)
