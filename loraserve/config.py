@@ -157,26 +157,18 @@ class EngineConfig:
             "decode graphs, which enforce_eager turns off",
         )
         _require(self.kernels in KERNEL_CHOICES, f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
-        _require(
-            self.cpu_gemm in CPU_GEMM_CHOICES, f"cpu_gemm must be one of {CPU_GEMM_CHOICES}, got {self.cpu_gemm!r}"
-        )
-        _require(
-            self.cpu_gemm == "auto" or (self.kernels in ("auto", "cpu") and torch.device(self.device).type == "cpu"),
-            f"cpu_gemm={self.cpu_gemm!r} applies to the compiled CPU backend only (kernels 'cpu' or 'auto' on "
-            f"a CPU device), not kernels={self.kernels!r} on device {self.device!r}",
-        )
-        _require(
-            self.cpu_lora in CPU_LORA_CHOICES, f"cpu_lora must be one of {CPU_LORA_CHOICES}, got {self.cpu_lora!r}"
-        )
-        _require(
-            self.cpu_lora == "auto" or (self.kernels in ("auto", "cpu") and torch.device(self.device).type == "cpu"),
-            f"cpu_lora={self.cpu_lora!r} applies to the compiled CPU backend only (kernels 'cpu' or 'auto' on "
-            f"a CPU device), not kernels={self.kernels!r} on device {self.device!r}",
-        )
         try:
             torch.device(self.device)
         except RuntimeError as error:
             raise ConfigError(f"device {self.device!r} is not a valid torch device: {error}") from None
+        cpu_options = (("cpu_gemm", self.cpu_gemm, CPU_GEMM_CHOICES), ("cpu_lora", self.cpu_lora, CPU_LORA_CHOICES))
+        for name, value, choices in cpu_options:  # the compiled CPU backend's kernel choices
+            _require(value in choices, f"{name} must be one of {choices}, got {value!r}")
+            _require(
+                value == "auto" or (self.kernels in ("auto", "cpu") and torch.device(self.device).type == "cpu"),
+                f"{name}={value!r} applies to the compiled CPU backend only (kernels 'cpu' or 'auto' on "
+                f"a CPU device), not kernels={self.kernels!r} on device {self.device!r}",
+            )
 
     @property
     def step_token_budget(self) -> int:

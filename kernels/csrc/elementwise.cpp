@@ -11,6 +11,7 @@
 
 #include "attention_common.h"
 #include "bf16_bits.h"
+#include "simd_native.h"
 
 // ---- fused elementwise ops of a Llama layer (float32 or bfloat16) ---------------------------
 // RMSNorm as Hugging Face's LlamaRMSNorm computes it (the sum of squares in float32):
@@ -147,17 +148,13 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 // silu(g) is exact to a few ulp for every finite g and 0 (not NaN) far below zero.
 namespace {
 
-// One vector register of lanes: 16 with AVX-512 (measured faster than 8 lanes there; figures in
-// benchmarks/RESULTS.md), 8 otherwise (16-lane vectors would be register pairs there).
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-#else
-constexpr int64_t kLanes = 8;
-#endif
-using VecF = float __attribute__((vector_size(4 * kLanes)));
-using VecI = int32_t __attribute__((vector_size(4 * kLanes)));
-using VecU32 = uint32_t __attribute__((vector_size(4 * kLanes)));
-using VecU16 = uint16_t __attribute__((vector_size(2 * kLanes)));
+// One vector register of lanes (16 with AVX-512: measured faster than 8 there, figures in
+// benchmarks/RESULTS.md).
+constexpr int64_t kLanes = loraserve_simd::kNativeLanes;
+using VecF = loraserve_simd::native_f32;
+using VecI = loraserve_simd::native_i32;
+using VecU32 = loraserve_simd::native_u32;
+using VecU16 = loraserve_simd::native_u16;
 
 inline VecF splat_v(float x) { return VecF{} + x; }
 

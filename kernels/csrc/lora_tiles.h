@@ -10,17 +10,14 @@
 
 #include "bf16_bits.h"
 #include "simd8.h"
+#include "simd_native.h"
 
 namespace loraserve_lora {
 
 // ---- register-tiled LoRA loops: 8-lane vectors (AVX2 FMA under -march=native), or
 // 16-lane ones where the build targets AVX-512 (the build is per CPU signature) ----
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-using vecf = float __attribute__((vector_size(4 * kLanes)));
+constexpr int kLanes = loraserve_simd::kNativeLanes;
+using vecf = loraserve_simd::native_f32;
 
 inline vecf loadv(const float* p) {
   vecf v;

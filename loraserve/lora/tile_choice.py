@@ -30,14 +30,13 @@ from loraserve.kernel_backend import KernelBackend
 from loraserve.kernels import cpu, cpu_features
 from loraserve.lora.apply_torch import PerBatchLoRAHook
 from loraserve.lora.layout import LORA_GROUPS
-from loraserve.models.cpu_load import OtherLoad
+from loraserve.models.cpu_load import OtherLoad, best_alternating_passes
 
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
 RANKS = (64, 16, 32, 8) * 2  # the timed adapters' ranks, in the order segments take them
 TIE_TOLERANCE = 0.03  # the tiles must be this much faster to be kept (noise between passes)
-MIN_PASS_SECONDS = 0.02  # passes are repeated until at least this long in total (and at least 3)
 TIMING_ATTEMPTS = 2  # a timing disturbed by other processes is repeated once
 MAX_LAYERS, LAYER_BYTES = 8, 64 * 2**20  # layers of distinct weights per group, within this many bytes
 MAX_TOKENS = 768  # tokens of one timed call (segments of a class: up to 8 adapters)
@@ -183,16 +182,9 @@ def time_both_ways(shapes: tuple[GroupShape, ...], page_elems: int, lengths: lis
     with torch.no_grad():
         for length in lengths:
             calls = [case.call(length, gen) for case in groups]
-            best = dict.fromkeys(ways, float("inf"))
-            for mask in ways.values():  # warm-up: first-call costs (page faults, scratch growth)
-                _one_pass(calls, mask)
-            total, passes = 0.0, 0
-            while passes < 3 or (total < MIN_PASS_SECONDS * len(ways) and passes < 50):
-                for way, mask in ways.items():
-                    elapsed = _one_pass(calls, mask)
-                    best[way] = min(best[way], elapsed)
-                    total += elapsed
-                passes += 1
+            best = best_alternating_passes(
+                {way: functools.partial(_one_pass, calls, mask) for way, mask in ways.items()}
+            )
             for way in ways:
                 times[way].append(best[way])
     return times

@@ -1,4 +1,5 @@
-"""How much CPU time other processes took while this one timed something.
+"""Timing kernels on a shared CPU: how much CPU time other processes took while this one timed
+something, and the best time of alternating passes (``best_alternating_passes``).
 
 A kernel timing taken while another process runs on the same cores measures the contention, not
 the kernel (OpenMP threads wait for the one that lost its core), and a choice made from it would
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
+K = TypeVar("K")
 PROC_STAT = Path("/proc/stat")
 BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system (idle iowait) irq softirq steal, of the "cpu" line
 DISTURBED_CORES = 0.25  # others used at least a quarter of a core on average: the timing is not clean
@@ -64,3 +68,26 @@ class OtherLoad:
     @property
     def disturbed(self) -> bool:
         return self.cores is not None and self.cores >= DISTURBED_CORES
+
+
+MIN_PASS_SECONDS = 0.02  # per candidate, passes are repeated until at least this long in total
+MIN_PASSES, MAX_PASSES = 3, 50
+
+
+def best_alternating_passes(passes: Mapping[K, Callable[[], float]]) -> dict[K, float]:
+    """Each candidate's best time of one pass (``passes[k]()`` runs one and returns its seconds),
+    after one warm-up pass each (first-call costs: page faults, primitive creation), the candidates'
+    passes alternating, so that a drift of the machine's speed slows every candidate alike instead
+    of the one that ran then; at least ``MIN_PASSES`` rounds, more while they took less than
+    ``MIN_PASS_SECONDS`` per candidate in all (at most ``MAX_PASSES``)."""
+    for run in passes.values():
+        run()
+    best = dict.fromkeys(passes, float("inf"))
+    total, rounds = 0.0, 0
+    while rounds < MIN_PASSES or (total < MIN_PASS_SECONDS * len(passes) and rounds < MAX_PASSES):
+        for key, run in passes.items():
+            elapsed = run()
+            best[key] = min(best[key], elapsed)
+            total += elapsed
+        rounds += 1
+    return best

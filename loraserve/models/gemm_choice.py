@@ -31,7 +31,7 @@ from torch import nn
 
 from loraserve.config import CPU_GEMM_CHOICES
 from loraserve.kernels import cpu_features
-from loraserve.models.cpu_load import OtherLoad
+from loraserve.models.cpu_load import OtherLoad, best_alternating_passes
 from loraserve.models.gemm_cache import ChoiceCache, GemmShape
 from loraserve.models.packed_linear import (
     ROW_BUCKETS,
@@ -48,7 +48,6 @@ GEMM_CHOICES = ("auto", *(k.value for k in GemmKernel))
 assert GEMM_CHOICES == CPU_GEMM_CHOICES, "config.CPU_GEMM_CHOICES must list the GemmKernel values"
 MAX_TIMED_LAYERS = 8  # layers of one shape timed back to back (their weights exceed the caches)
 TIE_TOLERANCE = 0.03  # timings this close are a tie (noise between passes is about that)
-MIN_PASS_SECONDS = 0.02  # passes are repeated until at least this long in total (and at least 3)
 TIMING_ATTEMPTS = 2  # a timing disturbed by other processes is repeated once
 
 # Choices timed under load in this process (not cached on disk), by cache key: later engines of
@@ -246,16 +245,8 @@ def time_kernels(
     with torch.no_grad():
         groups = {kernel: [PackedLinearGroup(members, (kernel,)) for members in instances] for kernel in kernels}
         for x in inputs:
-            for kernel in kernels:  # warm-up: first-call costs (oneDNN primitive creation, page faults)
-                _one_pass(groups[kernel], kernel, x)
-            best = dict.fromkeys(kernels, float("inf"))
-            total, passes = 0.0, 0
-            while passes < 3 or (total < MIN_PASS_SECONDS * len(kernels) and passes < 50):
-                for kernel in kernels:
-                    elapsed = _one_pass(groups[kernel], kernel, x)
-                    best[kernel] = min(best[kernel], elapsed)
-                    total += elapsed
-                passes += 1
+            passes = {kernel: functools.partial(_one_pass, groups[kernel], kernel, x) for kernel in kernels}
+            best = best_alternating_passes(passes)
             for kernel in kernels:
                 times[kernel].append(best[kernel])
     return times
