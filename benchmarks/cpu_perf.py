@@ -286,11 +286,7 @@ def lora_segments_kernel(plan: LoRAKernelPlan | None) -> str:
     """How the compiled LoRA kernel runs segments of 3 or more tokens in this run."""
     if plan is None:
         return "torch (the compiled kernels could not be built)"
-    ways = {"amx": "AMX tiles", "vector": "vector loops up to 32 tokens, MKL beyond"}
-    by_length: dict[str, str] = plan.as_dict()["segment_tokens"]
-    if len(set(by_length.values())) == 1:
-        return f"{plan.source}; every length: {ways[next(iter(by_length.values()))]}"
-    return f"{plan.source}; " + ", ".join(f"{name}: {ways[way]}" for name, way in by_length.items())
+    return f"{plan.summary()} (amx: AMX tiles; vector: vector loops up to 32 tokens, MKL beyond)"
 
 
 def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs: list[Run], rounds: list[list[Run]],

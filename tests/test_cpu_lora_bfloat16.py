@@ -19,6 +19,7 @@ from loraserve.kernels import cpu, cpu_features
 from tests.adapter_factory import make_peft_adapter
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
+NO_AMX = "the AMX tiles are not in this CPU's build (no amx_bf16/avx512_bf16) or the OS refused them"
 
 
 def cpu_bfloat16(
@@ -37,7 +38,7 @@ def segment_kernel(request: pytest.FixtureRequest) -> SegmentsKernel:
     the expand of 3-8 tokens on the vector loops), or on the vector loops and MKL (every CPU)."""
     amx = request.param == "amx-tiles"
     if amx and not cpu.lora_amx():
-        pytest.skip("the AMX tiles are not in this CPU's build (no amx_bf16/avx512_bf16) or the OS refused them")
+        pytest.skip(NO_AMX)
     return functools.partial(cpu_bfloat16, tile_lengths=cpu.EVERY_TILE_LENGTH if amx else 0)
 
 
@@ -56,7 +57,7 @@ def test_each_segment_length_class_takes_the_way_its_bit_chooses(scattered: bool
     tiles, or with none, as its class's bit says (the two ways round differently), and all match
     the float32 reference."""
     if not cpu.lora_amx():
-        pytest.skip("the AMX tiles are not in this CPU's build (no amx_bf16/avx512_bf16) or the OS refused them")
+        pytest.skip(NO_AMX)
     # length classes: 0 1 - 2 3 4 5 6, then each bound and the length past it (0 1, 2 3, 5 6, 6 7), and 7
     lengths = [5, 12, 2, 20, 40, 100, 200, 300, 8, 9, 32, 33, 256, 257, 512, 513, 600]
     mixed = 0b01010101  # classes 0, 2, 4, 6 on the tiles

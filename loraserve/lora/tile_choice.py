@@ -88,8 +88,10 @@ class LoRAKernelPlan:
         }
 
     def summary(self) -> str:
-        ways = ", ".join(f"{name}: {way}" for name, way in self.as_dict()["segment_tokens"].items())
-        return f"{self.source}; {ways}"
+        by_length: dict[str, str] = self.as_dict()["segment_tokens"]
+        if len(set(by_length.values())) == 1:
+            return f"{self.source}; every length: {next(iter(by_length.values()))}"
+        return f"{self.source}; " + ", ".join(f"{name}: {way}" for name, way in by_length.items())
 
 
 GroupShape = tuple[int, tuple[int, ...]]  # (in_features, out widths of the group's modules)
