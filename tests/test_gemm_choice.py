@@ -10,12 +10,12 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from fixed_load import BusyLoad, QuietLoad
 from loraserve.kernels import cpu, cpu_features
 from torch import nn
 
 from loraserve.config import ConfigError, EngineConfig
 from loraserve.models import gemm_choice
-from loraserve.models.cpu_load import DISTURBED_CORES
 from loraserve.models.gemm_choice import GemmPolicy, pack_linears, pick_kernels
 from loraserve.models.packed_linear import ROW_BUCKETS, GemmKernel, PackedLinear, PackedLinearGroup, kernels_for
 
@@ -49,24 +49,10 @@ def _model() -> nn.Module:
     return nn.ModuleDict({"layers": nn.ModuleList(_Block() for _ in range(3)), "lm_head": nn.Linear(32, 100)})
 
 
-class _FixedLoad:
-    """Stands for ``cpu_load.OtherLoad``: reports that other processes kept ``CORES`` CPUs busy."""
-
-    CORES = 0.0
-
-    def __enter__(self) -> _FixedLoad:
-        self.cores = self.CORES
-        self.disturbed = self.cores >= DISTURBED_CORES
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 @pytest.fixture
 def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """Timings count as undisturbed whatever else runs beside the tests."""
-    monkeypatch.setattr(gemm_choice, "OtherLoad", _FixedLoad)
+    monkeypatch.setattr(gemm_choice, "OtherLoad", QuietLoad)
 
 
 @pytest.mark.usefixtures("quiet_machine")
@@ -120,10 +106,7 @@ def test_auto_times_every_shape_and_bucket_then_reads_the_cache(
 def test_a_timing_disturbed_by_other_processes_is_used_but_not_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    class Busy(_FixedLoad):
-        CORES = 1.0
-
-    monkeypatch.setattr(gemm_choice, "OtherLoad", Busy)
+    monkeypatch.setattr(gemm_choice, "OtherLoad", BusyLoad)
     monkeypatch.setattr(gemm_choice, "_DISTURBED_CHOICES", {})  # this test's own process memory
     timed = gemm_choice.time_kernels
     calls: list[int] = []
@@ -145,7 +128,7 @@ def test_a_timing_disturbed_by_other_processes_is_used_but_not_cached(
     again = pack_linears(_model(), policy)
     assert calls == [] and again.choices == plan.choices and sorted(again.disturbed) == sorted(plan.disturbed)
     # the next clean timing (another process, or the machine quiet again) is written
-    monkeypatch.setattr(gemm_choice, "OtherLoad", _FixedLoad)
+    monkeypatch.setattr(gemm_choice, "OtherLoad", QuietLoad)
     gemm_choice._DISTURBED_CHOICES.clear()
     clean = pack_linears(_model(), policy)
     assert clean.source == "measured" and clean.disturbed == [] and len(calls) == 3

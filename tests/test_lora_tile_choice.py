@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixed_load import BusyLoad, QuietLoad
 from loraserve.kernels import cpu, cpu_features
 
 from loraserve.config import ConfigError, EngineConfig
 from loraserve.lora import tile_choice
 from loraserve.lora.tile_choice import LoRAKernelPolicy, choose_lora_kernels, group_shapes
-from loraserve.models.cpu_load import DISTURBED_CORES
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
 
@@ -27,26 +27,6 @@ SHAPES = group_shapes({
 PAGE_ELEMS = 1024
 EVERY_CLASS = 0b11111111
 needs_amx = pytest.mark.skipif(not cpu.lora_amx(), reason="no AMX tiles on this CPU (no amx_bf16/avx512_bf16)")
-
-
-class _Busy:
-    """Stands for ``cpu_load.OtherLoad``: other processes kept ``CORES`` CPUs busy."""
-
-    CORES = 1.0
-
-    def __enter__(self) -> _Busy:
-        self.cores = self.CORES
-        self.disturbed = self.cores >= DISTURBED_CORES
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _Quiet(_Busy):
-    """Timings count as undisturbed whatever else runs beside the tests."""
-
-    CORES = 0.0
 
 
 def test_the_classes_and_the_groups_shapes() -> None:
@@ -79,7 +59,7 @@ def test_float32_and_forced_ways_need_no_timing_and_amx_is_refused_where_it_cann
 def test_the_tiles_are_timed_per_length_class_then_read_from_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tile_choice, "OtherLoad", _Quiet)
+    monkeypatch.setattr(tile_choice, "OtherLoad", QuietLoad)
     monkeypatch.setattr(tile_choice, "_DISTURBED", {})  # this test's own memory of disturbed timings
     plan = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert plan.source == "measured" and plan.seconds > 0
@@ -101,7 +81,7 @@ def test_the_tiles_are_timed_per_length_class_then_read_from_the_cache(
 def test_a_disturbed_timing_serves_the_process_but_is_not_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(tile_choice, "OtherLoad", _Busy)
+    monkeypatch.setattr(tile_choice, "OtherLoad", BusyLoad)
     monkeypatch.setattr(tile_choice, "_DISTURBED", {})
     timings = []
     real = tile_choice.time_both_ways
