@@ -23,7 +23,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 ADAPTER_REGIONS = ("unified", "fixed")  # where resident adapters' pages come from
 KV_ALLOCATIONS = ("paged", "reserve")  # when a request's KV pages are taken
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # see loraserve/kernel_backend.py
-CPU_GEMM_CHOICES = ("auto", "panels", "onednn", "torch")  # "auto" or a GemmKernel (models/packed_linear.py)
+CPU_GEMM_CHOICES = ("auto", "panels", "onednn", "torch", "dot")  # "auto" or a GemmKernel (models/packed_linear.py)
 CPU_LORA_CHOICES = ("auto", "amx", "vector")  # lora/tile_choice.py
 
 

@@ -21,7 +21,7 @@ from loraserve.models.packed_linear import ROW_BUCKETS, GemmKernel, PackedLinear
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
 
-P, D, T = GemmKernel.PANELS, GemmKernel.ONEDNN, GemmKernel.TORCH  # D: oneDNN
+P, D, T, B = GemmKernel.PANELS, GemmKernel.ONEDNN, GemmKernel.TORCH, GemmKernel.DOT  # D: oneDNN, B: bfloat16 dots
 
 
 def test_pick_takes_the_fastest_with_one_packed_copy_and_prefers_torch_in_a_tie() -> None:
@@ -33,6 +33,16 @@ def test_pick_takes_the_fastest_with_one_packed_copy_and_prefers_torch_in_a_tie(
     assert pick_kernels({P: [1.0, 1.0], D: [2.0, 2.0], T: [1.02, 1.01]}) == (T, T)
     assert pick_kernels({P: [1.0], T: [1.5]}) == (P,)
     assert pick_kernels({T: [1.0, 2.0]}) == (T, T)
+
+
+def test_pick_uses_the_dot_kernel_where_it_is_fastest_beside_one_packed_copy() -> None:
+    # dot needs no copy, like torch: it takes the few-row buckets beside oneDNN's packed copy
+    assert pick_kernels({D: [2.0, 2.0, 1.0, 1.0], T: [2.5, 2.5, 3.0, 3.0], B: [1.0, 1.5, 4.0, 9.0]}) == (B, B, D, D)
+    # torch wins a tie with dot (torch's own op), an unpacked kernel a tie with a packed one
+    assert pick_kernels({D: [1.0, 1.0], T: [1.02, 2.0], B: [1.0, 1.0]}) == (T, B)
+    # the unpacked kernels alone within the tolerance of the best schedule: no copy at all
+    assert pick_kernels({D: [1.0, 1.0], T: [1.5, 1.01], B: [1.0, 3.0]}) == (B, T)
+    assert pick_kernels({T: [2.0, 1.0], B: [1.0, 2.0]}) == (B, T)
 
 
 class _Block(nn.Module):

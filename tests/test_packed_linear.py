@@ -1,4 +1,5 @@
-"""The CPU GEMM kernels (panels, oneDNN, torch) and the layers on them, against ``F.linear``.
+"""The CPU GEMM kernels (panels, oneDNN, torch) and the layers on them, against ``F.linear``
+(the bfloat16 ``dot`` kernel: tests/test_linear_dot.py).
 
 Row counts cover a partial register tile (1, 5, 7 rows), whole tiles and a whole row block (6,
 64, 144), and several row blocks with a ragged end (301); output widths that are not multiples of the
@@ -30,7 +31,7 @@ from loraserve.models.packed_linear import (
 )
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
-KERNELS = list(GemmKernel)
+KERNELS = [kernel for kernel in GemmKernel if kernel is not GemmKernel.DOT]  # the float32 ones (dot: bfloat16)
 FORCED = GemmPolicy("panels")
 
 ROWS = [0, 1, 5, 6, 7, 64, 144, 301]
@@ -123,7 +124,8 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_weights_shared() -> N
     assert pack_linears(model, FORCED).num_layers == 0  # idempotent: nothing left to pack
     assert not can_pack(torch.zeros(4, 4, dtype=torch.float16))  # no packed kernel takes float16
     onednn_bf16 = (GemmKernel.ONEDNN,) if cpu_features.cpu_info().onednn_bfloat16 else ()  # (needs AVX-512/NE)
-    assert kernels_for(torch.bfloat16) == (*onednn_bf16, GemmKernel.TORCH)  # panels are float32 only
+    dot = (GemmKernel.DOT,) if cpu.linear_dot_available() else ()  # (needs avx512_bf16)
+    assert kernels_for(torch.bfloat16) == (*onednn_bf16, GemmKernel.TORCH, *dot)  # panels are float32 only
 
 
 class _SharedInput(nn.Module):

@@ -1,5 +1,6 @@
 // Compiled CPU kernels of loraserve: paged decode attention, the KV write, and the module
-// definition (segmented LoRA is in lora_segments.cpp, linear layers in linear_panels.cpp, the fused
+// definition (segmented LoRA is in lora_segments.cpp, linear layers in linear_panels.cpp and
+// linear_dot.cpp, the fused
 // elementwise ops in elementwise.cpp, prefill attention in prefill_attention.cpp).
 // Semantics and argument shapes are documented in kernels/cpu.py; the torch references they are
 // tested against are kernels/paged_attention.py, models/llama.py and F.linear.
@@ -196,6 +197,10 @@ std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& pan
                                       const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes,
                                       const std::string& variant);
 std::vector<std::string> linear_panels_variants();
+// linear_dot.cpp
+std::vector<at::Tensor> linear_dot(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                   const std::vector<c10::optional<at::Tensor>>& biases);
+bool linear_dot_available();
 // prefill_attention.cpp
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& query_starts,
                                    const at::Tensor& cached_lens, const at::Tensor& block_tables, double scale);
@@ -221,4 +226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "store K and V rows in their slots (see kernels/cpu.py)", no_gil());
   m.def("linear_panels", &linear_panels, "linear layers on 16-column weight panels (see kernels/cpu.py)", no_gil());
   m.def("linear_panels_variants", &linear_panels_variants, "the panel tilings compiled in, widest first");
+  m.def("linear_dot", &linear_dot, "bfloat16 linear layers of few rows by dot products (see kernels/cpu.py)",
+        no_gil());
+  m.def("linear_dot_available", &linear_dot_available, "whether linear_dot is built in (avx512_bf16)");
 }

@@ -6,7 +6,8 @@ the candidate kernels (``kernels_for(dtype)``) are timed on the model's own weig
 layers of that shape one after another, so the weights come from memory as in a real step, the
 best of several passes. A shape keeps at most one packed copy of its weights: it takes one packed
 kernel (the one with the smallest summed slowdown against the per-bucket best) and, in the
-buckets where plain ``F.linear`` is faster, ``torch``, which needs no copy.
+buckets where a kernel on the plain weights is faster, that one (``torch``: ``F.linear``; ``dot``:
+loraserve's bfloat16 dot products), which needs no copy.
 
 The choice is written to ``<cache>/cpu_gemm/<cpu signature>.json`` (keyed by the shape, torch's
 thread count and version, and the digest of loraserve's kernel sources), so later starts on the
@@ -35,6 +36,7 @@ from loraserve.models.cpu_load import OtherLoad, best_alternating_passes
 from loraserve.models.gemm_cache import ChoiceCache, GemmShape
 from loraserve.models.packed_linear import (
     ROW_BUCKETS,
+    UNPACKED,
     GemmKernel,
     PackedLinear,
     PackedLinearGroup,
@@ -260,27 +262,42 @@ def _one_pass(groups: list[PackedLinearGroup], kernel: GemmKernel, x: torch.Tens
 
 
 def pick_kernels(times: dict[GemmKernel, list[float]]) -> tuple[GemmKernel, ...]:
-    """Per bucket, the fastest of ``torch`` and one packed kernel; the packed kernel is the one
-    whose summed slowdown against each bucket's fastest candidate is smallest (one packed copy).
+    """Per bucket, the fastest of the kernels that need no copy (``UNPACKED``: ``torch``, ``dot``)
+    and one packed kernel; the packed kernel is the one whose summed slowdown against each bucket's
+    fastest candidate is smallest (one packed copy).
 
-    Within ``TIE_TOLERANCE`` (timing noise) ``torch`` wins, since it needs no packed copy: per
-    bucket, and for the whole shape when ``torch`` alone is that close to the best schedule."""
+    Within ``TIE_TOLERANCE`` (timing noise) ``torch`` wins among the unpacked kernels, and an
+    unpacked kernel wins over a packed one, since it needs no copy: per bucket, and for the whole
+    shape when the unpacked kernels alone are that close to the best schedule."""
     num_buckets = len(next(iter(times.values())))
     best = [min(t[i] for t in times.values()) for i in range(num_buckets)]
-    plain = times.get(GemmKernel.TORCH)
+    unpacked = [kernel for kernel in UNPACKED if kernel in times]
+
+    def plain(i: int) -> GemmKernel | None:  # bucket i's unpacked kernel: torch unless another beats it
+        choice = unpacked[0] if unpacked else None
+        for kernel in unpacked[1:]:
+            if choice is not None and times[kernel][i] * (1 + TIE_TOLERANCE) < times[choice][i]:
+                choice = kernel
+        return choice
+
+    plains = [plain(i) for i in range(num_buckets)]
 
     def schedule(packed: GemmKernel) -> tuple[tuple[GemmKernel, ...], float]:
         kernels, loss = [], 0.0
-        for i in range(num_buckets):
-            use_plain = plain is not None and plain[i] <= times[packed][i] * (1 + TIE_TOLERANCE)
-            kernels.append(GemmKernel.TORCH if use_plain else packed)
-            loss += (plain[i] if use_plain and plain is not None else times[packed][i]) / best[i]
+        for i, unpacked_kernel in enumerate(plains):
+            use_plain = unpacked_kernel is not None and times[unpacked_kernel][i] <= times[packed][i] * (
+                1 + TIE_TOLERANCE
+            )
+            kernel = unpacked_kernel if use_plain and unpacked_kernel is not None else packed
+            kernels.append(kernel)
+            loss += times[kernel][i] / best[i]
         return tuple(kernels), loss
 
-    options = [schedule(k) for k in times if k is not GemmKernel.TORCH]
+    options = [schedule(k) for k in times if k not in UNPACKED]
+    plain_kernels = tuple(k if k is not None else GemmKernel.TORCH for k in plains)
     if not options:
-        return (GemmKernel.TORCH,) * num_buckets
+        return plain_kernels
     kernels, loss = min(options, key=lambda option: option[1])
-    if plain is not None and sum(t / b for t, b in zip(plain, best, strict=True)) <= loss * (1 + TIE_TOLERANCE):
-        return (GemmKernel.TORCH,) * num_buckets
+    if unpacked and sum(times[k][i] / best[i] for i, k in enumerate(plain_kernels)) <= loss * (1 + TIE_TOLERANCE):
+        return plain_kernels
     return kernels

@@ -8,11 +8,14 @@ Three kernels compute ``y = x @ W^T + b`` (``GemmKernel``):
   (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``); float32, and bfloat16
   on AMX or AVX-512-BF16 where the CPU has them.
 * ``torch``: ``F.linear`` on the plain weights (MKL's sgemm for float32, oneDNN for bfloat16).
+* ``dot``: loraserve's bfloat16 kernel of AVX512-BF16 dot products on the plain weights
+  (``kernels/cpu.py: linear_dot``), which reads them once, front to back: made for the few rows of
+  a small decode step, which is bound by reading the weights from memory.
 
 Which one is fastest depends on the CPU (an AVX2 EPYC and an AVX-512 Xeon disagree) and on the
 number of rows, so a group holds one kernel per row bucket (``ROW_BUCKETS``), chosen by timing
 on the machine (``models/gemm_choice.py``). A group keeps the packed copy of only the kernels it
-uses; ``torch`` needs none. Results differ from ``F.linear`` only by the order of float additions.
+uses; ``torch`` and ``dot`` need none. Results differ from ``F.linear`` only by the order of float additions.
 
 Projections that read the same input (Llama's q/k/v, gate/up) run as one ``PackedLinearGroup``:
 each output written contiguous (the LoRA kernels add into them in place); the panel kernel
@@ -43,7 +46,10 @@ class GemmKernel(str, enum.Enum):
     PANELS = "panels"
     ONEDNN = "onednn"
     TORCH = "torch"
+    DOT = "dot"
 
+
+UNPACKED = (GemmKernel.TORCH, GemmKernel.DOT)  # the kernels that read the weights as stored (no copy)
 
 # Geometric midpoints between neighbouring buckets: a row count up to an edge (inclusive) belongs below it.
 _BUCKET_EDGES = tuple(math.sqrt(low * high) for low, high in itertools.pairwise(ROW_BUCKETS))
@@ -64,6 +70,8 @@ def kernels_for(dtype: torch.dtype) -> tuple[GemmKernel, ...]:
     if onednn_dtype and torch.backends.mkldnn.is_available():
         available.append(GemmKernel.ONEDNN)
     available.append(GemmKernel.TORCH)
+    if dtype == torch.bfloat16 and cpu.linear_dot_available():
+        available.append(GemmKernel.DOT)
     return tuple(available)
 
 
@@ -122,6 +130,8 @@ class PackedLinearGroup(nn.Module):
             linear = torch.ops.mkldnn._linear_pointwise
             x = x.contiguous()
             return tuple(linear(x, w, b, "none", [], "") for w, b in zip(self.onednn_weights, self.biases, strict=True))
+        if kernel is GemmKernel.DOT:
+            return tuple(cpu.linear_dot(x, list(self.weights), list(self.biases)))
         return tuple(F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True))
 
     def packed_bytes(self) -> int:
