@@ -38,7 +38,7 @@ class EngineConfig:
     The page pool is sized either by ``num_pages`` or, when that is ``None``, by
     ``memory_budget_mb`` (bytes of pool storage across all layers); it holds the KV
     cache and the resident adapters. ``max_num_batched_tokens`` bounds a step's tokens (``None``:
-    ``step_token_budget``'s default for the device). ``registry`` is where adapters are registered:
+    ``step_token_budget``'s default for the device and dtype). ``registry`` is where adapters are registered:
     a directory (``dir:/path`` or a plain path) or ``redis://...``; ``None`` is a
     private temporary directory. ``host_adapter_cache_mb`` bounds the parsed
     adapters kept in host memory. ``kernels`` picks the kernel backend: ``torch``
@@ -172,13 +172,15 @@ class EngineConfig:
 
     @property
     def step_token_budget(self) -> int:
-        """``max_num_batched_tokens``; by default 1,024 on a CPU and 2,048 on other devices (GPUs),
-        at least ``max_num_seqs`` (a decode step of every running sequence must fit). A CPU
-        computes a prompt token as fast in steps of 1,024 as of 2,048 (its GEMMs are at their peak
-        either way), and smaller prefill chunks finish the first prompts of a burst sooner."""
+        """``max_num_batched_tokens``; by default 2,048, except 1,024 for float32 on a CPU; at least
+        ``max_num_seqs`` (a decode step of every running sequence must fit). Measured over HTTP
+        (benchmarks/RESULTS.md): a CPU computes a float32 prompt token as fast in steps of 1,024
+        as of 2,048, and smaller chunks finish the first prompts of a burst sooner; in bfloat16
+        (AMX, AVX512-BF16) steps of 2,048 gave more tokens/s and no later first tokens."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return max(1024 if torch.device(self.device).type == "cpu" else 2048, self.max_num_seqs)
+        cpu_float32 = torch.device(self.device).type == "cpu" and self.dtype == "float32"
+        return max(1024 if cpu_float32 else 2048, self.max_num_seqs)
 
     @property
     def torch_dtype(self) -> torch.dtype:

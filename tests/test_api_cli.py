@@ -59,10 +59,11 @@ def test_every_option(tmp_path: Path) -> None:
     assert (settings.max_prompt_tokens, settings.max_output_tokens, args.shutdown_timeout) == (100, 50, 5.0)
 
 
-def test_step_token_budget_defaults_by_device() -> None:
-    """Unset, a step's token budget is 1,024 on a CPU and 2,048 on a GPU (at least max_num_seqs); set,
-    it is what was set."""
+def test_step_token_budget_defaults_by_device_and_dtype() -> None:
+    """Unset, a step's token budget is 1,024 for float32 on a CPU and 2,048 otherwise (at least
+    max_num_seqs); set, it is what was set."""
     assert build_engine_config(parse()).step_token_budget == 1024
+    assert build_engine_config(parse("--dtype", "bfloat16")).step_token_budget == 2048
     assert EngineConfig(device="cuda").step_token_budget == 2048
     assert EngineConfig(max_num_batched_tokens=300).step_token_budget == 300
     assert EngineConfig(max_num_seqs=1500).step_token_budget == 1500  # a decode step of every sequence fits

@@ -34,7 +34,7 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--num-pages", "num_pages", int, "pages in the unified pool (default: sized by --memory-budget-mb)"),
     ("--memory-budget-mb", "memory_budget_mb", int, "MiB of pool storage when --num-pages is not given (default 1024)"),
     ("--max-num-seqs", "max_num_seqs", int, "most sequences running at once (default 64)"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens a step (default 1024 on CPU, 2048 on GPU)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens a step (default 2048; 1024 in float32 on CPU)"),
     ("--max-model-len", "max_model_len", int, "context length limit (default: the model's)"),
     ("--device", "device", str, "torch device, e.g. cpu or cuda:0 (default cpu)"),
     ("--dtype", "dtype", str, f"weights and pool dtype, one of {sorted(DTYPES)} (default float32)"),

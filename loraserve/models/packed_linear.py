@@ -36,8 +36,8 @@ from torch import nn
 
 from loraserve.kernels import cpu, cpu_features
 
-# A call with r rows uses the bucket nearest r on a log scale; 1,024 is the default prefill chunk on
-# a CPU (EngineConfig.step_token_budget), and 2,048 a common one, where the best kernel can differ.
+# A call with r rows uses the bucket nearest r on a log scale; 1,024 and 2,048 are the default prefill
+# chunks on a CPU in float32 and in bfloat16 (EngineConfig.step_token_budget), where the best kernel can differ.
 ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048)
 ONEDNN_ROWS_HINT = 64  # the batch-size hint of oneDNN's weight reorder (the layout serves any row count)
 
