@@ -3,8 +3,10 @@
 // NaN, 0x7FC0). Shared by the fused elementwise ops and the LoRA kernels.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace loraserve_bf16 {
 
@@ -42,6 +44,57 @@ inline U32 rounded_bits(F v) {
   std::memcpy(&bits, &v, sizeof(bits));
   const U32 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   return (v != v) ? U32{} + 0x7FC0u : rounded;
+}
+
+// ---- 2N bfloat16 values as two vectors of N floats, each word unpacked under a zero word: one
+// shuffle a vector, which leaves the FMA ports to the arithmetic (a zero extension and a shift
+// take three ops there). Within each 8 words (128 bits), words 0-3 land in `first` and 4-7 in
+// `second`; work done lane by lane in that order needs no shuffle back, and store_packed writes
+// such a pair back in place. F: a vector of N floats; W: a vector of 2N uint16. ----
+namespace detail {
+// Word m of `first` (`second` where high) from (zero, the 2n words loaded): zero low halves.
+constexpr int unpacked_word(int m, int n, bool high) {
+  const int lane = m / 2;
+  return m % 2 == 0 ? 0 : 2 * n + lane / 4 * 8 + lane % 4 + (high ? 4 : 0);
+}
+// Word m of the row written back, from (first's words, second's words): each lane's low half.
+constexpr int packed_word(int m, int n) {
+  const int block = m / 8, within = m % 8;
+  return within < 4 ? 2 * (4 * block + within) : 2 * n + 2 * (4 * block + within - 4);
+}
+template <typename F, typename W, size_t... M>
+inline void load_unpacked(const void* p, F& first, F& second, std::index_sequence<M...>) {
+  constexpr int n = sizeof(F) / sizeof(float);
+  W words;
+  std::memcpy(&words, p, sizeof(words));
+  const W zero = {};
+  const W lo = __builtin_shufflevector(zero, words, unpacked_word(M, n, false)...);
+  const W hi = __builtin_shufflevector(zero, words, unpacked_word(M, n, true)...);
+  std::memcpy(&first, &lo, sizeof(first));
+  std::memcpy(&second, &hi, sizeof(second));
+}
+template <typename F, typename U32, typename W, size_t... M>
+inline void store_packed(void* p, F first, F second, std::index_sequence<M...>) {
+  constexpr int n = sizeof(F) / sizeof(float);
+  const U32 r0 = rounded_bits<U32>(first), r1 = rounded_bits<U32>(second);
+  W w0, w1;
+  std::memcpy(&w0, &r0, sizeof(w0));
+  std::memcpy(&w1, &r1, sizeof(w1));
+  const W packed = __builtin_shufflevector(w0, w1, packed_word(M, n)...);
+  std::memcpy(p, &packed, sizeof(packed));
+}
+}  // namespace detail
+
+// The 2N bfloat16 at p as (first, second) in the unpacked order above.
+template <typename F, typename W>
+inline void load_unpacked(const void* p, F& first, F& second) {
+  static_assert(sizeof(W) == sizeof(F) && sizeof(F) % 16 == 0, "W: 2N words for N floats, whole 128-bit blocks");
+  detail::load_unpacked<F, W>(p, first, second, std::make_index_sequence<sizeof(W) / 2>{});
+}
+// p[0:2N] = (first, second), given in the unpacked order, each rounded once to bfloat16.
+template <typename F, typename U32, typename W>
+inline void store_packed(void* p, F first, F second) {
+  detail::store_packed<F, U32, W>(p, first, second, std::make_index_sequence<sizeof(W) / 2>{});
 }
 
 }  // namespace loraserve_bf16

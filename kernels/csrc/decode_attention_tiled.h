@@ -81,13 +81,7 @@ inline void load_kv16(const float* p, f32x8& first, f32x8& second) {
 }
 inline void load_kv16(const uint16_t* p, f32x8& first, f32x8& second) {
   using u16x16 = uint16_t __attribute__((vector_size(32)));
-  u16x16 half;
-  std::memcpy(&half, p, sizeof(half));
-  const u16x16 zero = {};
-  const u16x16 lo = __builtin_shufflevector(zero, half, 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27);
-  const u16x16 hi = __builtin_shufflevector(zero, half, 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31);
-  std::memcpy(&first, &lo, sizeof(first));
-  std::memcpy(&second, &hi, sizeof(second));
+  loraserve_bf16::load_unpacked<f32x8, u16x16>(p, first, second);
 }
 // Where element i of a row sits in load_kv16's two vectors (self-inverse): in place for float; for
 // bfloat16 the middle quarters of each 16 swap places.

@@ -49,34 +49,11 @@ inline void store_add(bf16_t* p, vecf v) {
   std::memcpy(p, &h, sizeof(h));
 }
 // ---- one expand tile's 2 * kLanes columns as two vectors: in order for float weights; for
-// bfloat16, each word unpacked under a zero word (one shuffle a vector, which leaves the FMA ports
-// to the FMAs; a zero extension plus a shift takes three ops there), so that within each 8 columns
-// (128 bits) columns 0-3 land in `first` and 4-7 in `second`. The tile's sums keep that order and
-// add_columns, given the same order, writes the columns back in place. ----
+// bfloat16 in bf16_bits.h's unpacked order (columns 0-3 of each 8 in `first`, 4-7 in `second`),
+// which the tile's sums keep and add_columns, given the same order, writes back in place. ----
 using vec2u16 = uint16_t __attribute__((vector_size(4 * kLanes)));  // 2 * kLanes words
-// Word m of `first` (high: `second`) from (zero, the 2 * kLanes loaded words): a zero low half, the
-// weight in the high half.
-constexpr int unpacked_word(int m, bool high) {
-  const int lane = m / 2;
-  return m % 2 == 0 ? 0 : 2 * kLanes + lane / 4 * 8 + lane % 4 + (high ? 4 : 0);
-}
-// Word m of the packed row from (first's words, second's words): each lane's low half.
-constexpr int packed_word(int m) {
-  const int block = m / 8, within = m % 8;
-  return within < 4 ? 2 * (4 * block + within) : 2 * kLanes + 2 * (4 * block + within - 4);
-}
-template <size_t... M>
-inline void load_columns(const bf16_t* p, vecf& first, vecf& second, std::index_sequence<M...>) {
-  vec2u16 words;
-  std::memcpy(&words, p, sizeof(words));
-  const vec2u16 zero = {};
-  const vec2u16 lo = __builtin_shufflevector(zero, words, unpacked_word(M, false)...);
-  const vec2u16 hi = __builtin_shufflevector(zero, words, unpacked_word(M, true)...);
-  std::memcpy(&first, &lo, sizeof(first));
-  std::memcpy(&second, &hi, sizeof(second));
-}
 inline void load_columns(const bf16_t* p, vecf& first, vecf& second) {
-  load_columns(p, first, second, std::make_index_sequence<2 * kLanes>{});
+  loraserve_bf16::load_unpacked<vecf, vec2u16>(p, first, second);
 }
 inline void load_columns(const float* p, vecf& first, vecf& second) {
   first = loadv(p);
@@ -87,20 +64,10 @@ inline void add_columns(float* p, vecf first, vecf second) {
   store_add(p, first);
   store_add(p + kLanes, second);
 }
-template <size_t... M>
-inline void add_columns(bf16_t* p, vecf first, vecf second, std::index_sequence<M...>) {
+inline void add_columns(bf16_t* p, vecf first, vecf second) {
   vecf old_first, old_second;
   load_columns(p, old_first, old_second);
-  const vecu32 r0 = loraserve_bf16::rounded_bits<vecu32>(old_first + first);
-  const vecu32 r1 = loraserve_bf16::rounded_bits<vecu32>(old_second + second);
-  vec2u16 w0, w1;
-  std::memcpy(&w0, &r0, sizeof(w0));
-  std::memcpy(&w1, &r1, sizeof(w1));
-  const vec2u16 packed = __builtin_shufflevector(w0, w1, packed_word(M)...);
-  std::memcpy(p, &packed, sizeof(packed));
-}
-inline void add_columns(bf16_t* p, vecf first, vecf second) {
-  add_columns(p, first, second, std::make_index_sequence<2 * kLanes>{});
+  loraserve_bf16::store_packed<vecf, vecu32, vec2u16>(p, old_first + first, old_second + second);
 }
 // out[0:n] += scale * acc[0:n].
 template <typename W>
