@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+from amx_marks import needs_amx
 from kernel_cases import NUM_ADAPTERS, POPULARITY, SegmentsKernel, run_segments
 from loraserve.kernels import cpu, cpu_features
 
 from tests.adapter_factory import make_peft_adapter
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
-NO_AMX = "the AMX tiles are not in this CPU's build (no amx_bf16/avx512_bf16) or the OS refused them"
 
 
 def cpu_bfloat16(
@@ -32,13 +32,11 @@ def cpu_bfloat16(
         out.copy_(result.float())
 
 
-@pytest.fixture(params=["amx-tiles", "vector-loops"])
+@pytest.fixture(params=[pytest.param("amx-tiles", marks=needs_amx), "vector-loops"])
 def segment_kernel(request: pytest.FixtureRequest) -> SegmentsKernel:
     """``cpu_bfloat16`` with segments of 3 or more tokens on AMX tiles (where built in and granted;
     the expand of 3-8 tokens on the vector loops), or on the vector loops and MKL (every CPU)."""
     amx = request.param == "amx-tiles"
-    if amx and not cpu.lora_amx():
-        pytest.skip(NO_AMX)
     return functools.partial(cpu_bfloat16, tile_lengths=cpu.EVERY_TILE_LENGTH if amx else 0)
 
 
@@ -50,14 +48,13 @@ def test_the_amx_tiles_are_used_where_the_cpu_has_them() -> None:
     assert cpu.lora_tile_length_bounds() == (8, 16, 32, 64, 128, 256, 512)
 
 
+@needs_amx
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
 def test_each_segment_length_class_takes_the_way_its_bit_chooses(scattered: bool) -> None:
     """One call with segments in every length class and every other class on the tiles: each
     segment's outputs are bit for bit those of the same segment in a call with every class on the
     tiles, or with none, as its class's bit says (the two ways round differently), and all match
     the float32 reference."""
-    if not cpu.lora_amx():
-        pytest.skip(NO_AMX)
     # length classes: 0 1 - 2 3 4 5 6, then each bound and the length past it (0 1, 2 3, 5 6, 6 7), and 7
     lengths = [5, 12, 2, 20, 40, 100, 200, 300, 8, 9, 32, 33, 256, 257, 512, 513, 600]
     mixed = 0b01010101  # classes 0, 2, 4, 6 on the tiles

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from amx_marks import needs_amx
 from fixed_load import BusyLoad, QuietLoad
 from loraserve.kernels import cpu, cpu_features
 
@@ -26,7 +27,6 @@ SHAPES = group_shapes({
 })  # fmt: skip
 PAGE_ELEMS = 1024
 EVERY_CLASS = 0b11111111
-needs_amx = pytest.mark.skipif(not cpu.lora_amx(), reason="no AMX tiles on this CPU (no amx_bf16/avx512_bf16)")
 
 
 def test_the_classes_and_the_groups_shapes() -> None:

@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <utility>
 #include <vector>
 
 #include "bf16_bits.h"
@@ -97,7 +96,7 @@ std::vector<at::Tensor> linear_dot(const at::Tensor& x, const std::vector<at::Te
   TORCH_CHECK(biases.size() == weights.size(), "linear_dot: one bias (or None) per weight");
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<at::Tensor> outs;
-  std::vector<std::pair<int64_t, int64_t>> items;  // (layer, first row of W)
+  std::vector<int64_t> first_tile(weights.size() + 1, 0);  // each layer's first tile of kTileN rows of W
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
     TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
@@ -108,18 +107,19 @@ std::vector<at::Tensor> linear_dot(const at::Tensor& x, const std::vector<at::Te
                   "linear_dot: each bias must be a contiguous bfloat16 [out] tensor");
     }
     outs.push_back(at::empty({M, w.size(0)}, x.options()));
-    for (int64_t n = 0; n < w.size(0); n += kTileN) items.emplace_back(static_cast<int64_t>(i), n);
+    first_tile[i + 1] = first_tile[i] + (w.size(0) + kTileN - 1) / kTileN;
   }
   if (M == 0) return outs;
   const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const auto [layer, n0] = items[item];
+  at::parallel_for(0, first_tile.back(), 1, [&](int64_t begin, int64_t end) {
+    size_t layer = 0;
+    for (int64_t tile = begin; tile < end; ++tile) {
+      while (tile >= first_tile[layer + 1]) ++layer;
       const at::Tensor& w = weights[layer];
       const uint16_t* bias =
           biases[layer].has_value() ? reinterpret_cast<const uint16_t*>(biases[layer]->data_ptr()) : nullptr;
-      layer_tile(x_ptr, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias, w.size(0), n0,
-                 reinterpret_cast<uint16_t*>(outs[layer].data_ptr()));
+      layer_tile(x_ptr, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias, w.size(0),
+                 (tile - first_tile[layer]) * kTileN, reinterpret_cast<uint16_t*>(outs[layer].data_ptr()));
     }
   });
   return outs;

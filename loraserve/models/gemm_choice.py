@@ -3,11 +3,11 @@
 For every distinct layer shape (``GemmShape``: input width, output widths of a group, dtype,
 bias) and every row bucket a step can produce (``ROW_BUCKETS`` up to ``GemmPolicy.max_rows``),
 the candidate kernels (``kernels_for(dtype)``) are timed on the model's own weights: up to 8
-layers of that shape one after another, so the weights come from memory as in a real step, the
-best of several passes. A shape keeps at most one packed copy of its weights: it takes one packed
-kernel (the one with the smallest summed slowdown against the per-bucket best) and, in the
-buckets where a kernel on the plain weights is faster, that one (``torch``: ``F.linear``; ``dot``:
-loraserve's bfloat16 dot products), which needs no copy.
+layers of that shape one after another, so that the weights come from memory as in a real step
+(where the caches are smaller than that), the best of several passes. A shape keeps at most one
+packed copy of its weights: it takes one packed kernel (the one with the smallest summed slowdown
+against the per-bucket best) and, in the buckets where a kernel on the plain weights is faster,
+that one (``torch``: ``F.linear``; ``dot``: loraserve's bfloat16 dot products), which needs no copy.
 
 The choice is written to ``<cache>/cpu_gemm/<cpu signature>.json`` (keyed by the shape, torch's
 thread count and version, and the digest of loraserve's kernel sources), so later starts on the
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 GEMM_CHOICES = ("auto", *(k.value for k in GemmKernel))
 assert GEMM_CHOICES == CPU_GEMM_CHOICES, "config.CPU_GEMM_CHOICES must list the GemmKernel values"
-MAX_TIMED_LAYERS = 8  # layers of one shape timed back to back (their weights exceed the caches)
+MAX_TIMED_LAYERS = 8  # layers of one shape timed back to back (meant to exceed the caches; a large L3 holds them)
 TIE_TOLERANCE = 0.03  # timings this close are a tie (noise between passes is about that)
 TIMING_ATTEMPTS = 2  # a timing disturbed by other processes is repeated once
 
@@ -272,32 +272,26 @@ def pick_kernels(times: dict[GemmKernel, list[float]]) -> tuple[GemmKernel, ...]
     num_buckets = len(next(iter(times.values())))
     best = [min(t[i] for t in times.values()) for i in range(num_buckets)]
     unpacked = [kernel for kernel in UNPACKED if kernel in times]
+    assert unpacked and unpacked[0] is GemmKernel.TORCH, "torch runs every shape: it is always timed"
 
-    def plain(i: int) -> GemmKernel | None:  # bucket i's unpacked kernel: torch unless another beats it
-        choice = unpacked[0] if unpacked else None
+    def plain(i: int) -> GemmKernel:  # bucket i's unpacked kernel: torch unless another beats it
+        choice = unpacked[0]
         for kernel in unpacked[1:]:
-            if choice is not None and times[kernel][i] * (1 + TIE_TOLERANCE) < times[choice][i]:
+            if times[kernel][i] * (1 + TIE_TOLERANCE) < times[choice][i]:
                 choice = kernel
         return choice
 
-    plains = [plain(i) for i in range(num_buckets)]
+    plains = tuple(plain(i) for i in range(num_buckets))
 
-    def schedule(packed: GemmKernel) -> tuple[tuple[GemmKernel, ...], float]:
-        kernels, loss = [], 0.0
-        for i, unpacked_kernel in enumerate(plains):
-            use_plain = unpacked_kernel is not None and times[unpacked_kernel][i] <= times[packed][i] * (
-                1 + TIE_TOLERANCE
-            )
-            kernel = unpacked_kernel if use_plain and unpacked_kernel is not None else packed
-            kernels.append(kernel)
-            loss += times[kernel][i] / best[i]
-        return tuple(kernels), loss
+    def loss(kernels: tuple[GemmKernel, ...]) -> float:  # the summed slowdown against each bucket's best
+        return sum(times[kernel][i] / best[i] for i, kernel in enumerate(kernels))
+
+    def schedule(packed: GemmKernel) -> tuple[GemmKernel, ...]:
+        near = 1 + TIE_TOLERANCE
+        return tuple(k if times[k][i] <= times[packed][i] * near else packed for i, k in enumerate(plains))
 
     options = [schedule(k) for k in times if k not in UNPACKED]
-    plain_kernels = tuple(k if k is not None else GemmKernel.TORCH for k in plains)
     if not options:
-        return plain_kernels
-    kernels, loss = min(options, key=lambda option: option[1])
-    if unpacked and sum(times[k][i] / best[i] for i, k in enumerate(plain_kernels)) <= loss * (1 + TIE_TOLERANCE):
-        return plain_kernels
-    return kernels
+        return plains
+    kernels = min(options, key=loss)
+    return plains if loss(plains) <= loss(kernels) * (1 + TIE_TOLERANCE) else kernels

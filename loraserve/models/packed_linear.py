@@ -131,7 +131,7 @@ class PackedLinearGroup(nn.Module):
             x = x.contiguous()
             return tuple(linear(x, w, b, "none", [], "") for w, b in zip(self.onednn_weights, self.biases, strict=True))
         if kernel is GemmKernel.DOT:
-            return tuple(cpu.linear_dot(x, list(self.weights), list(self.biases)))
+            return tuple(cpu.linear_dot(x, self.weights, self.biases))
         return tuple(F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True))
 
     def packed_bytes(self) -> int:
