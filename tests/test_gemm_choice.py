@@ -185,6 +185,8 @@ def test_a_forced_kernel_runs_everywhere_and_is_checked() -> None:
     assert model["layers"][0].qk_packed.onednn_weights and model["layers"][0].qk_packed.panels is None
     with pytest.raises(ValueError, match=r"cannot run torch\.bfloat16"):
         pack_linears(_model().bfloat16(), GemmPolicy("panels"))
+    with pytest.raises(ValueError, match=r"cpu_gemm='dot' cannot run torch\.float32"):  # dot is bfloat16 only
+        pack_linears(_model(), GemmPolicy("dot"))
     with pytest.raises(ValueError, match="cpu_gemm must be one of"):
         GemmPolicy("mkl")
 
