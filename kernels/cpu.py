@@ -114,6 +114,7 @@ _SOURCES = (
     "lora_segments.cpp",
     "linear_panels.cpp",
     "linear_dot.cpp",
+    "linear_amx.cpp",
     "prefill_attention.cpp",
 )
 EVERY_TILE_LENGTH = -1  # lora_segments: every segment-length class on AMX tiles (where the CPU has them)
@@ -387,23 +388,3 @@ def linear_panels_variants() -> list[str]:
     assert module is not None, "linear_panels needs the compiled CPU kernels"
     variants: list[str] = module.linear_panels_variants()
     return variants
-
-
-def linear_dot(
-    x: torch.Tensor,  # [num_rows, in_features] bfloat16
-    weights: list[torch.Tensor],  # each [out_i, in_features] bfloat16, as nn.Linear stores it
-    biases: list[torch.Tensor | None],  # each [out_i] bfloat16 or None
-) -> list[torch.Tensor]:  # each [num_rows, out_i] bfloat16
-    """``out_i = x @ W_i^T + b_i`` by AVX512-BF16 dot products on the weights as stored (no packed
-    copy): products exact, sums float32, each output rounded once (kernels/csrc/linear_dot.cpp).
-    Built where the CPU has avx512_bf16 (``linear_dot_available``)."""
-    module = load_extension()
-    assert module is not None, "linear_dot needs the compiled CPU kernels"
-    outputs: list[torch.Tensor] = module.linear_dot(x.contiguous(), weights, biases)
-    return outputs
-
-
-def linear_dot_available() -> bool:
-    """Whether this build has ``linear_dot`` (its target has avx512_bf16)."""
-    module = load_extension()
-    return module is not None and bool(module.linear_dot_available())

@@ -23,7 +23,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 ADAPTER_REGIONS = ("unified", "fixed")  # where resident adapters' pages come from
 KV_ALLOCATIONS = ("paged", "reserve")  # when a request's KV pages are taken
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # see loraserve/kernel_backend.py
-CPU_GEMM_CHOICES = ("auto", "panels", "onednn", "torch", "dot")  # "auto" or a GemmKernel (models/packed_linear.py)
+# "auto" or a GemmKernel (models/packed_linear.py)
+CPU_GEMM_CHOICES = ("auto", "panels", "onednn", "torch", "dot", "amx")
 CPU_LORA_CHOICES = ("auto", "amx", "vector")  # lora/tile_choice.py
 
 
@@ -46,7 +47,7 @@ class EngineConfig:
     ``auto`` (``cpu`` on a CPU device when it builds, ``triton`` on CUDA, else ``torch``).
     ``cpu_gemm`` picks the GEMM kernel of the linear layers under the ``cpu`` backend: ``auto``
     (timed per layer shape and row count on this CPU at start, the choice cached per CPU kind),
-    or ``panels``, ``onednn`` or ``torch`` for every layer (``models/gemm_choice.py``).
+    or ``panels``, ``onednn``, ``torch``, ``dot`` or ``amx`` for every layer (``models/gemm_choice.py``).
     ``cpu_lora``: under the ``cpu`` backend with a bfloat16 pool on a CPU with AMX, whether LoRA
     segments of 3 or more tokens run on AMX tiles: ``auto`` (timed per segment length on this CPU at
     start, cached per CPU kind), ``amx`` (always; an error without AMX) or ``vector`` (never).

@@ -187,6 +187,8 @@ def test_a_forced_kernel_runs_everywhere_and_is_checked() -> None:
         pack_linears(_model().bfloat16(), GemmPolicy("panels"))
     with pytest.raises(ValueError, match=r"cpu_gemm='dot' cannot run torch\.float32"):  # dot is bfloat16 only
         pack_linears(_model(), GemmPolicy("dot"))
+    with pytest.raises(ValueError, match=r"cpu_gemm='amx' cannot run torch\.float32"):  # so is amx
+        pack_linears(_model(), GemmPolicy("amx"))
     with pytest.raises(ValueError, match="cpu_gemm must be one of"):
         GemmPolicy("mkl")
 

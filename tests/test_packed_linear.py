@@ -1,5 +1,5 @@
 """The CPU GEMM kernels (panels, oneDNN, torch) and the layers on them, against ``F.linear``
-(the bfloat16 ``dot`` kernel: tests/test_linear_dot.py).
+(the bfloat16 ``dot`` and ``amx`` kernels: tests/test_linear_bf16.py).
 
 Row counts cover a partial register tile (1, 5, 7 rows), whole tiles and a whole row block (6,
 64, 144), and several row blocks with a ragged end (301); output widths that are not multiples of the
@@ -16,7 +16,7 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
-from loraserve.kernels import cpu, cpu_features
+from loraserve.kernels import cpu, cpu_features, cpu_linear
 from torch import nn
 
 from loraserve.models.gemm_choice import GemmPolicy, pack_linears
@@ -31,7 +31,7 @@ from loraserve.models.packed_linear import (
 )
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
-KERNELS = [kernel for kernel in GemmKernel if kernel is not GemmKernel.DOT]  # the float32 ones (dot: bfloat16)
+KERNELS = [k for k in GemmKernel if k not in (GemmKernel.DOT, GemmKernel.AMX)]  # the float32 ones (dot, amx: bfloat16)
 FORCED = GemmPolicy("panels")
 
 ROWS = [0, 1, 5, 6, 7, 64, 144, 301]
@@ -124,8 +124,9 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_weights_shared() -> N
     assert pack_linears(model, FORCED).num_layers == 0  # idempotent: nothing left to pack
     assert not can_pack(torch.zeros(4, 4, dtype=torch.float16))  # no packed kernel takes float16
     onednn_bf16 = (GemmKernel.ONEDNN,) if cpu_features.cpu_info().onednn_bfloat16 else ()  # (needs AVX-512/NE)
-    dot = (GemmKernel.DOT,) if cpu.linear_dot_available() else ()  # (needs avx512_bf16)
-    assert kernels_for(torch.bfloat16) == (*onednn_bf16, GemmKernel.TORCH, *dot)  # panels are float32 only
+    dot = (GemmKernel.DOT,) if cpu_linear.linear_dot_available() else ()  # (needs avx512_bf16)
+    amx = (GemmKernel.AMX,) if cpu_linear.linear_amx_available() else ()  # (needs amx_bf16 and the OS's grant)
+    assert kernels_for(torch.bfloat16) == (*onednn_bf16, GemmKernel.TORCH, *dot, *amx)  # panels are float32 only
 
 
 class _SharedInput(nn.Module):

@@ -1,8 +1,8 @@
 // Compiled CPU kernels of loraserve: paged decode attention, the KV write, and the module
-// definition (segmented LoRA is in lora_segments.cpp, linear layers in linear_panels.cpp and
-// linear_dot.cpp, the fused
-// elementwise ops in elementwise.cpp, prefill attention in prefill_attention.cpp).
-// Semantics and argument shapes are documented in kernels/cpu.py; the torch references they are
+// definition (segmented LoRA is in lora_segments.cpp, linear layers in linear_panels.cpp,
+// linear_dot.cpp and linear_amx.cpp, the fused elementwise ops in elementwise.cpp, prefill
+// attention in prefill_attention.cpp). Semantics and argument shapes are documented in
+// kernels/cpu.py and kernels/cpu_linear.py; the torch references they are
 // tested against are kernels/paged_attention.py, models/llama.py and F.linear.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -201,6 +201,10 @@ std::vector<std::string> linear_panels_variants();
 std::vector<at::Tensor> linear_dot(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                    const std::vector<c10::optional<at::Tensor>>& biases);
 bool linear_dot_available();
+// linear_amx.cpp
+std::vector<at::Tensor> linear_amx(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                   const std::vector<c10::optional<at::Tensor>>& biases);
+bool linear_amx_available();
 // prefill_attention.cpp
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& query_starts,
                                    const at::Tensor& cached_lens, const at::Tensor& block_tables, double scale);
@@ -226,7 +230,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "store K and V rows in their slots (see kernels/cpu.py)", no_gil());
   m.def("linear_panels", &linear_panels, "linear layers on 16-column weight panels (see kernels/cpu.py)", no_gil());
   m.def("linear_panels_variants", &linear_panels_variants, "the panel tilings compiled in, widest first");
-  m.def("linear_dot", &linear_dot, "bfloat16 linear layers of few rows by dot products (see kernels/cpu.py)",
+  m.def("linear_dot", &linear_dot, "bfloat16 linear layers of few rows by dot products (see kernels/cpu_linear.py)",
         no_gil());
   m.def("linear_dot_available", &linear_dot_available, "whether linear_dot is built in (avx512_bf16)");
+  m.def("linear_amx", &linear_amx, "bfloat16 linear layers on AMX tiles (see kernels/cpu_linear.py)", no_gil());
+  m.def("linear_amx_available", &linear_amx_available,
+        "whether linear_amx is built in (amx_bf16, avx512_bf16) and the OS granted the tile state");
 }

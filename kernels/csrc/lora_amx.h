@@ -13,14 +13,8 @@
 #if defined(LORASERVE_LORA_AMX)
 namespace loraserve_lora {
 
-// Whether the tiles may be used: Linux hands out the tile state on request (once per process).
-inline bool amx_available() {
-  static const bool permitted = [] {
-    constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
+// Whether the tiles may be used (the OS granted the tile state).
+inline bool amx_available() { return loraserve_amx::amx_permitted(); }
 
 constexpr int64_t kAmxShrinkRows = 64;  // A rows per shrink work item
 // Segments of up to this many tokens expand on the vector loops, longer ones on the tiles: the

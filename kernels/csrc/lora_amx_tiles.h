@@ -9,32 +9,19 @@
 // count as zero there); outputs are rounded once to bfloat16, as on the other paths.
 #pragma once
 
+#include "amx_tiles.h"
 #include "lora_tiled.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(LORASERVE_AMX)
 #define LORASERVE_LORA_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace loraserve_lora {
 
-constexpr int kTileRows = 16;  // rows of every tile
-constexpr int kTileTerms = 32;  // bfloat16 terms of a row (64 bytes)
+using loraserve_amx::configure_tiles;
+using loraserve_amx::kTileRows;
+using loraserve_amx::kTileTerms;
+using loraserve_amx::padded;
 constexpr int64_t kPrefetchAhead = 2 * kTileTerms;  // terms ahead that A's rows are prefetched
-
-// Palette 1, all 8 tiles 16 rows x 64 bytes; per thread, before its first tile instruction.
-inline void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = kTileRows;
-  _tile_loadconfig(&config);
-}
-
-inline int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 // xp[p * 16 + n] = the pair (x[n, 2p], x[n, 2p + 1]) as one 32-bit word (low half first) for the
 // `num` <= 16 tokens of x (floats holding bfloat16 values, stride `in`); zero past them and past
@@ -54,27 +41,7 @@ inline void pack_token_pairs(const float* x, int64_t in, int num, uint32_t* xp) 
       const __m512 high = _mm512_maskz_loadu_ps(high_mask, x + n * in + k + 16);
       r[n] = (__m512i)_mm512_cvtne2ps_pbh(high, low);  // exact: the floats are bfloat16 values
     }
-    __m512i t[kTileRows], u[kTileRows];
-    for (int i = 0; i < kTileRows; i += 2) {  // rows' words interleaved in pairs of rows
-      t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-      t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int j = 0; j < kTileRows; j += 4) {  // u[j + c], lane L: column 4L + c of rows j .. j + 3
-      u[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
-      u[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
-      u[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
-      u[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
-    }
-    uint32_t* dst = xp + k / 2 * kTileRows;
-    for (int c = 0; c < 4; ++c) {  // the four row groups' lanes joined: columns c, c + 4, c + 8, c + 12
-      const __m512i even = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
-      const __m512i even2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-      const __m512i odd2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
-      _mm512_storeu_si512(dst + c * kTileRows, _mm512_shuffle_i32x4(even, even2, 0x88));
-      _mm512_storeu_si512(dst + (c + 4) * kTileRows, _mm512_shuffle_i32x4(odd, odd2, 0x88));
-      _mm512_storeu_si512(dst + (c + 8) * kTileRows, _mm512_shuffle_i32x4(even, even2, 0xdd));
-      _mm512_storeu_si512(dst + (c + 12) * kTileRows, _mm512_shuffle_i32x4(odd, odd2, 0xdd));
-    }
+    loraserve_amx::store_transposed_words(r, xp + k / 2 * kTileRows);
   }
 }
 

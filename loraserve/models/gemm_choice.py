@@ -7,14 +7,14 @@ layers of that shape one after another, so that the weights come from memory as 
 (where the caches are smaller than that), the best of several passes. A shape keeps at most one
 packed copy of its weights: it takes one packed kernel (the one with the smallest summed slowdown
 against the per-bucket best) and, in the buckets where a kernel on the plain weights is faster,
-that one (``torch``: ``F.linear``; ``dot``: loraserve's bfloat16 dot products), which needs no copy.
+that one (``torch``: ``F.linear``; ``dot``, ``amx``: loraserve's bfloat16 kernels), which needs no copy.
 
 The choice is written to ``<cache>/cpu_gemm/<cpu signature>.json`` (keyed by the shape, torch's
 thread count and version, and the digest of loraserve's kernel sources), so later starts on the
 same kind of CPU read it instead of timing. A timing during which other processes kept the CPUs
 busy (``cpu_load.OtherLoad``) is repeated once; if it is disturbed again its choice serves this
 process (later engines in it reuse it) but is not written, so the next start times it again.
-``GemmPolicy.kernel`` forces one kernel everywhere (``--cpu-gemm panels|onednn|torch``).
+``GemmPolicy.kernel`` forces one kernel everywhere (``--cpu-gemm panels|onednn|torch|dot|amx``).
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def _one_pass(groups: list[PackedLinearGroup], kernel: GemmKernel, x: torch.Tens
 
 
 def pick_kernels(times: dict[GemmKernel, list[float]]) -> tuple[GemmKernel, ...]:
-    """Per bucket, the fastest of the kernels that need no copy (``UNPACKED``: ``torch``, ``dot``)
+    """Per bucket, the fastest of the kernels that need no copy (``UNPACKED``: ``torch``, ``dot``, ``amx``)
     and one packed kernel; the packed kernel is the one whose summed slowdown against each bucket's
     fastest candidate is smallest (one packed copy).
 

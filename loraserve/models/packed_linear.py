@@ -1,6 +1,6 @@
 """Linear layers on the CPU GEMM kernel chosen for their shape and row count.
 
-Three kernels compute ``y = x @ W^T + b`` (``GemmKernel``):
+Five kernels compute ``y = x @ W^T + b`` (``GemmKernel``):
 
 * ``panels``: loraserve's register-tiled GEMM (``kernels/cpu.py: linear_panels``) on weights
   packed once into 16-column panels; float32.
@@ -9,13 +9,16 @@ Three kernels compute ``y = x @ W^T + b`` (``GemmKernel``):
   on AMX or AVX-512-BF16 where the CPU has them.
 * ``torch``: ``F.linear`` on the plain weights (MKL's sgemm for float32, oneDNN for bfloat16).
 * ``dot``: loraserve's bfloat16 kernel of AVX512-BF16 dot products on the plain weights
-  (``kernels/cpu.py: linear_dot``), which reads them once, front to back: made for the few rows of
-  a small decode step, which is bound by reading the weights from memory.
+  (``kernels/cpu_linear.py: linear_dot``), which reads them once, front to back: made for the few
+  rows of a small decode step, which is bound by reading the weights from memory.
+* ``amx``: loraserve's bfloat16 kernel on AMX tiles that load the plain weights in place
+  (``kernels/cpu_linear.py: linear_amx``), also reading them once for all rows: made for decode
+  steps of up to some tens of rows.
 
 Which one is fastest depends on the CPU (an AVX2 EPYC and an AVX-512 Xeon disagree) and on the
 number of rows, so a group holds one kernel per row bucket (``ROW_BUCKETS``), chosen by timing
 on the machine (``models/gemm_choice.py``). A group keeps the packed copy of only the kernels it
-uses; ``torch`` and ``dot`` need none. Results differ from ``F.linear`` only by the order of float additions.
+uses; ``torch``, ``dot`` and ``amx`` need none. Results differ from ``F.linear`` only by the order of float additions.
 
 Projections that read the same input (Llama's q/k/v, gate/up) run as one ``PackedLinearGroup``:
 each output written contiguous (the LoRA kernels add into them in place); the panel kernel
@@ -34,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.kernels import cpu, cpu_features
+from loraserve.kernels import cpu, cpu_features, cpu_linear
 
 # A call with r rows uses the bucket nearest r on a log scale; 1,024 and 2,048 are the default prefill
 # chunks on a CPU in float32 and in bfloat16 (EngineConfig.step_token_budget), where the best kernel can differ.
@@ -47,9 +50,10 @@ class GemmKernel(str, enum.Enum):
     ONEDNN = "onednn"
     TORCH = "torch"
     DOT = "dot"
+    AMX = "amx"
 
 
-UNPACKED = (GemmKernel.TORCH, GemmKernel.DOT)  # the kernels that read the weights as stored (no copy)
+UNPACKED = (GemmKernel.TORCH, GemmKernel.DOT, GemmKernel.AMX)  # the kernels that read the weights as stored (no copy)
 
 # Geometric midpoints between neighbouring buckets: a row count up to an edge (inclusive) belongs below it.
 _BUCKET_EDGES = tuple(math.sqrt(low * high) for low, high in itertools.pairwise(ROW_BUCKETS))
@@ -70,8 +74,10 @@ def kernels_for(dtype: torch.dtype) -> tuple[GemmKernel, ...]:
     if onednn_dtype and torch.backends.mkldnn.is_available():
         available.append(GemmKernel.ONEDNN)
     available.append(GemmKernel.TORCH)
-    if dtype == torch.bfloat16 and cpu.linear_dot_available():
+    if dtype == torch.bfloat16 and cpu_linear.linear_dot_available():
         available.append(GemmKernel.DOT)
+    if dtype == torch.bfloat16 and cpu_linear.linear_amx_available():
+        available.append(GemmKernel.AMX)
     return tuple(available)
 
 
@@ -131,7 +137,9 @@ class PackedLinearGroup(nn.Module):
             x = x.contiguous()
             return tuple(linear(x, w, b, "none", [], "") for w, b in zip(self.onednn_weights, self.biases, strict=True))
         if kernel is GemmKernel.DOT:
-            return tuple(cpu.linear_dot(x, self.weights, self.biases))
+            return tuple(cpu_linear.linear_dot(x, self.weights, self.biases))
+        if kernel is GemmKernel.AMX:
+            return tuple(cpu_linear.linear_amx(x, self.weights, self.biases))
         return tuple(F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True))
 
     def packed_bytes(self) -> int:
