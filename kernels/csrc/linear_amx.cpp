@@ -70,8 +70,8 @@ void write_tile(const float* c, const uint16_t* bias, int64_t n0, int cols, int6
 
 // Rows [n0, n0 + 32) of one layer (fewer at its end) for every row of x. W's rows load in place
 // when all 32 are there and K is a multiple of 32, else from a zero-padded copy in `block`.
-void group(const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, int64_t N, int64_t n0,
-           uint16_t* out, uint16_t* block, float* cbuf) {
+void run_item(const uint32_t* xp, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, int64_t N, int64_t n0,
+              uint16_t* out, uint16_t* block, float* cbuf) {
   const int64_t kpad = padded(K, kTileTerms), block_words = kpad / 2 * kTileRows;
   const int64_t rows = std::min(kGroupRows, N - n0);
   const uint16_t* base = w + n0 * K;
@@ -144,13 +144,7 @@ std::vector<at::Tensor> linear_amx(const at::Tensor& x, const std::vector<at::Te
     outs.push_back(at::empty({M, w.size(0)}, x.options()));
     first_item[i + 1] = first_item[i] + (w.size(0) + kGroupRows - 1) / kGroupRows;
   }
-  if (M == 0 || K == 0) {
-    for (at::Tensor& out : outs) out.zero_();  // an empty sum, plus the bias where there is one
-    for (size_t i = 0; i < outs.size() && M > 0; ++i) {
-      if (biases[i].has_value()) outs[i].copy_(biases[i]->unsqueeze(0).expand_as(outs[i]));
-    }
-    return outs;
-  }
+  if (M == 0) return outs;
   const int64_t kpad = padded(K, kTileTerms);
   std::vector<uint32_t> xp(((M + kTileRows - 1) / kTileRows) * kpad / 2 * kTileRows);
   pack_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, xp.data());
@@ -165,9 +159,9 @@ std::vector<at::Tensor> linear_amx(const at::Tensor& x, const std::vector<at::Te
       const at::Tensor& w = weights[layer];
       const uint16_t* bias =
           biases[layer].has_value() ? reinterpret_cast<const uint16_t*>(biases[layer]->data_ptr()) : nullptr;
-      group(xp.data(), M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias, w.size(0),
-            (item - first_item[layer]) * kGroupRows, reinterpret_cast<uint16_t*>(outs[layer].data_ptr()),
-            block.data(), cbuf);
+      run_item(xp.data(), M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias, w.size(0),
+               (item - first_item[layer]) * kGroupRows, reinterpret_cast<uint16_t*>(outs[layer].data_ptr()),
+               block.data(), cbuf);
     }
     _tile_release();
   });
