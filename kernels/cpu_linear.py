@@ -14,6 +14,15 @@ import torch
 from loraserve.kernels import cpu
 
 
+def _call(
+    name: str, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    module = cpu.load_extension()
+    assert module is not None, f"{name} needs the compiled CPU kernels"
+    outputs: list[torch.Tensor] = getattr(module, name)(x.contiguous(), weights, biases)
+    return outputs
+
+
 def linear_dot(
     x: torch.Tensor,  # [num_rows, in_features] bfloat16
     weights: list[torch.Tensor],  # each [out_i, in_features] bfloat16, as nn.Linear stores it
@@ -21,10 +30,7 @@ def linear_dot(
 ) -> list[torch.Tensor]:  # each [num_rows, out_i] bfloat16
     """By AVX512-BF16 dot products, tiles of 4 weight rows by up to 4 rows of x
     (kernels/csrc/linear_dot.cpp). Built where the CPU has avx512_bf16 (``linear_dot_available``)."""
-    module = cpu.load_extension()
-    assert module is not None, "linear_dot needs the compiled CPU kernels"
-    outputs: list[torch.Tensor] = module.linear_dot(x.contiguous(), weights, biases)
-    return outputs
+    return _call("linear_dot", x, weights, biases)
 
 
 def linear_dot_available() -> bool:
@@ -43,10 +49,7 @@ def linear_amx(
     read from memory once (kernels/csrc/linear_amx.cpp). bfloat16 denormals count as zero in the
     tiles. Built where the CPU has amx_bf16 and avx512_bf16, used where the OS grants the tile
     state (``linear_amx_available``)."""
-    module = cpu.load_extension()
-    assert module is not None, "linear_amx needs the compiled CPU kernels"
-    outputs: list[torch.Tensor] = module.linear_amx(x.contiguous(), weights, biases)
-    return outputs
+    return _call("linear_amx", x, weights, biases)
 
 
 def linear_amx_available() -> bool:

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "linear_bf16_args.h"
 
 #if defined(LORASERVE_AMX)
 
@@ -126,24 +127,10 @@ bool linear_amx_available() { return loraserve_amx::amx_permitted(); }
 std::vector<at::Tensor> linear_amx(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                    const std::vector<c10::optional<at::Tensor>>& biases) {
   TORCH_CHECK(linear_amx_available(), "linear_amx: the OS did not grant the AMX tile state");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "linear_amx: x must be a contiguous 2-D bfloat16 tensor");
-  TORCH_CHECK(biases.size() == weights.size(), "linear_amx: one bias (or None) per weight");
+  loraserve_linear::LinearItems items = loraserve_linear::checked_items("linear_amx", x, weights, biases, kGroupRows);
+  std::vector<at::Tensor>& outs = items.outs;
+  const std::vector<int64_t>& first_item = items.first;  // each layer's first item of 32 rows of W
   const int64_t M = x.size(0), K = x.size(1);
-  std::vector<at::Tensor> outs;
-  std::vector<int64_t> first_item(weights.size() + 1, 0);  // each layer's first item of 32 rows of W
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const at::Tensor& w = weights[i];
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-                "linear_amx: each weight must be a contiguous bfloat16 [out, ", K, "] tensor");
-    if (biases[i].has_value()) {
-      const at::Tensor& b = *biases[i];
-      TORCH_CHECK(b.dim() == 1 && b.size(0) == w.size(0) && b.scalar_type() == at::kBFloat16 && b.is_contiguous(),
-                  "linear_amx: each bias must be a contiguous bfloat16 [out] tensor");
-    }
-    outs.push_back(at::empty({M, w.size(0)}, x.options()));
-    first_item[i + 1] = first_item[i] + (w.size(0) + kGroupRows - 1) / kGroupRows;
-  }
   if (M == 0) return outs;
   const int64_t kpad = padded(K, kTileTerms);
   std::vector<uint32_t> xp(((M + kTileRows - 1) / kTileRows) * kpad / 2 * kTileRows);
@@ -157,8 +144,7 @@ std::vector<at::Tensor> linear_amx(const at::Tensor& x, const std::vector<at::Te
     for (int64_t item = begin; item < end; ++item) {
       while (item >= first_item[layer + 1]) ++layer;
       const at::Tensor& w = weights[layer];
-      const uint16_t* bias =
-          biases[layer].has_value() ? reinterpret_cast<const uint16_t*>(biases[layer]->data_ptr()) : nullptr;
+      const uint16_t* bias = loraserve_linear::bias_bits(biases, layer);
       run_item(xp.data(), M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias, w.size(0),
                (item - first_item[layer]) * kGroupRows, reinterpret_cast<uint16_t*>(outs[layer].data_ptr()),
                block.data(), cbuf);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "linear_bf16_args.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -91,24 +92,10 @@ bool linear_dot_available() { return true; }
 
 std::vector<at::Tensor> linear_dot(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                    const std::vector<c10::optional<at::Tensor>>& biases) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "linear_dot: x must be a contiguous 2-D bfloat16 tensor");
-  TORCH_CHECK(biases.size() == weights.size(), "linear_dot: one bias (or None) per weight");
+  loraserve_linear::LinearItems items = loraserve_linear::checked_items("linear_dot", x, weights, biases, kTileN);
+  std::vector<at::Tensor>& outs = items.outs;
+  const std::vector<int64_t>& first_tile = items.first;  // each layer's first tile of kTileN rows of W
   const int64_t M = x.size(0), K = x.size(1);
-  std::vector<at::Tensor> outs;
-  std::vector<int64_t> first_tile(weights.size() + 1, 0);  // each layer's first tile of kTileN rows of W
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const at::Tensor& w = weights[i];
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-                "linear_dot: each weight must be a contiguous bfloat16 [out, ", K, "] tensor");
-    if (biases[i].has_value()) {
-      const at::Tensor& b = *biases[i];
-      TORCH_CHECK(b.dim() == 1 && b.size(0) == w.size(0) && b.scalar_type() == at::kBFloat16 && b.is_contiguous(),
-                  "linear_dot: each bias must be a contiguous bfloat16 [out] tensor");
-    }
-    outs.push_back(at::empty({M, w.size(0)}, x.options()));
-    first_tile[i + 1] = first_tile[i] + (w.size(0) + kTileN - 1) / kTileN;
-  }
   if (M == 0) return outs;
   const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr());
   at::parallel_for(0, first_tile.back(), 1, [&](int64_t begin, int64_t end) {
@@ -116,8 +103,7 @@ std::vector<at::Tensor> linear_dot(const at::Tensor& x, const std::vector<at::Te
     for (int64_t tile = begin; tile < end; ++tile) {
       while (tile >= first_tile[layer + 1]) ++layer;
       const at::Tensor& w = weights[layer];
-      const uint16_t* bias =
-          biases[layer].has_value() ? reinterpret_cast<const uint16_t*>(biases[layer]->data_ptr()) : nullptr;
+      const uint16_t* bias = loraserve_linear::bias_bits(biases, layer);
       layer_tile(x_ptr, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias, w.size(0),
                  (tile - first_tile[layer]) * kTileN, reinterpret_cast<uint16_t*>(outs[layer].data_ptr()));
     }
