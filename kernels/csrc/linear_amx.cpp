@@ -133,21 +133,22 @@ std::vector<at::Tensor> linear_amx(const at::Tensor& x, const std::vector<at::Te
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return outs;
   const int64_t kpad = padded(K, kTileTerms);
-  std::vector<uint32_t> xp(((M + kTileRows - 1) / kTileRows) * kpad / 2 * kTileRows);
-  pack_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, xp.data());
+  thread_local loraserve_amx::LineAligned<uint32_t> packed;
+  uint32_t* xp = packed.get(((M + kTileRows - 1) / kTileRows) * kpad / 2 * kTileRows);
+  pack_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, xp);
   at::parallel_for(0, first_item.back(), 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<uint16_t> block;
+    thread_local loraserve_amx::LineAligned<uint16_t> block;
     alignas(64) float cbuf[4 * kTileRows * kTileRows];
-    if (block.size() < static_cast<size_t>(kGroupRows * kpad)) block.resize(kGroupRows * kpad);
+    uint16_t* block_rows = block.get(kGroupRows * kpad);
     loraserve_amx::configure_tiles();
     size_t layer = 0;
     for (int64_t item = begin; item < end; ++item) {
       while (item >= first_item[layer + 1]) ++layer;
       const at::Tensor& w = weights[layer];
       const uint16_t* bias = loraserve_linear::bias_bits(biases, layer);
-      run_item(xp.data(), M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias, w.size(0),
+      run_item(xp, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias, w.size(0),
                (item - first_item[layer]) * kGroupRows, reinterpret_cast<uint16_t*>(outs[layer].data_ptr()),
-               block.data(), cbuf);
+               block_rows, cbuf);
     }
     _tile_release();
   });

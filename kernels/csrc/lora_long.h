@@ -180,7 +180,7 @@ void run_long(const std::vector<int64_t>& large, const std::vector<AdapterBuffer
   }
   if (!sizes.empty()) run();
   std::vector<const float*> sums(to_add.size());  // where each item's products start in `expanded`
-  for (size_t i = 0, at = 0; i < to_add.size(); at += to_add[i].second, ++i) sums[i] = expanded.data() + at;
+  for (size_t i = 0, at = 0; i < to_add.size(); at += to_add[i].second, ++i) sums[i] = line_start(expanded) + at;
   const int add_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(to_add.size())));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(add_threads)
   for (size_t i = 0; i < to_add.size(); ++i) add_scaled(to_add[i].first, sums[i], 1.f, to_add[i].second);
