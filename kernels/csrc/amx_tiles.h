@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define LORASERVE_AMX 1
@@ -38,23 +37,6 @@ inline void configure_tiles() {
 }
 
 inline int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
-
-// Scratch memory for tiles that starts on a cache line: a 64-byte tile row that straddles two
-// lines loads at about half the speed (a std::vector's data is only 16-byte aligned). get(n)
-// returns room for n values; its contents are not kept when it grows.
-template <typename T>
-class LineAligned {
- public:
-  T* get(size_t n) {
-    constexpr size_t kSlack = 64 / sizeof(T);
-    if (storage_.size() < n + kSlack) storage_.resize(n + kSlack);
-    const auto address = reinterpret_cast<uintptr_t>(storage_.data());
-    return reinterpret_cast<T*>((address + 63) & ~uintptr_t{63});
-  }
-
- private:
-  std::vector<T> storage_;
-};
 
 // dst[c * 16 + n] = word c of r[n]: 16 rows of 16 words (each word a pair of bfloat16 terms)
 // transposed into a B tile's 16 rows of 16 pairs.

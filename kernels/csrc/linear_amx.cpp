@@ -23,6 +23,7 @@
 
 #include "amx_tiles.h"
 #include "linear_bf16_args.h"
+#include "scratch.h"
 
 #if defined(LORASERVE_AMX)
 
@@ -133,13 +134,13 @@ std::vector<at::Tensor> linear_amx(const at::Tensor& x, const std::vector<at::Te
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return outs;
   const int64_t kpad = padded(K, kTileTerms);
-  thread_local loraserve_amx::LineAligned<uint32_t> packed;
-  uint32_t* xp = packed.get(((M + kTileRows - 1) / kTileRows) * kpad / 2 * kTileRows);
+  thread_local std::vector<uint32_t> packed;
+  uint32_t* xp = loraserve_scratch::at_least(packed, ((M + kTileRows - 1) / kTileRows) * kpad / 2 * kTileRows);
   pack_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, xp);
   at::parallel_for(0, first_item.back(), 1, [&](int64_t begin, int64_t end) {
-    thread_local loraserve_amx::LineAligned<uint16_t> block;
+    thread_local std::vector<uint16_t> block;
     alignas(64) float cbuf[4 * kTileRows * kTileRows];
-    uint16_t* block_rows = block.get(kGroupRows * kpad);
+    uint16_t* block_rows = loraserve_scratch::at_least(block, kGroupRows * kpad);
     loraserve_amx::configure_tiles();
     size_t layer = 0;
     for (int64_t item = begin; item < end; ++item) {
@@ -152,6 +153,7 @@ std::vector<at::Tensor> linear_amx(const at::Tensor& x, const std::vector<at::Te
     }
     _tile_release();
   });
+  loraserve_scratch::trim(packed);
   return outs;
 }
 
