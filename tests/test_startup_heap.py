@@ -25,7 +25,9 @@ def test_garbage_is_collected_and_live_objects_frozen() -> None:
     try:
         frozen = freeze_startup_objects()
         assert dead() is None  # collected before the freeze, not frozen with the rest
-        assert frozen == gc.get_freeze_count() > 0
+        # frozen objects that die later leave the permanent generation (other threads of the test
+        # process free some), and nothing joins it without another freeze: the count only falls
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(obj is live for obj in gc.get_objects())  # frozen objects are out of the collector's lists
     finally:
         gc.unfreeze()  # the test process keeps collecting as before
