@@ -118,7 +118,9 @@ def test_lora_segments_bfloat16_on_every_path(
     widths with scalar tails and wide ones, with and without MKL's grouped GEMM: bfloat16 weights
     widened in the row loops, the tiles and the copies for MKL. The first batch's 9 tiled segments
     (10 on AMX) run whole per thread on 1 or 2 threads (at least 4 per thread); the second's 3 (5 on
-    AMX) run as split phases on 2 threads. On AMX: 1 to 5 blocks of 16 tokens, full and partial."""
+    AMX) run as split phases on 2 threads. On AMX: 1 to 5 blocks of 16 tokens, full and partial;
+    segments of 32 or more tokens take the long-segment tiles (x read in place) at the wide hidden
+    size and the packed-token tiles at the odd one (37 terms are not whole tile rows)."""
     many = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1, 5] + [6] * 32 + [7] * 33
     many += [8] * 6 + [9] * 7 + [10] * 8 + [11] * 9 + [1] * 13
     few = [6] * 5 + [7] * 8 + [-1] * 2 + [8] * 13 + [9] * 40 + [10] * 70
@@ -137,8 +139,9 @@ def test_lora_segments_bfloat16_on_every_path(
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_lora_segments_bfloat16_long_rows_and_long_segments(threads: int, segment_kernel: SegmentsKernel) -> None:
-    """A hidden size of 4096 (long float32 sums in the shrink) and a 300-token segment (on AMX: work
-    items of 256 tokens and a remainder), beside short segments, against the float32 reference."""
+    """A hidden size of 4096 (long float32 sums in the shrink) and a 300-token segment (on AMX: the
+    long-segment tiles, items of 64 tokens and a partial last block), beside short segments,
+    against the float32 reference."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "lora_amx.h"
+#include "lora_amx_long.h"
 #include "lora_long.h"
 #include "lora_tiled.h"
 
@@ -69,6 +70,7 @@ void small_segment(const float* x, int64_t in_features, const AdapterBuffer<W>& 
 template <typename W>
 struct SegmentArgs {
   const float* x = nullptr;
+  const W* x_own = nullptr;  // x in W (bfloat16: read in place by the long segments on tiles)
   int64_t num_tokens = 0, in_features = 0;
   std::vector<W*> outs;
   std::vector<int64_t> widths;
@@ -102,7 +104,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
   // tiles (bfloat16, their length class chosen in tile_lengths). Other long ones go to run_long,
   // which copies them out where MKL cannot read them in place (scattered pages, or bfloat16).
   std::vector<AdapterBuffer<W>> buffers(num_segments);
-  std::vector<TiledSegment<W>> tiled, on_tiles;
+  std::vector<TiledSegment<W>> tiled, on_tiles, long_tiles;
   tiled.reserve(num_segments);
   std::vector<int64_t> small, large;
   int64_t max_row = in_features;
@@ -150,7 +152,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
       seg.meta = m;
       seg.scale = scale_ptr + s * kMaxModules;
       seg.buffer = &buffer;
-      (amx ? on_tiles : tiled).push_back(seg);
+      (on_long_tiles<W>(num, in_features, tile_lengths) ? long_tiles : amx ? on_tiles : tiled).push_back(seg);
       continue;
     }
     large.push_back(s);
@@ -176,6 +178,11 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
     run_long(large, buffers, meta_ptr, scale_ptr, bound_ptr, x_ptr, in_features, v_ptr, ldv, out_ptrs,
              out_widths.data(), num_outputs);
   }
+#if defined(LORASERVE_LORA_AMX)
+  if constexpr (std::is_same_v<W, bf16_t>) {  // after run_short: both bind rows in the same scratch
+    if (!long_tiles.empty()) run_long_amx(long_tiles, args.x_own, in_features, out_ptrs, out_widths.data(), num_outputs);
+  }
+#endif
   trim(shrunk);
 }
 
@@ -232,10 +239,13 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
       float* x_ptr = at_least(wide_x, args.num_tokens * args.in_features);
       const W* x_rows = static_cast<const W*>(x.data_ptr());
       for (int64_t s = 0; s < num_segments; ++s) {
+        const int64_t num = bound_ptr[s * 4 + 1] - bound_ptr[s * 4];
+        if (on_long_tiles<W>(num, args.in_features, tile_lengths)) continue;  // they read x in place
         const int64_t first = bound_ptr[s * 4] * args.in_features, end = bound_ptr[s * 4 + 1] * args.in_features;
         widen_n(x_rows + first, end - first, x_ptr + first);
       }
       args.x = x_ptr;
+      args.x_own = x_rows;
     }
     run_segments<W>(args, storage, layer, group, bounds, page_tables, meta, scales, tile_lengths);
     trim(wide_x);
