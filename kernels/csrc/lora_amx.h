@@ -3,7 +3,8 @@
 // across threads. Included by lora_segments.cpp only; internal to it. The tile loops are in
 // lora_amx_tiles.h. Every segment of 3 or more tokens whose length class the call puts on the
 // tiles (tile_lengths) shrinks on them; of those, segments of up to kVectorExpandMax tokens expand
-// on the vector loops of lora_tiles.h, longer ones on the tiles.
+// on the vector loops of lora_tiles.h, longer ones on the tiles. (Segments that on_long_tiles
+// takes, 32 or more tokens, run in lora_amx_long.h instead.)
 #pragma once
 
 #include <iterator>
