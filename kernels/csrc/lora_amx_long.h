@@ -6,7 +6,7 @@
 //                                                16 rows of A packed in pairs once per segment
 //   expand:  out[t, o] += scale * sum_r v[t, r] B^T[r, o]
 //            v as [hi | lo] bfloat16 parts along the rank (v ~ hi + lo, ~16 of v's 24 bits), so
-//            each product tile sums both over one K; B^T's rank rows packed in pairs per item
+//            each product tile sums both over one K; B^T's rank rows packed in pairs once a call
 //
 // Sums in float32, each output rounded once to bfloat16 (as lora_amx_tiles.h, whose layout reads
 // x through a transposed copy and is kept for segments too short to repay the packing of A).

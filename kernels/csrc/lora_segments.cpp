@@ -101,8 +101,9 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
   // Each segment's weights. Short segments read them in place: an adapter on consecutive pages
   // through one pointer, one on scattered pages through its page table (row pointers into its
   // pages, copying only rows that cross a page boundary); so do segments of any length on AMX
-  // tiles (bfloat16, their length class chosen in tile_lengths). Other long ones go to run_long,
-  // which copies them out where MKL cannot read them in place (scattered pages, or bfloat16).
+  // tiles (bfloat16, their length class chosen in tile_lengths; those of 32+ tokens in
+  // run_long_amx, which also reads x in place). Other long ones go to run_long, which copies them
+  // out where MKL cannot read them in place (scattered pages, or bfloat16).
   std::vector<AdapterBuffer<W>> buffers(num_segments);
   std::vector<TiledSegment<W>> tiled, on_tiles, long_tiles;
   tiled.reserve(num_segments);
