@@ -134,18 +134,21 @@ def test_engine_keeps_the_path_measured_faster(
     assert graphs is not None
     clock = ManualClock()
     runner.adapter_decode = DecodePathChoice("auto", trials=2, clock=clock)
-    taken: list[DecodePath] = []
+    taken: list[DecodePath] = []  # the decode steps with adapters at padded size 4
     run = graphs.run
 
     def timed_run(batch: Any) -> Any:  # the graph path runs here; a decode step with adapters it declines is eager
         logits = run(batch)
         if batch.lora is not None and batch.prefill is None:
-            taken.append(GRAPH if logits is not None else EAGER)
+            # Adapters load on a background thread, so under load a sequence may start a step late and
+            # the last steps run at a smaller padded size, which is timed on its own.
+            if graphs.padded_size(batch.input_ids.shape[0]) == 4:
+                taken.append(GRAPH if logits is not None else EAGER)
             clock.now += 1.0 if (logits is not None) == (slower is GRAPH) else 0.0
         return logits
 
     graphs.run = timed_run  # type: ignore[method-assign]
     assert generate(llm, adapter_dirs) == expected
     faster = EAGER if slower is GRAPH else GRAPH
-    assert llm.engine.stats().adapter_decode_paths == {4: faster.value}
+    assert llm.engine.stats().adapter_decode_paths[4] == faster.value
     assert taken[:6] == [GRAPH, EAGER] * 3 and set(taken[6:]) == {faster} and len(taken) > 8
