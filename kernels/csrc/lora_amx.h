@@ -23,13 +23,14 @@ constexpr int64_t kAmxShrinkRows = 64;  // A rows per shrink work item
 // repay (measured: level at 8 tokens, the tiles ahead from 12).
 constexpr int64_t kVectorExpandMax = kTokenBlock;
 
-// All segments of one call of 3 or more tokens (rows not yet bound). With at least
+// All segments of one call of 3 or more tokens (rows not yet bound), x the call's bfloat16 rows
+// (read in place: packed into pairs per 16 tokens). With at least
 // kSegmentsPerThread segments per thread, none with more than a thread's share of the work, each
 // thread takes whole segments, largest first, v in its own buffer. Else the phases are split
 // across threads, with v shared (vt[row * ld_t + token] over the call's tokens): tokens packed by
 // (segment, up to 256 tokens), shrink items (segment, 64 rows of A, up to 256 tokens), expand
 // items (segment, module, up to 512 output columns, up to 256 tokens).
-inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const float* x, int64_t in,
+inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const bf16_t* x, int64_t in,
                           bf16_t* const* outs, const int64_t* out_widths, int64_t num_outputs) {
   int64_t max_rows = 0, max_rank = 0, max_num = 0, num_tokens = 0, max_chunk = 0, total_work = 0;
   std::vector<int64_t> first_block(segs.size() + 1, 0);  // each segment's first block of 16 tokens
@@ -181,18 +182,6 @@ inline int tile_length_class(int64_t num) {
 template <typename W>
 bool on_amx_tiles(int64_t num, int64_t tile_lengths) {
   return std::is_same_v<W, bf16_t> && ((tile_lengths >> tile_length_class(num)) & 1) != 0 && amx_available();
-}
-
-// Tiled segments: on the tiles where `amx` (each chose them: on_amx_tiles), else on the vector loops.
-template <typename W>
-void run_short(std::vector<TiledSegment<W>>& segs, const float* x, int64_t in, W* const* outs,
-               const int64_t* out_widths, int64_t num_outputs, bool amx) {
-#if defined(LORASERVE_LORA_AMX)
-  if constexpr (std::is_same_v<W, bf16_t>) {
-    if (amx) return run_tiled_amx(segs, x, in, outs, out_widths, num_outputs);
-  }
-#endif
-  run_tiled(segs, x, in, outs, out_widths, num_outputs);
 }
 
 }  // namespace loraserve_lora

@@ -24,22 +24,16 @@ using loraserve_amx::padded;
 constexpr int64_t kPrefetchAhead = 2 * kTileTerms;  // terms ahead that A's rows are prefetched
 
 // xp[p * 16 + n] = the pair (x[n, 2p], x[n, 2p + 1]) as one 32-bit word (low half first) for the
-// `num` <= 16 tokens of x (floats holding bfloat16 values, stride `in`); zero past them and past
-// `in`. Per 32 terms: each token's 16 words in one register, then a 16 x 16 transpose of words.
-inline void pack_token_pairs(const float* x, int64_t in, int num, uint32_t* xp) {
+// `num` <= 16 tokens of bfloat16 x (stride `in`); zero past them and past `in`. Per 32 terms: each
+// token's 16 words are one load (the pairs lie in memory in that order), then a 16 x 16 transpose
+// of words.
+inline void pack_token_pairs(const bf16_t* x, int64_t in, int num, uint32_t* xp) {
   for (int64_t k = 0; k < in; k += kTileTerms) {
     const int64_t terms = std::min<int64_t>(kTileTerms, in - k);
-    const __mmask16 low_mask = terms >= 16 ? 0xFFFF : (1u << terms) - 1;
-    const __mmask16 high_mask = terms >= 32 ? 0xFFFF : terms <= 16 ? 0 : (1u << (terms - 16)) - 1;
+    const __mmask32 mask = terms >= 32 ? ~__mmask32{0} : (__mmask32{1} << terms) - 1;
     __m512i r[kTileRows];
     for (int n = 0; n < kTileRows; ++n) {
-      if (n >= num) {
-        r[n] = _mm512_setzero_si512();
-        continue;
-      }
-      const __m512 low = _mm512_maskz_loadu_ps(low_mask, x + n * in + k);
-      const __m512 high = _mm512_maskz_loadu_ps(high_mask, x + n * in + k + 16);
-      r[n] = (__m512i)_mm512_cvtne2ps_pbh(high, low);  // exact: the floats are bfloat16 values
+      r[n] = n < num ? _mm512_maskz_loadu_epi16(mask, x + n * in + k) : _mm512_setzero_si512();
     }
     loraserve_amx::store_transposed_words(r, xp + k / 2 * kTileRows);
   }

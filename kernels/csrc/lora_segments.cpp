@@ -65,12 +65,12 @@ void small_segment(const float* x, int64_t in_features, const AdapterBuffer<W>& 
   }
 }
 
-// x [num_tokens, in_features] as float32 (the caller's, or a widened copy of a bfloat16 x) and
-// the outputs [num_tokens, widths[m]] of the pool's type W.
+// x [num_tokens, in_features] as float32 (the caller's; for a bfloat16 x, a copy of the rows that
+// the vector loops read, widened) and the outputs [num_tokens, widths[m]] of the pool's type W.
 template <typename W>
 struct SegmentArgs {
   const float* x = nullptr;
-  const W* x_own = nullptr;  // x in W (bfloat16: read in place by the long segments on tiles)
+  const W* x_own = nullptr;  // x in W (bfloat16: read in place by the segments on AMX tiles)
   int64_t num_tokens = 0, in_features = 0;
   std::vector<W*> outs;
   std::vector<int64_t> widths;
@@ -102,7 +102,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
   // through one pointer, one on scattered pages through its page table (row pointers into its
   // pages, copying only rows that cross a page boundary); so do segments of any length on AMX
   // tiles (bfloat16, their length class chosen in tile_lengths; those of 32+ tokens in
-  // run_long_amx, which also reads x in place). Other long ones go to run_long, which copies them
+  // run_long_amx), which read x in place too. Other long ones go to run_long, which copies them
   // out where MKL cannot read them in place (scattered pages, or bfloat16).
   std::vector<AdapterBuffer<W>> buffers(num_segments);
   std::vector<TiledSegment<W>> tiled, on_tiles, long_tiles;
@@ -173,14 +173,14 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
       }
     }
   }
-  if (!on_tiles.empty()) run_short(on_tiles, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs, true);
-  if (!tiled.empty()) run_short(tiled, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs, false);
+  if (!tiled.empty()) run_tiled(tiled, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs);
   if (!large.empty()) {
     run_long(large, buffers, meta_ptr, scale_ptr, bound_ptr, x_ptr, in_features, v_ptr, ldv, out_ptrs,
              out_widths.data(), num_outputs);
   }
 #if defined(LORASERVE_LORA_AMX)
-  if constexpr (std::is_same_v<W, bf16_t>) {  // after run_short: both bind rows in the same scratch
+  if constexpr (std::is_same_v<W, bf16_t>) {  // one after the other: both bind rows in the same scratch
+    if (!on_tiles.empty()) run_tiled_amx(on_tiles, args.x_own, in_features, out_ptrs, out_widths.data(), num_outputs);
     if (!long_tiles.empty()) run_long_amx(long_tiles, args.x_own, in_features, out_ptrs, out_widths.data(), num_outputs);
   }
 #endif
@@ -241,7 +241,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
       const W* x_rows = static_cast<const W*>(x.data_ptr());
       for (int64_t s = 0; s < num_segments; ++s) {
         const int64_t num = bound_ptr[s * 4 + 1] - bound_ptr[s * 4];
-        if (on_long_tiles<W>(num, args.in_features, tile_lengths)) continue;  // they read x in place
+        if (num > kSmallSegment && on_amx_tiles<W>(num, tile_lengths)) continue;  // the tiles read x in place
         const int64_t first = bound_ptr[s * 4] * args.in_features, end = bound_ptr[s * 4 + 1] * args.in_features;
         widen_n(x_rows + first, end - first, x_ptr + first);
       }
