@@ -89,8 +89,10 @@ inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const bf16_t*
   // Token blocks [b, b + kItemBlocks) of segment i packed as pairs.
   const auto pack = [&](int64_t i, int64_t b) {
     for (int64_t t = b * kTileRows; t < std::min(segs[i].num, (b + kItemBlocks) * kTileRows); t += kTileRows) {
-      pack_token_pairs(x + (segs[i].start + t) * in, in, static_cast<int>(std::min<int64_t>(kTileRows, segs[i].num - t)),
-                       xp + (first[i] + t / kTileRows) * block_words);
+      const int num = static_cast<int>(std::min<int64_t>(kTileRows, segs[i].num - t));
+      const bf16_t* tokens[kTileRows];
+      for (int n = 0; n < num; ++n) tokens[n] = x + (segs[i].start + t + n) * in;
+      pack_pairs(tokens, num, in, xp + (first[i] + t / kTileRows) * block_words);
     }
   };
   // Columns [o, o + chunk) of a module for token blocks [b, b + kItemBlocks), from v (v_at[row * ld

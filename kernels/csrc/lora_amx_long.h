@@ -26,15 +26,6 @@ constexpr int64_t kLongItemCols = 256;    // B^T columns per packing work item
 
 inline bool long_tiles_fit(int64_t num, int64_t in) { return num >= kLongTilesMin && in % kTileTerms == 0; }
 
-// dst: [in / 32 chunks][16 pairs][16 rows] words, rows r of A (`rows` <= 16 of them; zero past).
-inline void pack_a_pairs(const bf16_t* const* a, int rows, int64_t in, uint32_t* dst) {
-  for (int64_t k = 0; k < in; k += kTileTerms) {
-    __m512i r[kTileRows];
-    for (int n = 0; n < kTileRows; ++n) r[n] = n < rows ? _mm512_loadu_si512(a[n] + k) : _mm512_setzero_si512();
-    loraserve_amx::store_transposed_words(r, dst + k / 2 * kTileRows);
-  }
-}
-
 // Where one long segment's data sits in the call's scratch.
 struct LongSlot {
   int64_t rows_pad = 0;  // A's rows padded to 16
@@ -232,7 +223,7 @@ inline void run_long_amx(std::vector<TiledSegment<bf16_t>>& segs, const bf16_t* 
       const auto [i, module, first] = packs[k];
       if (module < 0) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, segs[i].meta[1] - first));
-        pack_a_pairs(segs[i].a_rows + first, rows, in, slots[i].a_pairs + first * in / 2);
+        pack_pairs(segs[i].a_rows + first, rows, in, slots[i].a_pairs + first * in / 2);
       } else {
         const int64_t o1 = std::min(out_widths[module], first + kLongItemCols);
         pack_b_pairs(segs[i], slots[i], module, first, o1, slots[i].b_pairs[module]);

@@ -23,19 +23,19 @@ using loraserve_amx::kTileTerms;
 using loraserve_amx::padded;
 constexpr int64_t kPrefetchAhead = 2 * kTileTerms;  // terms ahead that A's rows are prefetched
 
-// xp[p * 16 + n] = the pair (x[n, 2p], x[n, 2p + 1]) as one 32-bit word (low half first) for the
-// `num` <= 16 tokens of bfloat16 x (stride `in`); zero past them and past `in`. Per 32 terms: each
-// token's 16 words are one load (the pairs lie in memory in that order), then a 16 x 16 transpose
-// of words.
-inline void pack_token_pairs(const bf16_t* x, int64_t in, int num, uint32_t* xp) {
+// dst[p * 16 + n] = the pair (rows[n][2p], rows[n][2p + 1]) as one 32-bit word (low half first)
+// for `num` <= 16 bfloat16 rows of `in` terms (tokens of x, or rows of A); zero past them and past
+// `in`. Per 32 terms: each row's 16 words are one load (the pairs lie in memory in that order),
+// then a 16 x 16 transpose of words.
+inline void pack_pairs(const bf16_t* const* rows, int num, int64_t in, uint32_t* dst) {
   for (int64_t k = 0; k < in; k += kTileTerms) {
     const int64_t terms = std::min<int64_t>(kTileTerms, in - k);
     const __mmask32 mask = terms >= 32 ? ~__mmask32{0} : (__mmask32{1} << terms) - 1;
     __m512i r[kTileRows];
     for (int n = 0; n < kTileRows; ++n) {
-      r[n] = n < num ? _mm512_maskz_loadu_epi16(mask, x + n * in + k) : _mm512_setzero_si512();
+      r[n] = n < num ? _mm512_maskz_loadu_epi16(mask, rows[n] + k) : _mm512_setzero_si512();
     }
-    loraserve_amx::store_transposed_words(r, xp + k / 2 * kTileRows);
+    loraserve_amx::store_transposed_words(r, dst + k / 2 * kTileRows);
   }
 }
 
