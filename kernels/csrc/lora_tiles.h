@@ -213,8 +213,9 @@ void with_rows(int n, F&& f) {
 // pointers (W: float, or bf16_t widened as loaded; the output is of type W too); `tmp` has room for TB * (o1 - o0) floats. The rank is walked in blocks of kRankBlock
 // rows so that only that many rows are streamed at once (the hardware prefetchers follow a few
 // sequential streams, not one per rank row); sums between blocks wait in `tmp`, the last block
-// adds to the output. Each column tile prefetches the next tile's columns of its rows into L2 (a
-// small B streams as one column strip per tile, which the prefetchers do not follow either).
+// adds to the output. Each column tile prefetches into L2 the next tile's columns of its rows (a
+// small B streams as one column strip per tile, which the prefetchers do not follow either) and
+// its own columns of the next rank block's rows, which are read one pass over the columns later.
 template <int TB, typename W>
 void expand_tile(const float* vt, int64_t ld_t, const W* const* b, int64_t rank, int64_t o0, int64_t o1,
                  float scale, W* out, int64_t ld_out, float* tmp, bool read_once) {
@@ -235,6 +236,10 @@ void expand_tile(const float* vt, int64_t ld_t, const W* const* b, int64_t rank,
         }
       }
       const bool prefetch = o + kExpandCols < vectorized;
+      for (int64_t r = r1; r < std::min(rank, r1 + rank_block); ++r) {  // the next rank block's
+        __builtin_prefetch(b[r] + o0 + o, 0, 2);
+        __builtin_prefetch(b[r] + o0 + o + kLanes, 0, 2);
+      }
       for (int64_t r = r0; r < r1; ++r) {
         if (prefetch) {
           __builtin_prefetch(b[r] + o0 + o + kExpandCols, 0, 2);
