@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from loraserve.kernels import cpu, cpu_features
+from loraserve.kernels import cpu_build, cpu_features
 
 logger = logging.getLogger(__name__)
 
 
 def build_key(what: str, cache_format: int) -> str:
     """``what`` (a shape) with what every timing depends on: a new torch or kernel build is timed anew."""
-    versions = f"torch={torch.__version__} | kernels={cpu.source_digest()} | format={cache_format}"
+    versions = f"torch={torch.__version__} | kernels={cpu_build.source_digest()} | format={cache_format}"
     return f"{what} | threads={torch.get_num_threads()} | {versions}"
 
 

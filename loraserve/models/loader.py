@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraserve.kernels.cpu import cache_root
+from loraserve.kernels.cpu_build import cache_root
 from loraserve.models.fused_linear import ConcatLinear
 from loraserve.models.gemm_choice import GemmPlan, GemmPolicy, pack_linears
 from loraserve.models.llama import LlamaForCausalLM, ModelKernels
