@@ -19,6 +19,10 @@ with the semantics of ``paged_attention.paged_prefill_attention_varlen``: chunk 
 rows ``query_starts[s]:query_starts[s + 1]`` at positions ``cached_lens[s] ..``; it reads K and V
 (its own tokens' too, written before the call) from the pages of ``block_tables[s]``. Float32
 scores and accumulation; any block size; every page id a chunk uses is checked against the pool.
+In bfloat16 on a CPU with AMX (``prefill_attention_amx()``; ``tiles=False`` keeps the vector
+loops) the products run on AMX tiles (``csrc/prefill_attention_amx.h``): query-key products
+exact and summed in float32, softmax in float32, the probabilities rounded once to bfloat16 for
+their product with the values (as FlashAttention does), each output's weights summing to one.
 
     query:        [num_tokens, num_heads, head_dim]  float32 | bfloat16 | float16, contiguous
     kv:           [num_pages, 2, block_size, num_kv_heads, head_dim]  same dtype, rows contiguous
@@ -111,13 +115,23 @@ def paged_prefill_attention(
     scale: float,
     new_key: torch.Tensor | None = None,  # unused: the kernel reads the pages after the write
     new_value: torch.Tensor | None = None,
+    *,
+    tiles: bool = True,  # bfloat16 on AMX tiles where prefill_attention_amx()
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     module = load_extension()
     assert module is not None, "paged_prefill_attention needs the compiled CPU kernels"
     out: torch.Tensor = module.paged_prefill_attention(
-        query.contiguous(), kv, query_starts, cached_lens, block_tables, scale
+        query.contiguous(), kv, query_starts, cached_lens, block_tables, scale, tiles
     )
     return out
+
+
+def prefill_attention_amx() -> bool:
+    """Whether bfloat16 ``paged_prefill_attention`` runs on AMX tiles: built in where the CPU has
+    amx_bf16 and avx512_bf16, and the OS grants the tile state."""
+    module = load_extension()
+    assert module is not None, "prefill_attention_amx needs the compiled CPU kernels"
+    return bool(module.prefill_attention_amx())
 
 
 def lora_segments(

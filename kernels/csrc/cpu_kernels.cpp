@@ -207,7 +207,9 @@ std::vector<at::Tensor> linear_amx(const at::Tensor& x, const std::vector<at::Te
 bool linear_amx_available();
 // prefill_attention.cpp
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& query_starts,
-                                   const at::Tensor& cached_lens, const at::Tensor& block_tables, double scale);
+                                   const at::Tensor& cached_lens, const at::Tensor& block_tables, double scale,
+                                   bool tiles);
+bool prefill_attention_amx();
 
 // Every kernel runs without the GIL (as torch's own ops do), so a server's event-loop thread
 // keeps serving while the engine thread is inside one.
@@ -216,6 +218,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (see kernels/cpu.py)", no_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal paged attention of all the prefill chunks of a step (see kernels/cpu.py)", no_gil());
+  m.def("prefill_attention_amx", &prefill_attention_amx,
+        "whether bfloat16 prefill attention can run on AMX tiles (built in, and the OS grants the tile state)");
   m.def("lora_segments", &lora_segments, "segmented LoRA shrink + expand (see kernels/cpu.py)", no_gil());
   m.def("lora_grouped_gemm", &lora_grouped_gemm,
         "whether long LoRA segments run as MKL grouped GEMMs (enable=False forces the ATen fallback)");

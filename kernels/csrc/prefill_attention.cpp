@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "prefill_attention_amx.h"
 #include "simd16.h"
 #include "simd8.h"
 
@@ -236,8 +237,17 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
 
 }  // namespace
 
+bool prefill_attention_amx() {
+#if defined(LORASERVE_PREFILL_AMX)
+  return loraserve_amx::amx_permitted();
+#else
+  return false;
+#endif
+}
+
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& query_starts,
-                                   const at::Tensor& cached_lens, const at::Tensor& block_tables, double scale) {
+                                   const at::Tensor& cached_lens, const at::Tensor& block_tables, double scale,
+                                   bool tiles) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [num_tokens, heads, head_dim]");
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "kv must be [num_pages, 2, block_size, kv_heads, head_dim]");
   TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == kv.size(4), "kv rows must be contiguous");
@@ -263,6 +273,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
                                            max_blocks, kv.size(2), kv.size(0));
   }
   at::Tensor out = at::empty_like(query);
+#if defined(LORASERVE_PREFILL_AMX)
+  if (tiles && query.scalar_type() == at::kBFloat16 && prefill_attention_amx()) {
+    loraserve_prefill_amx::prefill(query, kv, starts, cached, block_tables, scale, out);
+    return out;
+  }
+#endif
   switch (query.scalar_type()) {
     case at::kFloat:
       prefill_impl<float>(query, kv, starts, cached, block_tables, scale, out);
