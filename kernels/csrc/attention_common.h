@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include <c10/util/Exception.h>
 
@@ -66,6 +67,23 @@ inline void check_block_table(int64_t s, int64_t context, const int64_t* row, in
     TORCH_CHECK(row[b] >= 0 && row[b] < num_pages, "sequence ", s, " block ", b, ": page ", row[b],
                 " is outside the pool of ", num_pages);
   }
+}
+
+// A prefill work item: rows [row0, row0 + rows) of chunk `seq` (rows starts[seq] .. starts[seq + 1]
+// of the query) for one KV head and the query heads of its group.
+struct PrefillItem {
+  int64_t seq, kv_head, row0, rows;
+};
+
+// Every chunk's rows in items of up to `item_rows`, per KV head.
+inline std::vector<PrefillItem> prefill_items(const std::vector<int64_t>& starts, int64_t num_kv_heads,
+                                              int64_t item_rows) {
+  std::vector<PrefillItem> items;
+  for (int64_t s = 0; s + 1 < static_cast<int64_t>(starts.size()); ++s)
+    for (int64_t g = 0; g < num_kv_heads; ++g)
+      for (int64_t r = 0; r < starts[s + 1] - starts[s]; r += item_rows)
+        items.push_back({s, g, r, std::min(item_rows, starts[s + 1] - starts[s] - r)});
+  return items;
 }
 
 // Pages are a few KB: the hardware prefetchers lose the stream at every page boundary, so each

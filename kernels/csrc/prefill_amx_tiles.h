@@ -79,70 +79,53 @@ inline void pack_values(const Rows& rows, int64_t j0, int64_t num, int64_t head_
   }
 }
 
-// scores[0:16, 0:16 n_tiles] = q (16 vectors) @ keys^T, from the packed tiles.
-inline void score_tiles(const uint16_t* q, int64_t terms_pad, const uint32_t* k, int64_t n_tiles, float* scores) {
-  const int64_t q_stride = terms_pad * 2, s_stride = kBlockKeys * 4, chunks = terms_pad / kTileTerms;
+// c[0:16, 16 t : 16 t + 16] = sum over chunks ch of A_ch @ B_ch,t for the output tiles t < n (<= 4):
+// A_ch the 16 rows x 32 bfloat16 at a + 32 ch (rows a_stride elements apart), B_ch,t the packed
+// tile (1 KiB) at b + ch * b_chunk + t (in tiles); rows of c c_stride floats apart.
+inline void tile_products(const uint16_t* a, int64_t a_stride, const char* b, int64_t b_chunk, int64_t chunks,
+                          int64_t n, float* c, int64_t c_stride) {
+  constexpr int64_t kTileBytes = 1024;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t c = 0; c < chunks; ++c) {
-    const uint32_t* kc = k + c * kKeyTiles * kTileWords;
-    _tile_loadd(4, q + c * kTileTerms, q_stride);
-    _tile_loadd(5, kc, 64);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const char* bt = b + ch * b_chunk * kTileBytes;
+    _tile_loadd(4, a + ch * kTileTerms, a_stride * 2);
+    _tile_loadd(5, bt, 64);
     _tile_dpbf16ps(0, 4, 5);
-    if (n_tiles > 1) {
-      _tile_loadd(6, kc + kTileWords, 64);
+    if (n > 1) {
+      _tile_loadd(6, bt + kTileBytes, 64);
       _tile_dpbf16ps(1, 4, 6);
     }
-    if (n_tiles > 2) {
-      _tile_loadd(7, kc + 2 * kTileWords, 64);
+    if (n > 2) {
+      _tile_loadd(7, bt + 2 * kTileBytes, 64);
       _tile_dpbf16ps(2, 4, 7);
     }
-    if (n_tiles > 3) {
-      _tile_loadd(5, kc + 3 * kTileWords, 64);
+    if (n > 3) {
+      _tile_loadd(5, bt + 3 * kTileBytes, 64);
       _tile_dpbf16ps(3, 4, 5);
     }
   }
-  _tile_stored(0, scores, s_stride);
-  if (n_tiles > 1) _tile_stored(1, scores + 16, s_stride);
-  if (n_tiles > 2) _tile_stored(2, scores + 32, s_stride);
-  if (n_tiles > 3) _tile_stored(3, scores + 48, s_stride);
+  _tile_stored(0, c, c_stride * 4);
+  if (n > 1) _tile_stored(1, c + 16, c_stride * 4);
+  if (n > 2) _tile_stored(2, c + 32, c_stride * 4);
+  if (n > 3) _tile_stored(3, c + 48, c_stride * 4);
 }
 
-// partial[0:16, 0:cols_pad] = probs (16 x 32 k_chunks keys) @ the packed values.
+// scores[0:16, 0:16 n_tiles] = q (16 vectors, terms_pad apart) @ keys^T, from pack_keys' tiles.
+inline void score_tiles(const uint16_t* q, int64_t terms_pad, const uint32_t* k, int64_t n_tiles, float* scores) {
+  tile_products(q, terms_pad, reinterpret_cast<const char*>(k), kKeyTiles, terms_pad / kTileTerms, n_tiles, scores,
+                kBlockKeys);
+}
+
+// partial[0:16, 0:16 col_tiles] = probs (16 x 32 k_chunks keys) @ values, from pack_values' tiles.
 inline void value_tiles(const uint16_t* probs, const uint16_t* v, int64_t k_chunks, int64_t col_tiles,
                         float* partial) {
-  const int64_t p_stride = kBlockKeys * 2, o_stride = col_tiles * 16 * 4, tile_elems = 2 * kTileWords;
+  const char* tiles = reinterpret_cast<const char*>(v);
   for (int64_t ct0 = 0; ct0 < col_tiles; ct0 += kPassTiles) {
-    const int64_t n = std::min(kPassTiles, col_tiles - ct0);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kc = 0; kc < k_chunks; ++kc) {
-      const uint16_t* vt = v + (kc * col_tiles + ct0) * tile_elems;
-      _tile_loadd(4, probs + kc * 32, p_stride);
-      _tile_loadd(5, vt, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      if (n > 1) {
-      _tile_loadd(6, vt + tile_elems, 64);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-      if (n > 2) {
-      _tile_loadd(7, vt + 2 * tile_elems, 64);
-      _tile_dpbf16ps(2, 4, 7);
-    }
-      if (n > 3) {
-      _tile_loadd(5, vt + 3 * tile_elems, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    }
-    float* o = partial + ct0 * 16;
-    _tile_stored(0, o, o_stride);
-    if (n > 1) _tile_stored(1, o + 16, o_stride);
-    if (n > 2) _tile_stored(2, o + 32, o_stride);
-    if (n > 3) _tile_stored(3, o + 48, o_stride);
+    tile_products(probs, kBlockKeys, tiles + ct0 * 1024, col_tiles, k_chunks, std::min(kPassTiles, col_tiles - ct0),
+                  partial + ct0 * 16, col_tiles * 16);
   }
 }
 

@@ -88,10 +88,6 @@ inline void store_v(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
 constexpr int64_t kQueryBlock = 64;  // query rows per work item (the gathered keys and values serve them all)
 constexpr int64_t kVecBlock = 6;     // query vectors whose scores and outputs are computed together
 
-struct WorkItem {
-  int64_t seq, kv_head, row0, rows;
-};
-
 template <typename scalar_t>
 void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vector<int64_t>& starts,
                   const std::vector<int64_t>& cached, const at::Tensor& block_tables, double scale, at::Tensor& out) {
@@ -105,11 +101,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
 
-  std::vector<WorkItem> items;
-  for (int64_t s = 0; s + 1 < static_cast<int64_t>(starts.size()); ++s)
-    for (int64_t g = 0; g < num_kv_heads; ++g)
-      for (int64_t r = 0; r < starts[s + 1] - starts[s]; r += kQueryBlock)
-        items.push_back({s, g, r, std::min(kQueryBlock, starts[s + 1] - starts[s] - r)});
+  const std::vector<loraserve_attention::PrefillItem> items =
+      loraserve_attention::prefill_items(starts, num_kv_heads, kQueryBlock);
 
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_items)));
@@ -121,7 +114,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
     std::vector<VecF> sums(vecs);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item_index = 0; item_index < num_items; ++item_index) {
-      const WorkItem item = items[item_index];
+      const loraserve_attention::PrefillItem item = items[item_index];
       const int64_t first_row = starts[item.seq] + item.row0, num_cached = cached[item.seq];
       const int64_t* table = tables + item.seq * max_blocks;
       for (int64_t i = 0; i < item.rows; ++i)

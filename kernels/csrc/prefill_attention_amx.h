@@ -25,7 +25,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -144,11 +143,8 @@ inline void prefill(const at::Tensor& query, const at::Tensor& kv, const std::ve
   const int64_t vectors_pad = padded(kItemRows * group, kTileRows);
   const float fscale = static_cast<float>(scale);
 
-  std::vector<std::array<int64_t, 4>> items;  // (sequence, KV head, first row, rows)
-  for (int64_t s = 0; s + 1 < static_cast<int64_t>(starts.size()); ++s)
-    for (int64_t g = 0; g < num_kv_heads; ++g)
-      for (int64_t r = 0; r < starts[s + 1] - starts[s]; r += kItemRows)
-        items.push_back({s, g, r, std::min(kItemRows, starts[s + 1] - starts[s] - r)});
+  const std::vector<loraserve_attention::PrefillItem> items =
+      loraserve_attention::prefill_items(starts, num_kv_heads, kItemRows);
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_items)));
 #pragma omp parallel num_threads(num_threads)
