@@ -1,6 +1,6 @@
 """bfloat16 prefill attention on AMX tiles (kernels/csrc/prefill_attention_amx.h) and on the vector
 loops (``tiles=False``), against the float32 reference (kernels/paged_attention.py), over head
-shapes (grouped, multi-head, multi-query, head_dim 16, 24, 32 and 64) and chunks that start on
+shapes (grouped, multi-head, multi-query, head_dim 16 to 256) and chunks that start on
 cached prefixes, cross the 64-row work items and the 64-key steps of the walk, and end inside a
 16-vector tile. The tiles round the probabilities once to bfloat16: their error may exceed the
 output's own rounding, but only by a little (a probability left unnormalised, a key left out or a
@@ -39,8 +39,13 @@ def test_the_tiles_are_used_where_the_cpu_has_them() -> None:
     assert cpu.prefill_attention_amx() is has_amx
 
 
+# and head_dim 80, 128 and 256: the values' product in more than one pass of 64 columns
+HEAD_CASES = [*ATTENTION_CASES, (4, 1, 80, 8), (8, 2, 128, 16), (2, 2, 256, 16)]
+HEAD_IDS = [*ATTENTION_IDS, "head-dim-80", "head-dim-128", "head-dim-256"]
+
+
 @pytest.mark.parametrize("tiles", WAYS)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), ATTENTION_CASES, ids=ATTENTION_IDS)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), HEAD_CASES, ids=HEAD_IDS)
 def test_bfloat16_prefill_attention_is_near_the_float32_reference(
     num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, tiles: bool
 ) -> None:
