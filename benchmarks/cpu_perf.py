@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tqdm.auto import tqdm
 
 from benchmarks._workload import Workload, adapter_name, add_workload_args, check_workload_args, ensure_adapters
-from loraserve.config import CPU_GEMM_CHOICES, CPU_LORA_CHOICES
+from loraserve.config import CPU_GEMM_CHOICES, CPU_TILE_CHOICES
 from loraserve.lora.tile_choice import LoRAKernelPlan
 
 TARGET_LORA_VS_BASE = 0.85  # (b)/(a): LoRA tok/s at least this share of the base model's
@@ -343,8 +343,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--memory-budget-mb", type=int, default=None, help="loraserve page pool size (default: the engine's)")
     add("--max-num-batched-tokens", type=int, default=None, help="loraserve's tokens a step (default: the engine's)")
     add("--cpu-gemm", choices=CPU_GEMM_CHOICES, default="auto", help="loraserve's GEMM kernel (default auto: timed)")
-    add("--cpu-lora", choices=CPU_LORA_CHOICES, default="auto",
+    add("--cpu-lora", choices=CPU_TILE_CHOICES, default="auto",
         help="loraserve's LoRA of 3+ token segments in bfloat16: amx or vector (default auto: timed)")  # fmt: skip
+    add("--cpu-prefill-attention", choices=CPU_TILE_CHOICES, default="auto",
+        help="loraserve's bfloat16 prefill attention: amx or vector (default auto: timed)")  # fmt: skip
     add("--peft-batch", type=int, default=16, help="PEFT mixed-adapter batch size (default 16)")
     add("--no-peft", action="store_true", help="skip PEFT (c)")
     add("--rounds", type=int, default=4, help="interleaved rounds, (c) on 1/rounds of the requests in each (default 4)")
@@ -372,11 +374,13 @@ def main(argv: list[str] | None = None) -> None:
     info = {**machine_info(), "dtype": args.dtype}
     options = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype, "num_threads": args.threads,
                "memory_budget_mb": args.memory_budget_mb, "cpu_gemm": args.cpu_gemm,
-               "cpu_lora": args.cpu_lora,
+               "cpu_lora": args.cpu_lora, "cpu_prefill_attention": args.cpu_prefill_attention,
                "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     llm = LLM(**{k: v for k, v in options.items() if v is not None})
     info["cpu_gemm"] = llm.engine.gemm_plan.as_dict()
     info["lora_segments"] = lora_segments_kernel(llm.engine.lora_plan)
+    plan = llm.engine.attention_plan
+    info["prefill_attention"] = f"{plan.as_dict()['kernel']} ({plan.source})" if plan is not None else "torch"
     info["max_num_batched_tokens"] = llm.engine.config.step_token_budget
     for name, path in adapters:
         llm.add_adapter(name, path)

@@ -25,7 +25,7 @@ KV_ALLOCATIONS = ("paged", "reserve")  # when a request's KV pages are taken
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # see loraserve/kernel_backend.py
 # "auto" or a GemmKernel (models/packed_linear.py)
 CPU_GEMM_CHOICES = ("auto", "panels", "onednn", "torch", "dot", "amx")
-CPU_LORA_CHOICES = ("auto", "amx", "vector")  # lora/tile_choice.py
+CPU_TILE_CHOICES = ("auto", "amx", "vector")  # lora/tile_choice.py, models/attention_choice.py
 
 
 class ConfigError(ValueError):
@@ -51,6 +51,8 @@ class EngineConfig:
     ``cpu_lora``: under the ``cpu`` backend with a bfloat16 pool on a CPU with AMX, whether LoRA
     segments of 3 or more tokens run on AMX tiles: ``auto`` (timed per segment length on this CPU at
     start, cached per CPU kind), ``amx`` (always; an error without AMX) or ``vector`` (never).
+    ``cpu_prefill_attention``: the same choice for the prefill attention of a bfloat16 model
+    (``auto``: timed on the model's head shape at start, cached per CPU kind).
     ``max_lora_rank`` and ``max_adapters``: the largest adapter rank, and the most adapters, the
     registry accepts (an operator's limits; there is no rank limit in the design).
     ``adapter_region``: ``unified`` (adapters take pages from the one pool the KV cache uses, any
@@ -87,6 +89,7 @@ class EngineConfig:
     kernels: str = "auto"
     cpu_gemm: str = "auto"
     cpu_lora: str = "auto"
+    cpu_prefill_attention: str = "auto"
     enforce_eager: bool = False
     adapter_decode_path: str = "auto"
     max_lora_rank: int = 512
@@ -162,7 +165,11 @@ class EngineConfig:
             torch.device(self.device)
         except RuntimeError as error:
             raise ConfigError(f"device {self.device!r} is not a valid torch device: {error}") from None
-        cpu_options = (("cpu_gemm", self.cpu_gemm, CPU_GEMM_CHOICES), ("cpu_lora", self.cpu_lora, CPU_LORA_CHOICES))
+        cpu_options = (
+            ("cpu_gemm", self.cpu_gemm, CPU_GEMM_CHOICES),
+            ("cpu_lora", self.cpu_lora, CPU_TILE_CHOICES),
+            ("cpu_prefill_attention", self.cpu_prefill_attention, CPU_TILE_CHOICES),
+        )
         for name, value, choices in cpu_options:  # the compiled CPU backend's kernel choices
             _require(value in choices, f"{name} must be one of {choices}, got {value!r}")
             _require(

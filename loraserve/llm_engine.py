@@ -32,6 +32,7 @@ from loraserve.lora.layout import max_rank_pages
 from loraserve.lora.residency import AdapterManager
 from loraserve.lora.tile_choice import LoRAKernelPolicy, lora_hook_factory
 from loraserve.model_runner import ModelRunner, PageLayout
+from loraserve.models.attention_choice import AttentionShape, PrefillAttentionPolicy, prefill_attention_kernels
 from loraserve.models.gemm_choice import GemmPolicy
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
 from loraserve.outputs import RequestOutput
@@ -82,6 +83,15 @@ class LLMEngine:
             )
         elif config.cpu_gemm != "auto":
             raise ConfigError(f"cpu_gemm={config.cpu_gemm!r} needs the compiled CPU kernels (kernels 'cpu')")
+        # Where the compiled prefill attention can use AMX tiles: whether it does, timed or cached.
+        model_kernels, self.attention_plan = prefill_attention_kernels(
+            self.kernels.name,
+            self.kernels.model,
+            AttentionShape.of_model(self.hf_config, config.block_size),
+            config.torch_dtype,
+            config.step_token_budget,
+            PrefillAttentionPolicy(config.cpu_prefill_attention, cache_root() / "cpu_attention"),
+        )
         decode_graphs = self.kernels.decode_graphs and not config.enforce_eager
         if config.adapter_decode_path != "auto" and not decode_graphs:
             raise ConfigError(
@@ -95,7 +105,7 @@ class LLMEngine:
             self.hf_config,
             config.torch_dtype,
             self.device,
-            self.kernels.model,
+            model_kernels,
             gemm_policy,
             max_positions=self.max_model_len,
         )
@@ -295,6 +305,7 @@ class LLMEngine:
             prefix_cache_blocks=len(index) if index is not None else 0,
             cpu_gemm=self.gemm_plan.as_dict() if self.gemm_plan.choices else {},
             cpu_lora=self.lora_plan.as_dict() if self.lora_plan is not None else {},
+            cpu_prefill_attention=self.attention_plan.as_dict() if self.attention_plan is not None else {},
             kernel_fallbacks=self.kernel_fallbacks,
             num_kv_tokens=sum(seq.num_computed_tokens for seq in running),
             num_running_adapters=len({seq.adapter_id for seq in running if seq.adapter_id is not None}),

@@ -33,6 +33,7 @@ class EngineStats:
     prefix_cache_blocks: int = 0
     cpu_gemm: dict[str, object] = field(default_factory=dict)  # GemmPlan.as_dict(); empty when not packed
     cpu_lora: dict[str, object] = field(default_factory=dict)  # LoRAKernelPlan.as_dict(); empty off the CPU kernel
+    cpu_prefill_attention: dict[str, object] = field(default_factory=dict)  # PrefillAttentionPlan.as_dict(); ditto
     kernel_fallbacks: tuple[str, ...] = ()  # compiled kernels on a slower fallback (a library symbol missing)
     registry_up: bool = True  # the adapter registry answers and its changes are followed
     num_kv_tokens: int = 0  # tokens whose KV the running sequences hold (KV utilisation: / kv pages' slots)

@@ -89,6 +89,9 @@ def test_health_models_and_openapi(http: httpx.Client, client: openai.OpenAI) ->
                 assert f'loraserve_cpu_gemm_kernel{{kernel="{kernel}",rows="{rows}",shape="{shape}"}} 1.0' in metrics
         lora = health["cpu_lora"]  # float32 or a CPU without AMX: never the tiles; else timed or cached
         assert lora["source"] in ("no tiles", "measured", "cached", "disturbed") and len(lora["segment_tokens"]) == 8
+        attention = health["cpu_prefill_attention"]  # the same for the prefill attention
+        assert attention["source"] in ("no tiles", "measured", "cached", "disturbed")
+        assert attention["kernel"] in ("amx", "vector")
         fallback = int("lora_grouped_gemm" in health.get("kernel_fallbacks", []))  # 0 with torch's MKL
         assert f'loraserve_kernel_fallback{{kernel="lora_grouped_gemm"}} {fallback}.0' in metrics
     assert [model.id for model in client.models.list()] == [MODEL]

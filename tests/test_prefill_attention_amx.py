@@ -85,3 +85,29 @@ def test_the_tiles_read_only_each_chunks_own_pages() -> None:
             0.125,
         )
         assert torch.equal(alone, together[rows]), s
+
+
+@pytest.mark.parametrize("tiles", WAYS)
+def test_steps_and_chunks_without_query_rows(tiles: bool) -> None:
+    """A step with no prefill rows gives an empty output; a chunk without rows between others
+    leaves its neighbours' outputs as they are alone."""
+    kv, tables = make_paged([70, 8, 20], 3, 64, 16, torch.bfloat16, seed=10)
+    none = torch.zeros(0, 9, 64, dtype=torch.bfloat16)
+    empty = cpu.paged_prefill_attention(
+        none, kv, torch.tensor([0]), torch.zeros(0, dtype=torch.long), tables[:0], 0.125, tiles=tiles
+    )
+    assert empty.shape == (0, 9, 64)
+    query = torch.randn(70 + 12, 9, 64, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    cached = torch.tensor([0, 8, 8])
+    out = cpu.paged_prefill_attention(query, kv, torch.tensor([0, 70, 70, 82]), cached, tables, 0.125, tiles=tiles)
+    for rows, s in ((slice(0, 70), 0), (slice(70, 82), 2)):
+        alone = cpu.paged_prefill_attention(
+            query[rows],
+            kv,
+            torch.tensor([0, rows.stop - rows.start]),
+            cached[s : s + 1],
+            tables[s : s + 1],
+            0.125,
+            tiles=tiles,
+        )
+        assert torch.equal(out[rows], alone), s

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loraserve.config import CPU_GEMM_CHOICES, CPU_LORA_CHOICES, DTYPES, KERNEL_CHOICES, EngineConfig
+from loraserve.config import CPU_GEMM_CHOICES, CPU_TILE_CHOICES, DTYPES, KERNEL_CHOICES, EngineConfig
 from loraserve.decode_path import ADAPTER_DECODE_PATHS
 from loraserve.entrypoints.startup_heap import freeze_startup_objects
 
@@ -68,9 +68,17 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
         "--cpu-lora",
         "cpu_lora",
         str,
-        f"LoRA of 3+ token segments over a bfloat16 pool on a CPU with AMX, one of {CPU_LORA_CHOICES}: amx "
+        f"LoRA of 3+ token segments over a bfloat16 pool on a CPU with AMX, one of {CPU_TILE_CHOICES}: amx "
         "(tiles), vector (vector loops and MKL); default auto: timed per segment length at the first start, "
         "cached per CPU kind",
+    ),
+    (
+        "--cpu-prefill-attention",
+        "cpu_prefill_attention",
+        str,
+        f"prefill attention of a bfloat16 model on a CPU with AMX, one of {CPU_TILE_CHOICES}: amx (tiles), "
+        "vector (vector loops); default auto: timed on the model's head shape at the first start, cached per "
+        "CPU kind",
     ),
     (
         "--adapter-decode-path",

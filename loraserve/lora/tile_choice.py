@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from loraserve.choice_file import ChoiceFile, build_key
-from loraserve.config import CPU_LORA_CHOICES, ConfigError
+from loraserve.config import CPU_TILE_CHOICES, ConfigError
 from loraserve.kernel_backend import KernelBackend
 from loraserve.kernels import cpu, cpu_features
 from loraserve.lora.apply_torch import PerBatchLoRAHook
@@ -53,8 +53,8 @@ class LoRAKernelPolicy:
     cache_dir: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.kernel not in CPU_LORA_CHOICES:
-            raise ValueError(f"cpu_lora must be one of {CPU_LORA_CHOICES}, got {self.kernel!r}")
+        if self.kernel not in CPU_TILE_CHOICES:
+            raise ValueError(f"cpu_lora must be one of {CPU_TILE_CHOICES}, got {self.kernel!r}")
 
 
 @dataclass(frozen=True)
