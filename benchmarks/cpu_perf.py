@@ -300,7 +300,8 @@ def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs:
         f"Workload: {work.describe(args)}; loraserve max_num_seqs={args.max_num_seqs}",
         f"loraserve's CPU GEMM ({info['cpu_gemm']['source']}, kernel per row bucket): "
         + "; ".join(f"{shape} {'/'.join(by_rows.values())}" for shape, by_rows in info["cpu_gemm"]["layers"].items()),
-        f"loraserve's LoRA kernel for segments of 3+ tokens: {info['lora_segments']}",
+        f"loraserve's LoRA kernel for segments of 3+ tokens: {info['lora_segments']}; prefill attention: "
+        f"{info['prefill_attention']}",
         "",
     ]
     rows = [[r.system, str(r.requests), str(r.tokens), f"{r.wall_s:.1f}", f"{r.tok_s:.1f}", f"{r.cpu_s / r.wall_s:.2f}"]
