@@ -7,14 +7,14 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import logging
 from pathlib import Path
 
 import pytest
 import torch
-from fixed_load import BusyLoad, QuietLoad
+from fixed_load import QuietLoad
 from loraserve.kernels import cpu, cpu_features
 
+from loraserve import timed_choice
 from loraserve.config import ConfigError, EngineConfig
 from loraserve.models import attention_choice
 from loraserve.models.attention_choice import (
@@ -68,7 +68,7 @@ def test_other_dtypes_and_forced_ways_need_no_timing_and_amx_is_refused_where_it
 
 @needs_tiles
 def test_the_tiles_are_timed_then_read_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention_choice, "OtherLoad", QuietLoad)
+    monkeypatch.setattr(timed_choice, "OtherLoad", QuietLoad)
     monkeypatch.setattr(attention_choice, "_DISTURBED", {})  # this test's own memory of disturbed timings
     plan = choose_prefill_attention(SHAPE, torch.bfloat16, ROWS, PrefillAttentionPolicy(cache_dir=tmp_path))
     assert plan.source == "measured" and plan.seconds > 0
@@ -107,29 +107,6 @@ def test_the_timed_steps_are_the_model_s_shape(monkeypatch: pytest.MonkeyPatch) 
     assert chunk == ((300, 6, 32), (0, 300), (attention_choice.CACHED_TOKENS,))
     kv = calls[-1][0][1]
     assert kv.dtype == torch.bfloat16 and tuple(kv.shape[1:]) == (2, 16, 2, 32)  # type: ignore[union-attr]
-
-
-@needs_tiles
-def test_a_disturbed_timing_serves_the_process_but_is_not_cached(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(attention_choice, "OtherLoad", BusyLoad)
-    monkeypatch.setattr(attention_choice, "_DISTURBED", {})
-    timings = []
-    real = attention_choice.time_both_ways
-
-    def counting(*args: object) -> dict[str, list[float]]:
-        timings.append(args)
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(attention_choice, "time_both_ways", counting)
-    with caplog.at_level(logging.WARNING):
-        plan = choose_prefill_attention(SHAPE, torch.bfloat16, ROWS, PrefillAttentionPolicy(cache_dir=tmp_path))
-    assert plan.source == "disturbed" and len(timings) == 2  # timed again once
-    assert "prefill attention timing was disturbed (other processes kept 1.0 CPUs busy)" in caplog.text
-    assert not (tmp_path / f"{cpu_features.signature()}.json").exists()
-    again = choose_prefill_attention(SHAPE, torch.bfloat16, ROWS, PrefillAttentionPolicy(cache_dir=tmp_path))
-    assert (again.source, again.tiles) == ("disturbed", plan.tiles) and len(timings) == 2
 
 
 def test_the_option_is_validated_and_applies_only_to_the_cpu_backend() -> None:

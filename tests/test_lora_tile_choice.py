@@ -5,15 +5,15 @@ engine's hook and ``/health`` following it."""
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
 import torch
 from amx_marks import needs_amx
-from fixed_load import BusyLoad, QuietLoad
+from fixed_load import QuietLoad
 from loraserve.kernels import cpu, cpu_features
 
+from loraserve import timed_choice
 from loraserve.config import ConfigError, EngineConfig
 from loraserve.lora import tile_choice
 from loraserve.lora.tile_choice import LoRAKernelPolicy, choose_lora_kernels, group_shapes
@@ -59,7 +59,7 @@ def test_float32_and_forced_ways_need_no_timing_and_amx_is_refused_where_it_cann
 def test_the_tiles_are_timed_per_length_class_then_read_from_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tile_choice, "OtherLoad", QuietLoad)
+    monkeypatch.setattr(timed_choice, "OtherLoad", QuietLoad)
     monkeypatch.setattr(tile_choice, "_DISTURBED", {})  # this test's own memory of disturbed timings
     plan = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert plan.source == "measured" and plan.seconds > 0
@@ -75,29 +75,6 @@ def test_the_tiles_are_timed_per_length_class_then_read_from_the_cache(
     other = choose_lora_kernels(wider, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert other.source == "measured" and other.seconds > 0
     assert len(json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())) == 2
-
-
-@needs_amx
-def test_a_disturbed_timing_serves_the_process_but_is_not_cached(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(tile_choice, "OtherLoad", BusyLoad)
-    monkeypatch.setattr(tile_choice, "_DISTURBED", {})
-    timings = []
-    real = tile_choice.time_both_ways
-
-    def counting(*args: object) -> dict[str, list[float]]:
-        timings.append(args)
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(tile_choice, "time_both_ways", counting)
-    with caplog.at_level(logging.WARNING):
-        plan = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
-    assert plan.source == "disturbed" and len(timings) == 2  # timed again once
-    assert "LoRA tile timing was disturbed (other processes kept 1.0 CPUs busy)" in caplog.text
-    assert not (tmp_path / f"{cpu_features.signature()}.json").exists()
-    again = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
-    assert (again.source, again.tiles) == ("disturbed", plan.tiles) and len(timings) == 2
 
 
 def test_the_option_is_validated_and_applies_only_to_the_cpu_backend() -> None:

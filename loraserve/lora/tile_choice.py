@@ -19,25 +19,24 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from loraserve.choice_file import ChoiceFile, build_key
-from loraserve.config import CPU_TILE_CHOICES, ConfigError
+from loraserve.config import ConfigError
 from loraserve.kernel_backend import KernelBackend
 from loraserve.kernels import cpu, cpu_features
 from loraserve.lora.apply_torch import PerBatchLoRAHook
 from loraserve.lora.layout import LORA_GROUPS
-from loraserve.models.cpu_load import OtherLoad, best_alternating_passes
+from loraserve.models.cpu_load import best_alternating_passes
+from loraserve.timed_choice import TilePolicy, timed_choice
 
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
 RANKS = (64, 16, 32, 8) * 2  # the timed adapters' ranks, in the order segments take them
 TIE_TOLERANCE = 0.03  # the tiles must be this much faster to be kept (noise between passes)
-TIMING_ATTEMPTS = 2  # a timing disturbed by other processes is repeated once
 MAX_LAYERS, LAYER_BYTES = 8, 64 * 2**20  # layers of distinct weights per group, within this many bytes
 MAX_TOKENS = 768  # tokens of one timed call (segments of a class: up to 8 adapters)
 
@@ -45,16 +44,10 @@ _DISTURBED: dict[str, tuple[bool, ...]] = {}  # choices timed under load in this
 
 
 @dataclass(frozen=True)
-class LoRAKernelPolicy:
-    """``kernel``: ``auto`` (timed, cached under ``cache_dir``; None: timed at every start),
-    ``amx`` (the tiles for every length; needs them) or ``vector`` (never the tiles)."""
+class LoRAKernelPolicy(TilePolicy):
+    """``TilePolicy`` of ``--cpu-lora``: ``amx`` puts every segment length on the tiles."""
 
-    kernel: str = "auto"
-    cache_dir: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.kernel not in CPU_TILE_CHOICES:
-            raise ValueError(f"cpu_lora must be one of {CPU_TILE_CHOICES}, got {self.kernel!r}")
+    OPTION: ClassVar[str] = "cpu_lora"
 
 
 @dataclass(frozen=True)
@@ -129,41 +122,27 @@ def choose_lora_kernels(
     bounds = cpu.lora_tile_length_bounds()
     num_classes = len(bounds) + 1
     has_tiles = dtype == torch.bfloat16 and cpu.lora_amx()
-    if policy.kernel == "amx" and not has_tiles:
-        raise ValueError(
-            "cpu_lora='amx' needs a bfloat16 pool on a CPU with AMX tiles (amx_bf16, avx512_bf16) that the OS "
-            f"grants; this is {dtype} on {cpu_features.summary()}"
-        )
-    if not has_tiles or policy.kernel != "auto":
-        on = policy.kernel == "amx"
-        return LoRAKernelPlan((on,) * num_classes, bounds, "forced" if policy.kernel != "auto" else "no tiles")
+    untimed = policy.untimed(has_tiles, dtype, "a bfloat16 pool")
+    if untimed is not None:
+        return LoRAKernelPlan((untimed[0],) * num_classes, bounds, untimed[1])
     what = "bfloat16 " + " ".join(f"{i}->{'+'.join(map(str, o))}" for i, o in shapes)
-    key = build_key(what, CACHE_FORMAT)
-    cache = ChoiceFile(policy.cache_dir, "LoRA tile")
-    cached = cache.get(key)
-    if isinstance(cached, dict) and isinstance(cached.get("tiles"), list) and len(cached["tiles"]) == num_classes:
-        return LoRAKernelPlan(tuple(bool(t) for t in cached["tiles"]), bounds, "cached", ms=cached.get("ms", {}))
-    if policy.cache_dir is not None and key in _DISTURBED:
-        return LoRAKernelPlan(_DISTURBED[key], bounds, "disturbed")
-    start = time.perf_counter()
-    for _ in range(TIMING_ATTEMPTS):
-        with OtherLoad() as load:
-            times = time_both_ways(shapes, page_elems, [_middle(c, bounds) for c in range(num_classes)])
-        if not load.disturbed:
-            break
-    tiles = tuple(t < v * (1 - TIE_TOLERANCE) for t, v in zip(times["amx"], times["vector"], strict=True))
-    ms = {way: [round(t * 1e3, 3) for t in ts] for way, ts in times.items()}
-    seconds = time.perf_counter() - start
-    if load.disturbed:
-        logger.warning(
-            "the LoRA tile timing was disturbed (other processes kept %.1f CPUs busy): its choice serves this "
-            "process and is timed again at the next start",
-            load.cores,
-        )
-        _DISTURBED[key] = tiles
-        return LoRAKernelPlan(tiles, bounds, "disturbed", seconds, ms)
-    cache.put(key, {"tiles": list(tiles), "ms": ms, "cpu": cpu_features.summary()})
-    return LoRAKernelPlan(tiles, bounds, "measured", seconds, ms)
+    lengths = [_middle(c, bounds) for c in range(num_classes)]
+
+    def decide(times: dict[str, list[float]]) -> tuple[bool, ...]:  # the tiles where more than a tie faster
+        return tuple(t < v * (1 - TIE_TOLERANCE) for t, v in zip(times["amx"], times["vector"], strict=True))
+
+    def read(tiles: Any) -> tuple[bool, ...] | None:
+        return tuple(bool(t) for t in tiles) if isinstance(tiles, list) and len(tiles) == num_classes else None
+
+    choice = timed_choice(
+        ChoiceFile(policy.cache_dir, "LoRA tile"),
+        build_key(what, CACHE_FORMAT),
+        _DISTURBED,
+        lambda: time_both_ways(shapes, page_elems, lengths),
+        decide,
+        read,
+    )
+    return LoRAKernelPlan(choice.value, bounds, choice.source, choice.seconds, choice.ms)
 
 
 def _middle(length_class: int, bounds: tuple[int, ...]) -> int:

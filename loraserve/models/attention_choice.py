@@ -17,23 +17,22 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from loraserve.choice_file import ChoiceFile, build_key
-from loraserve.config import CPU_TILE_CHOICES, ConfigError
+from loraserve.config import ConfigError
 from loraserve.kernels import cpu, cpu_features
-from loraserve.models.cpu_load import OtherLoad, best_alternating_passes
+from loraserve.models.cpu_load import best_alternating_passes
 from loraserve.models.llama import ModelKernels
 from loraserve.models.rope import head_dim
+from loraserve.timed_choice import TilePolicy, timed_choice
 
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
 TIE_TOLERANCE = 0.03  # the tiles must be this much faster to be kept (noise between passes)
-TIMING_ATTEMPTS = 2  # a timing disturbed by other processes is repeated once
 MAX_ROWS = 2048  # query rows of the timed full step
 CACHED_TOKENS, CHUNK_ROWS = 1536, 512  # the timed chunk over a cached prefix
 CASES = ("prompts", "chunk over cache")  # the timed steps, in the order of PrefillAttentionPlan.ms
@@ -58,16 +57,10 @@ class AttentionShape:
 
 
 @dataclass(frozen=True)
-class PrefillAttentionPolicy:
-    """``kernel``: ``auto`` (timed, cached under ``cache_dir``; None: timed at every start),
-    ``amx`` (the tiles; needs them) or ``vector`` (never the tiles)."""
+class PrefillAttentionPolicy(TilePolicy):
+    """``TilePolicy`` of ``--cpu-prefill-attention``."""
 
-    kernel: str = "auto"
-    cache_dir: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.kernel not in CPU_TILE_CHOICES:
-            raise ValueError(f"cpu_prefill_attention must be one of {CPU_TILE_CHOICES}, got {self.kernel!r}")
+    OPTION: ClassVar[str] = "cpu_prefill_attention"
 
 
 @dataclass(frozen=True)
@@ -113,43 +106,24 @@ def choose_prefill_attention(
     """The plan for ``dtype`` and a model of ``shape``, steps of up to ``max_rows`` query rows:
     forced, cached or timed."""
     has_tiles = dtype == torch.bfloat16 and cpu.prefill_attention_amx()
-    if policy.kernel == "amx" and not has_tiles:
-        raise ValueError(
-            "cpu_prefill_attention='amx' needs bfloat16 on a CPU with AMX tiles (amx_bf16, avx512_bf16) that the OS "
-            f"grants; this is {dtype} on {cpu_features.summary()}"
-        )
-    if not has_tiles or policy.kernel != "auto":
-        return PrefillAttentionPlan(policy.kernel == "amx", "forced" if policy.kernel != "auto" else "no tiles")
+    untimed = policy.untimed(has_tiles, dtype, "bfloat16")
+    if untimed is not None:
+        return PrefillAttentionPlan(*untimed)
     rows = max(1, min(max_rows, MAX_ROWS))
-    what = (
-        f"bfloat16 heads={shape.num_heads}/{shape.num_kv_heads}x{shape.head_dim} block={shape.block_size} rows={rows}"
+    what = f"bfloat16 heads={shape.num_heads}/{shape.num_kv_heads}x{shape.head_dim} block={shape.block_size}"
+
+    def decide(times: dict[str, list[float]]) -> bool:  # the tiles when more than a tie faster in all
+        return sum(times["amx"]) < sum(times["vector"]) * (1 - TIE_TOLERANCE)
+
+    choice = timed_choice(
+        ChoiceFile(policy.cache_dir, "prefill attention"),
+        build_key(f"{what} rows={rows}", CACHE_FORMAT),
+        _DISTURBED,
+        lambda: time_both_ways(shape, rows),
+        decide,
+        lambda tiles: tiles if isinstance(tiles, bool) else None,
     )
-    key = build_key(what, CACHE_FORMAT)
-    cache = ChoiceFile(policy.cache_dir, "prefill attention")
-    cached = cache.get(key)
-    if isinstance(cached, dict) and isinstance(cached.get("tiles"), bool):
-        return PrefillAttentionPlan(cached["tiles"], "cached", ms=cached.get("ms", {}))
-    if policy.cache_dir is not None and key in _DISTURBED:
-        return PrefillAttentionPlan(_DISTURBED[key], "disturbed")
-    start = time.perf_counter()
-    for _ in range(TIMING_ATTEMPTS):
-        with OtherLoad() as load:
-            times = time_both_ways(shape, rows)
-        if not load.disturbed:
-            break
-    tiles = sum(times["amx"]) < sum(times["vector"]) * (1 - TIE_TOLERANCE)
-    ms = {way: [round(t * 1e3, 3) for t in ts] for way, ts in times.items()}
-    seconds = time.perf_counter() - start
-    if load.disturbed:
-        logger.warning(
-            "the prefill attention timing was disturbed (other processes kept %.1f CPUs busy): its choice serves "
-            "this process and is timed again at the next start",
-            load.cores,
-        )
-        _DISTURBED[key] = tiles
-        return PrefillAttentionPlan(tiles, "disturbed", seconds, ms)
-    cache.put(key, {"tiles": tiles, "ms": ms, "cpu": cpu_features.summary()})
-    return PrefillAttentionPlan(tiles, "measured", seconds, ms)
+    return PrefillAttentionPlan(choice.value, choice.source, choice.seconds, choice.ms)
 
 
 def time_both_ways(shape: AttentionShape, rows: int) -> dict[str, list[float]]:
