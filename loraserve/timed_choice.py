@@ -80,7 +80,7 @@ def timed_choice(
     cached = cache.get(key)
     value = read(cached["tiles"]) if isinstance(cached, dict) and "tiles" in cached else None
     if value is not None:
-        return Timed(value, "cached", ms=cached.get("ms", {}))
+        return Timed(value, "cached", ms=_timings(cached.get("ms")))
     if cache.path is not None and key in remembered:
         return Timed(remembered[key], "disturbed")
     start = time.perf_counter()
@@ -104,3 +104,14 @@ def timed_choice(
     tiles = list(value) if isinstance(value, tuple) else value
     cache.put(key, {"tiles": tiles, "ms": ms, "cpu": cpu_features.summary()})
     return Timed(value, "measured", seconds, ms)
+
+
+def _timings(entry: Any) -> dict[str, list[float]]:
+    """A cache entry's ``ms`` as timings per way; {} where it is not that (a hand-edited file)."""
+    if not isinstance(entry, dict):
+        return {}
+    return {
+        way: [float(t) for t in ts]
+        for way, ts in entry.items()
+        if isinstance(way, str) and isinstance(ts, list) and all(isinstance(t, int | float) for t in ts)
+    }

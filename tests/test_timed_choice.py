@@ -4,6 +4,7 @@ cached, and the process remembers it instead of timing it again."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -16,10 +17,16 @@ from fixed_load import BusyLoad
 from loraserve.kernels import cpu, cpu_features
 
 from loraserve import timed_choice
+from loraserve.choice_file import ChoiceFile
 from loraserve.lora import tile_choice
 from loraserve.lora.tile_choice import LoRAKernelPolicy, choose_lora_kernels, group_shapes
 from loraserve.models import attention_choice
-from loraserve.models.attention_choice import AttentionShape, PrefillAttentionPolicy, choose_prefill_attention
+from loraserve.models.attention_choice import (
+    AttentionShape,
+    PrefillAttentionPlan,
+    PrefillAttentionPolicy,
+    choose_prefill_attention,
+)
 
 BUILT = cpu.load_extension() is not None
 pytestmark = pytest.mark.skipif(not BUILT, reason="the C++ CPU kernels could not be built")
@@ -92,3 +99,25 @@ def test_the_policies_name_their_option() -> None:
     with pytest.raises(ValueError, match="cpu_prefill_attention must be one of"):
         PrefillAttentionPolicy("tiles")
     assert PrefillAttentionPolicy("amx").kernel == "amx" and LoRAKernelPolicy().cache_dir is None
+
+
+def test_a_hand_edited_cache_entry_keeps_its_choice_and_only_its_timings_that_are_timings(tmp_path: Path) -> None:
+    file = tmp_path / f"{cpu_features.signature()}.json"
+
+    def never_timed() -> dict[str, list[float]]:
+        raise AssertionError("a cached choice is not timed again")
+
+    for ms, read_back in (
+        (["not", "per way"], {}),
+        ({"amx": [1, "2"], "vector": [3.5], "7": 4}, {"vector": [3.5]}),
+        ({"amx": [1.0, 2.0, 3.0], "vector": [0.5, 2]}, {"amx": [1.0, 2.0, 3.0], "vector": [0.5, 2.0]}),
+    ):
+        file.write_text(json.dumps({"key": {"tiles": True, "ms": ms}}))
+        choice = timed_choice.timed_choice(
+            ChoiceFile(tmp_path, "test"), "key", {}, never_timed, lambda times: False,
+            lambda tiles: tiles if isinstance(tiles, bool) else None,
+        )  # fmt: skip
+        assert (choice.value, choice.source, choice.ms) == (True, "cached", read_back)
+    # /health labels the timings by case only where there is one per case
+    shown = PrefillAttentionPlan(True, "cached", ms=choice.ms).as_dict()["ms"]
+    assert shown == {"amx": [1.0, 2.0, 3.0], "vector": {"prompts": 0.5, "chunk over cache": 2.0}}

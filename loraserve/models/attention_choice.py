@@ -80,7 +80,10 @@ class PrefillAttentionPlan:
         }
         shown["kernel"] = "amx" if self.tiles else "vector"
         if self.ms:
-            shown["ms"] = {way: dict(zip(CASES, ms, strict=True)) for way, ms in self.ms.items()}
+            # labelled by case where a (cached) entry has one timing per case, else as it is
+            shown["ms"] = {
+                way: dict(zip(CASES, ms, strict=True)) if len(ms) == len(CASES) else ms for way, ms in self.ms.items()
+            }
         return shown
 
 
