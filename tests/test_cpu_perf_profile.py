@@ -1,4 +1,4 @@
-"""benchmarks/cpu_perf.py's profiler scopes over a live engine with adapters (its decode profile)."""
+"""benchmarks/cpu_perf_profile.py's profiler scopes over a live engine with adapters (its decode profile)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from adapter_factory import make_peft_adapter
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.cpu_perf import SCOPE, profiler_scopes
+from benchmarks.cpu_perf_profile import SCOPE, profiler_scopes
 from loraserve import LLM, SamplingParams
 
 
