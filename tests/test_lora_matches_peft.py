@@ -11,6 +11,9 @@ import torch
 from adapter_factory import make_peft_model
 
 from loraserve import LLM, SamplingParams
+from loraserve.models import gemm_choice
+from loraserve.models.gemm_cache import ChoiceCache
+from loraserve.models.packed_linear import GemmKernel, PackedLinearGroup, kernels_for
 
 MAX_TOKENS = 16
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -95,6 +98,49 @@ def test_mixed_adapter_batch_matches_peft(adapters_and_reference: tuple[dict[str
     assert _run(llm, paths) == reference
     assert llm.engine.adapters.num_loads == len(ADAPTERS)
     assert llm.engine.adapters.num_evictions == 0
+
+
+def test_silu_in_the_gemm_epilogue_matches_peft(
+    adapters_and_reference: tuple[dict[str, Path], list], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every row bucket on ``torch`` with SiLU-and-mul in oneDNN's epilogues (the timings stubbed,
+    no choice cache): steps whose adapters leave gate and up alone run the epilogues, the others
+    take the two outputs for their LoRA, and both equal PEFT."""
+    if GemmKernel.ONEDNN not in kernels_for(torch.float32):
+        pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setattr(gemm_choice, "ChoiceCache", lambda directory: ChoiceCache(None))
+    monkeypatch.setattr(
+        gemm_choice, "time_kernels", lambda members, rows, kernels: {k: [1.0] * len(rows) for k in kernels}
+    )
+    monkeypatch.setattr(gemm_choice, "time_silu_epilogue", lambda members, rows, kernels: {r: [1.0, 0.5] for r in rows})
+    epilogues: list[int] = []
+    run = PackedLinearGroup.run_silu_and_mul
+
+    def counted(group: PackedLinearGroup, kernel: GemmKernel, x: torch.Tensor) -> torch.Tensor:
+        epilogues.append(x.shape[0])
+        return run(group, kernel, x)
+
+    monkeypatch.setattr(PackedLinearGroup, "run_silu_and_mul", counted)
+    paths, reference = adapters_and_reference
+    llm = LLM(kernels="cpu")
+    assert llm.engine.gemm_plan.silu_epilogue and all(all(on) for on in llm.engine.gemm_plan.silu_epilogue.values())
+    assert _run(llm, paths) == reference  # gate/up adapters in most steps
+    epilogues.clear()
+    # base-model requests and adapters on attention alone: every step in the epilogues
+    subset = [
+        i
+        for i, (_, name) in enumerate(REQUESTS)
+        if name is None or "gate_proj" not in ADAPTERS[name].get("target_modules", ALL)
+    ]
+    outputs = llm.generate(
+        [PROMPTS[REQUESTS[i][0]] for i in subset],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        adapters=[REQUESTS[i][1] for i in subset],
+        use_tqdm=False,
+    )
+    assert [o.token_ids for o in outputs] == [reference[i] for i in subset]
+    num_layers = llm.engine.hf_config.num_hidden_layers
+    assert len(subset) == 5 and epilogues and len(epilogues) % num_layers == 0
 
 
 def test_eviction_and_reload_matches_peft(adapters_and_reference: tuple[dict[str, Path], list]) -> None:

@@ -85,3 +85,7 @@ class LoRABatch:
     @property
     def adapter_ids(self) -> set[str]:
         return {adapter_id for _, _, adapter_id in self.segments}
+
+    def touches(self, layer: int, group: str) -> bool:
+        """Whether an adapter of this step adds LoRA to input group ``group`` of ``layer``."""
+        return any(group in pages.layout.layers[layer] for pages in self.adapters.values())

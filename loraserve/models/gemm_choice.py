@@ -8,6 +8,8 @@ layers of that shape one after another, so that the weights come from memory as 
 packed copy of its weights: it takes one packed kernel (the one with the smallest summed slowdown
 against the per-bucket best) and, in the buckets where a kernel on the plain weights is faster,
 that one (``torch``: ``F.linear``; ``dot``, ``amx``: loraserve's bfloat16 kernels), which needs no copy.
+For a gated pair (a module's ``gated_groups``: Llama's gate/up) whether SiLU-and-mul runs in the
+GEMMs' epilogues is timed right after, per bucket (``models/silu_epilogue.py``).
 
 The choice is written to ``<cache>/cpu_gemm/<cpu signature>.json`` (keyed by the shape, torch's
 thread count and version, and the digest of loraserve's kernel sources), so later starts on the
@@ -23,9 +25,8 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ from torch import nn
 from loraserve.config import CPU_GEMM_CHOICES
 from loraserve.kernels import cpu_features
 from loraserve.models.cpu_load import OtherLoad, best_alternating_passes
-from loraserve.models.gemm_cache import ChoiceCache, GemmShape
+from loraserve.models.gemm_cache import ChoiceCache, GemmChoice, GemmPlan, GemmShape
 from loraserve.models.packed_linear import (
     ROW_BUCKETS,
     UNPACKED,
@@ -43,6 +44,7 @@ from loraserve.models.packed_linear import (
     can_pack,
     kernels_for,
 )
+from loraserve.models.silu_epilogue import pick_silu_epilogue, time_silu_epilogue
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ TIMING_ATTEMPTS = 2  # a timing disturbed by other processes is repeated once
 
 # Choices timed under load in this process (not cached on disk), by cache key: later engines of
 # the same process reuse them instead of timing again.
-_DISTURBED_CHOICES: dict[str, tuple[GemmKernel, ...]] = {}
+_DISTURBED_CHOICES: dict[str, GemmChoice] = {}
 
 
 @dataclass(frozen=True)
@@ -80,35 +82,6 @@ class GemmPolicy:
         return 1 + max(i for i, bucket in enumerate(ROW_BUCKETS) if i == 0 or ROW_BUCKETS[i - 1] < rows)
 
 
-@dataclass
-class GemmPlan:
-    """What ``pack_linears`` decided: per shape key, the kernel of each row bucket."""
-
-    choices: dict[str, tuple[GemmKernel, ...]] = field(default_factory=dict)
-    source: str = "none"  # forced | measured | cached | mixed | none
-    seconds: float = 0.0  # spent timing
-    packed_bytes: int = 0  # the packed copies kept beside the model's weights
-    num_layers: int = 0
-    disturbed: list[str] = field(default_factory=list)  # shape keys timed while other processes ran
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "cpu": cpu_features.summary(),
-            "timing_seconds": round(self.seconds, 2),
-            "packed_mib": round(self.packed_bytes / 2**20, 1),
-            "disturbed": list(self.disturbed),
-            "layers": {
-                key: {str(ROW_BUCKETS[i]): k.value for i, k in enumerate(kernels)}
-                for key, kernels in self.choices.items()
-            },
-        }
-
-    def summary(self) -> str:
-        parts = [f"{key}: {'/'.join(k.value for k in ks)}" for key, ks in self.choices.items()]
-        return f"{self.source}; " + "; ".join(parts)
-
-
 # A member list per layer that shares one shape, and the module names they stand for.
 _Targets = dict[GemmShape, list[tuple[list[nn.Linear], Callable[[PackedLinearGroup], None]]]]
 
@@ -117,7 +90,8 @@ def pack_linears(model: nn.Module, policy: GemmPolicy) -> GemmPlan:
     """Run ``model``'s float32/bfloat16 CPU linear layers on the kernels ``policy`` picks.
 
     Every module with a ``fused_groups`` mapping (attribute name -> names of linear children that
-    share an input) gets a ``PackedLinearGroup`` of those children under that attribute; every
+    share an input) gets a ``PackedLinearGroup`` of those children under that attribute (those it
+    names in ``gated_groups`` feed ``silu(y_1) * y_2``: their epilogue is timed too); every
     other ``nn.Linear`` child is replaced by a ``PackedLinear``. Leaves the model as it is when
     its weights cannot be packed; packing twice packs nothing more.
     """
@@ -129,13 +103,16 @@ def pack_linears(model: nn.Module, policy: GemmPolicy) -> GemmPlan:
     targets: _Targets = {}
     buckets: dict[GemmShape, int] = {}
 
-    def add(members: list[nn.Linear], name: str, install: Callable[[PackedLinearGroup], None]) -> None:
+    def add(
+        members: list[nn.Linear], name: str, install: Callable[[PackedLinearGroup], None], gated: bool = False
+    ) -> None:
         weight = members[0].weight
         shape = GemmShape(
             members[0].in_features,
             tuple(m.out_features for m in members),
             weight.dtype,
             any(m.bias is not None for m in members),
+            gated and policy.kernel == "auto",  # a forced kernel runs as it is
         )
         targets.setdefault(shape, []).append((members, install))
         buckets[shape] = max(buckets.get(shape, 1), policy.num_buckets(name))
@@ -147,7 +124,8 @@ def pack_linears(model: nn.Module, policy: GemmPolicy) -> GemmPlan:
             if isinstance(getattr(module, attr, None), PackedLinearGroup):  # packed already
                 grouped.update(id(m) for m in members)
             elif all(type(m) is nn.Linear and can_pack(m.weight) for m in members):
-                add(members, attr, functools.partial(_set_group, module, attr))
+                gated = attr in getattr(module, "gated_groups", ())
+                add(members, attr, functools.partial(_set_group, module, attr), gated)
                 grouped.update(id(m) for m in members)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -158,9 +136,12 @@ def pack_linears(model: nn.Module, policy: GemmPolicy) -> GemmPlan:
         return plan
     choices, plan.source, plan.seconds, plan.disturbed = _choose(targets, buckets, policy)
     for shape, instances in targets.items():
-        plan.choices[shape.key] = choices[shape]
+        choice = choices[shape]
+        plan.choices[shape.key] = choice.kernels
+        if shape.gated:
+            plan.silu_epilogue[shape.key] = choice.silu_epilogue
         for members, install in instances:
-            group = PackedLinearGroup(members, choices[shape])
+            group = PackedLinearGroup(members, choice.kernels, choice.silu_epilogue)
             plan.packed_bytes += group.packed_bytes()
             plan.num_layers += len(members)
             install(group)
@@ -185,7 +166,7 @@ def _replace_linear(parent: nn.Module, name: str, group: PackedLinearGroup) -> N
 
 def _choose(
     targets: _Targets, buckets: dict[GemmShape, int], policy: GemmPolicy
-) -> tuple[dict[GemmShape, tuple[GemmKernel, ...]], str, float, list[str]]:
+) -> tuple[dict[GemmShape, GemmChoice], str, float, list[str]]:
     """Per shape its kernels, where they came from, seconds spent timing, and the shape keys
     whose timing other processes disturbed (used, not cached)."""
     if policy.kernel != "auto":
@@ -193,17 +174,17 @@ def _choose(
         for shape in targets:
             if forced not in kernels_for(shape.dtype):
                 raise ValueError(f"cpu_gemm={forced.value!r} cannot run {shape.dtype} weights on this build")
-        return {shape: (forced,) for shape in targets}, "forced", 0.0, []
+        return {shape: GemmChoice((forced,)) for shape in targets}, "forced", 0.0, []
     cache = ChoiceCache(policy.cache_dir)
-    choices: dict[GemmShape, tuple[GemmKernel, ...]] = {}
+    choices: dict[GemmShape, GemmChoice] = {}
     sources: set[str] = set()
     disturbed: list[str] = []
     seconds = 0.0
     for shape, instances in targets.items():
         cached = cache.get(shape, buckets[shape])
         earlier = _DISTURBED_CHOICES.get(cache.key(shape)) if policy.cache_dir is not None else None
-        if cached is None and earlier is not None and len(earlier) >= buckets[shape]:
-            cached = earlier[: buckets[shape]]
+        if cached is None and earlier is not None and len(earlier.kernels) >= buckets[shape]:
+            cached = earlier.first(buckets[shape])
             disturbed.append(shape.key)
         if cached is not None:
             choices[shape] = cached
@@ -211,13 +192,16 @@ def _choose(
             continue
         start = time.perf_counter()
         members = [m for m, _ in instances[:MAX_TIMED_LAYERS]]
+        rows = ROW_BUCKETS[: buckets[shape]]
         for _ in range(TIMING_ATTEMPTS):
             with OtherLoad() as load:
-                times = time_kernels(members, ROW_BUCKETS[: buckets[shape]], kernels_for(shape.dtype))
+                times = time_kernels(members, rows, kernels_for(shape.dtype))
+                kernels = pick_kernels(times)
+                epilogue_times = time_silu_epilogue(members, rows, kernels) if shape.gated else {}
             if not load.disturbed:
                 break
         seconds += time.perf_counter() - start
-        choices[shape] = pick_kernels(times)
+        choices[shape] = GemmChoice(kernels, pick_silu_epilogue(epilogue_times, rows) if shape.gated else ())
         sources.add("measured")
         if load.disturbed:
             logger.warning(
@@ -229,7 +213,7 @@ def _choose(
             disturbed.append(shape.key)
             _DISTURBED_CHOICES[cache.key(shape)] = choices[shape]
         else:
-            cache.put(shape, choices[shape], times)
+            cache.put(shape, choices[shape], times, epilogue_times)
     return choices, sources.pop() if len(sources) == 1 else "mixed", seconds, disturbed
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -230,6 +230,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     fused_groups: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_packed": ("gate_proj", "up_proj")}
+    gated_groups: ClassVar[tuple[str, ...]] = ("gate_up_packed",)  # its outputs feed silu(gate) * up
 
     def __init__(self, config: Any, layer_index: int, kernels: ModelKernels) -> None:
         super().__init__()
@@ -242,7 +243,19 @@ class LlamaMLP(nn.Module):
         self.gate_up_packed: ConcatLinear | PackedLinearGroup = ConcatLinear(self, self.fused_groups["gate_up_packed"])
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
-        gate, up = self.gate_up_packed(hidden)  # [num_tokens, intermediate] each
+        act = self._activation(hidden, batch, lora)  # [num_tokens, intermediate]
+        out = self.down_proj(act)  # [num_tokens, hidden]
+        if lora is not None:
+            lora(act, self.layer_index, "down", (out,), batch)
+        return out
+
+    def _activation(self, hidden: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
+        """``silu(gate) * up`` ``[num_tokens, intermediate]``, with the step's LoRA on gate and up."""
+        packed = self.gate_up_packed
+        epilogue = isinstance(packed, PackedLinearGroup) and packed.runs_silu_epilogue(hidden)
+        if epilogue and not (batch.lora is not None and batch.lora.touches(self.layer_index, "gate_up")):
+            return cast(PackedLinearGroup, packed).silu_and_mul(hidden)  # in the epilogues: no pass over both
+        gate, up = packed(hidden)  # [num_tokens, intermediate] each
         if lora is not None:
             lora(hidden, self.layer_index, "gate_up", (gate, up), batch)
         if self.silu_and_mul is not None:
@@ -250,10 +263,7 @@ class LlamaMLP(nn.Module):
             act = gate  # [num_tokens, intermediate]
         else:
             act = F.silu(gate, inplace=True).mul_(up)  # [num_tokens, intermediate], in place: no temporaries
-        out = self.down_proj(act)  # [num_tokens, hidden]
-        if lora is not None:
-            lora(act, self.layer_index, "down", (out,), batch)
-        return out
+        return act
 
 
 class LlamaDecoderLayer(nn.Module):

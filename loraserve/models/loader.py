@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from loraserve.kernels.cpu_build import cache_root
 from loraserve.models.fused_linear import ConcatLinear
-from loraserve.models.gemm_choice import GemmPlan, GemmPolicy, pack_linears
+from loraserve.models.gemm_cache import GemmPlan
+from loraserve.models.gemm_choice import GemmPolicy, pack_linears
 from loraserve.models.llama import LlamaForCausalLM, ModelKernels
 
 logger = logging.getLogger(__name__)

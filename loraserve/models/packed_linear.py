@@ -23,6 +23,10 @@ uses; ``torch``, ``dot`` and ``amx`` need none. Results differ from ``F.linear``
 Projections that read the same input (Llama's q/k/v, gate/up) run as one ``PackedLinearGroup``:
 each output written contiguous (the LoRA kernels add into them in place); the panel kernel
 makes one call over the panels of all of them. A model names its groups in ``fused_groups``.
+
+A group of two whose outputs the model combines as ``silu(y_1) * y_2`` (a gated MLP, named in
+``gated_groups``) can compute that in oneDNN's GEMM epilogues instead (``silu_and_mul``), in the
+row buckets where ``models/silu_epilogue.py`` timed it faster.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class GemmKernel(str, enum.Enum):
 
 
 UNPACKED = (GemmKernel.TORCH, GemmKernel.DOT, GemmKernel.AMX)  # the kernels that read the weights as stored (no copy)
+EPILOGUE_KERNELS = (GemmKernel.ONEDNN, GemmKernel.TORCH)  # oneDNN's packed or plain weights, with post-ops
 
 # Geometric midpoints between neighbouring buckets: a row count up to an edge (inclusive) belongs below it.
 _BUCKET_EDGES = tuple(math.sqrt(low * high) for low, high in itertools.pairwise(ROW_BUCKETS))
@@ -95,7 +100,9 @@ class PackedLinearGroup(nn.Module):
     attributes, so the wrapped layers stay where they are (state dict, LoRA, PEFT comparisons).
     """
 
-    def __init__(self, linears: Sequence[nn.Linear], kernels: Sequence[GemmKernel]) -> None:
+    def __init__(
+        self, linears: Sequence[nn.Linear], kernels: Sequence[GemmKernel], silu_epilogue: Sequence[bool] = ()
+    ) -> None:
         super().__init__()
         if len({linear.in_features for linear in linears}) != 1:
             raise ValueError("a PackedLinearGroup's layers must share in_features")
@@ -109,6 +116,14 @@ class PackedLinearGroup(nn.Module):
         missing = set(self.kernels) - set(kernels_for(dtype))
         if missing:
             raise ValueError(f"kernels {sorted(k.value for k in missing)} cannot run {dtype} weights here")
+        # per row bucket: whether silu_and_mul runs in the GEMMs' epilogues (() for none)
+        self.silu_epilogue = tuple(bool(on) for on in silu_epilogue) or (False,) * len(self.kernels)
+        if len(self.silu_epilogue) != len(self.kernels):
+            raise ValueError("a PackedLinearGroup's silu_epilogue needs one entry per row bucket of its kernels")
+        if any(self.silu_epilogue) and not can_run_silu_epilogue(self.out_sizes, dtype):
+            raise ValueError("only a group of two outputs of one width can run SiLU-and-mul in oneDNN's epilogue")
+        if any(on and k not in EPILOGUE_KERNELS for on, k in zip(self.silu_epilogue, self.kernels, strict=True)):
+            raise ValueError("SiLU-and-mul runs in the epilogue only in buckets of the onednn or torch kernel")
         self.panels: torch.Tensor | None = None  # [num_panels, in_features, 16]
         self.panel_bias: torch.Tensor | None = None  # [num_panels * 16]
         self.onednn_weights: list[torch.Tensor] = []  # each oneDNN's blocked copy of W_i
@@ -142,13 +157,43 @@ class PackedLinearGroup(nn.Module):
             return tuple(cpu_linear.linear_amx(x, self.weights, self.biases))
         return tuple(F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True))
 
+    def runs_silu_epilogue(self, x: torch.Tensor) -> bool:
+        """Whether ``silu_and_mul(x)`` runs in the GEMMs' epilogues (``x``'s row bucket chose them)."""
+        return x.dim() == 2 and self.silu_epilogue[bucket_index(x.shape[0], len(self.kernels))]
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [num_rows, in] -> [num_rows, out_1]
+        """``silu(y_1) * y_2`` in the GEMMs' epilogues, for an ``x`` whose row bucket chose them
+        (``runs_silu_epilogue``)."""
+        if not self.runs_silu_epilogue(x):
+            raise ValueError(f"the row bucket of {x.shape[0]} rows does not run SiLU-and-mul in the epilogue")
+        return self.run_silu_and_mul(self.kernels[bucket_index(x.shape[0], len(self.kernels))], x)
+
+    def run_silu_and_mul(self, kernel: GemmKernel, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x @ W_1^T + b_1) * (x @ W_2^T + b_2)`` ``[num_rows, out_1]`` in two oneDNN calls: the
+        first applies SiLU to its sums before writing them, the second multiplies its sums by
+        that result (post-ops), on the packed weights for ``onednn`` and the plain ones for ``torch``."""
+        assert kernel in EPILOGUE_KERNELS and len(self.weights) == 2
+        weights = self.onednn_weights if kernel is GemmKernel.ONEDNN else [w.detach() for w in self.weights]
+        assert len(weights) == 2, "this group has no oneDNN weights"
+        linear = torch.ops.mkldnn._linear_pointwise
+        x = x.contiguous()
+        gate = linear(x, weights[0], self.biases[0], "swish", [], "")  # [num_rows, out_1]
+        return linear.binary(x, gate, weights[1], self.biases[1], "mul")  # [num_rows, out_1]
+
     def packed_bytes(self) -> int:
         """Bytes of the packed copies this group keeps beside its members' weights."""
         tensors = [t for t in (self.panels, self.panel_bias, *self.onednn_weights) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def extra_repr(self) -> str:
-        return f"out_sizes={self.out_sizes}, kernels by row bucket {[k.value for k in self.kernels]}"
+        epilogue = f", SiLU-and-mul in the epilogue {list(self.silu_epilogue)}" if any(self.silu_epilogue) else ""
+        return f"out_sizes={self.out_sizes}, kernels by row bucket {[k.value for k in self.kernels]}{epilogue}"
+
+
+def can_run_silu_epilogue(out_sizes: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether a group of these outputs can run SiLU-and-mul in oneDNN's epilogues: two outputs of
+    one width, and oneDNN for ``dtype`` on this build."""
+    return len(out_sizes) == 2 and out_sizes[0] == out_sizes[1] and GemmKernel.ONEDNN in kernels_for(dtype)
 
 
 class PackedLinear(nn.Module):
