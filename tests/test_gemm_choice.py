@@ -35,6 +35,12 @@ def test_pick_takes_the_fastest_with_one_packed_copy_and_prefers_torch_in_a_tie(
     assert pick_kernels({T: [1.0, 2.0]}) == (T, T)
 
 
+def test_one_bucket_clearly_faster_on_a_packed_copy_keeps_the_copy_for_that_bucket() -> None:
+    # 12 % faster at the largest row count alone (a prefill step): packed there, torch elsewhere
+    assert pick_kernels({D: [2.0] * 6 + [0.88], T: [1.0] * 7}) == (T,) * 6 + (D,)
+    assert pick_kernels({D: [2.0] * 6 + [0.98], T: [1.0] * 7}) == (T,) * 7  # 2 %: a tie, no copy
+
+
 def test_pick_uses_the_dot_kernel_where_it_is_fastest_beside_one_packed_copy() -> None:
     # dot needs no copy, like torch: it takes the few-row buckets beside oneDNN's packed copy
     assert pick_kernels({D: [2.0, 2.0, 1.0, 1.0], T: [2.5, 2.5, 3.0, 3.0], B: [1.0, 1.5, 4.0, 9.0]}) == (B, B, D, D)

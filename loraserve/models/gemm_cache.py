@@ -19,7 +19,9 @@ from loraserve.choice_file import ChoiceFile, build_key
 from loraserve.kernels import cpu_features
 from loraserve.models.packed_linear import EPILOGUE_KERNELS, ROW_BUCKETS, GemmKernel, kernels_for
 
-CACHE_FORMAT = 2  # 2: only timings that no other process disturbed are written (cpu_load.py)
+# 2: only timings that no other process disturbed are written (cpu_load.py); 3: a packed copy is
+# kept where it wins one row bucket clearly (pick_kernels)
+CACHE_FORMAT = 3
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,10 @@ bias) and every row bucket a step can produce (``ROW_BUCKETS`` up to ``GemmPolic
 the candidate kernels (``kernels_for(dtype)``) are timed on the model's own weights: up to 8
 layers of that shape one after another, so that the weights come from memory as in a real step
 (where the caches are smaller than that), the best of several passes. A shape keeps at most one
-packed copy of its weights: it takes one packed kernel (the one with the smallest summed slowdown
-against the per-bucket best) and, in the buckets where a kernel on the plain weights is faster,
-that one (``torch``: ``F.linear``; ``dot``, ``amx``: loraserve's bfloat16 kernels), which needs no copy.
+packed copy of its weights, and only where it is clearly faster in some row bucket: it takes one
+packed kernel (the one with the smallest summed slowdown against the per-bucket best) and, in the
+buckets where a kernel on the plain weights is as fast, that one (``torch``: ``F.linear``; ``dot``,
+``amx``: loraserve's bfloat16 kernels), which needs no copy.
 For a gated pair (a module's ``gated_groups``: Llama's gate/up) whether SiLU-and-mul runs in the
 GEMMs' epilogues is timed right after, per bucket (``models/silu_epilogue.py``).
 
@@ -251,8 +252,9 @@ def pick_kernels(times: dict[GemmKernel, list[float]]) -> tuple[GemmKernel, ...]
     fastest candidate is smallest (one packed copy).
 
     Within ``TIE_TOLERANCE`` (timing noise) ``torch`` wins among the unpacked kernels, and an
-    unpacked kernel wins over a packed one, since it needs no copy: per bucket, and for the whole
-    shape when the unpacked kernels alone are that close to the best schedule."""
+    unpacked kernel wins over a packed one, since it needs no copy. So the copy is kept only for
+    the buckets where it is more than that faster: one such bucket is enough (a prefill step runs
+    its largest bucket, whatever the others gain)."""
     num_buckets = len(next(iter(times.values())))
     best = [min(t[i] for t in times.values()) for i in range(num_buckets)]
     unpacked = [kernel for kernel in UNPACKED if kernel in times]
@@ -275,7 +277,4 @@ def pick_kernels(times: dict[GemmKernel, list[float]]) -> tuple[GemmKernel, ...]
         return tuple(k if times[k][i] <= times[packed][i] * near else packed for i, k in enumerate(plains))
 
     options = [schedule(k) for k in times if k not in UNPACKED]
-    if not options:
-        return plains
-    kernels = min(options, key=loss)
-    return plains if loss(plains) <= loss(kernels) * (1 + TIE_TOLERANCE) else kernels
+    return min(options, key=loss) if options else plains
