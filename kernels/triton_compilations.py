@@ -15,6 +15,7 @@ KERNEL_MODULES = (
     "loraserve.kernels.triton_fused",
     "loraserve.kernels.triton_lora",
     "loraserve.kernels.triton_lora_slots",
+    "loraserve.kernels.triton_rope_kv",
     "loraserve.kernels.triton_unified_attention",
 )
 

@@ -8,8 +8,9 @@
   for their shape and row count (``models/gemm_choice.py``).
 * ``triton``: the Triton kernels (GPU): the paged attention of a whole step, decode and prefill,
   in one launch per layer (``kernels/triton_unified_attention.py``) and LoRA read in place from
-  the pool pages (``kernels/triton_lora.py``), RoPE fused with the KV write, residual add fused
-  with RMSNorm, SiLU-and-mul (``kernels/triton_fused.py``); on a CPU device
+  the pool pages (``kernels/triton_lora.py``), RoPE fused with the KV write
+  (``kernels/triton_rope_kv.py``), residual add fused with RMSNorm, SiLU-and-mul
+  (``kernels/triton_fused.py``); on a CPU device
   only under Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
 * ``auto``: ``cpu`` on a CPU device when the extension builds, ``triton`` on a CUDA device when
   Triton is installed, else ``torch``.
@@ -28,7 +29,7 @@ import torch
 from loraserve.kernels import cpu
 from loraserve.lora.apply_cpu import CompiledLoRAApplier
 from loraserve.lora.apply_torch import LoRAApplier, PerBatchLoRAHook
-from loraserve.models.llama import ModelKernels
+from loraserve.models.model_kernels import ModelKernels
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def _triton_backend(dtype: torch.dtype) -> KernelBackend:
     if importlib.util.find_spec("triton") is None:
         raise RuntimeError("kernels='triton' needs the triton package (pip install 'loraserve[triton]')")
     # Imported here: triton is optional, and its kernels are compiled (or interpreted) on import.
-    from loraserve.kernels import triton_fused, triton_unified_attention
+    from loraserve.kernels import triton_fused, triton_rope_kv, triton_unified_attention
     from loraserve.lora.apply_triton import TritonLoRAApplier
 
     # The one-launch attention and the fused RoPE + KV write replace the decode, prefill and
@@ -77,7 +78,7 @@ def _triton_backend(dtype: torch.dtype) -> KernelBackend:
     kernels = ModelKernels(
         rms_norm=triton_fused.fused_add_rms_norm,
         attention=triton_unified_attention.unified_attention,
-        rope_write_kv=triton_fused.rope_write_kv,
+        rope_write_kv=triton_rope_kv.rope_write_kv,
         silu_and_mul=triton_fused.silu_and_mul,
     )
     return KernelBackend("triton", kernels, TritonLoRAApplier, decode_graphs=True)

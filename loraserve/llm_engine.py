@@ -20,20 +20,17 @@ from loraserve.adapters import (
     BaseModelShapes,
     make_store,
 )
-from loraserve.config import ConfigError, EngineConfig
+from loraserve.config import EngineConfig
 from loraserve.decode_path import DecodePathChoice
 from loraserve.detokenizer import Detokenizer
+from loraserve.engine_kernels import EngineKernels
 from loraserve.host_memory import keep_freed_blocks
 from loraserve.input_processor import InputProcessor, RequestError
-from loraserve.kernel_backend import select_backend
-from loraserve.kernels import cpu
 from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, tokens_at_most
 from loraserve.lora.layout import max_rank_pages
 from loraserve.lora.residency import AdapterManager
 from loraserve.lora.tile_choice import LoRAKernelPolicy, lora_hook_factory
 from loraserve.model_runner import ModelRunner, PageLayout
-from loraserve.models.attention_choice import AttentionShape, PrefillAttentionPolicy, prefill_attention_kernels
-from loraserve.models.gemm_choice import GemmPolicy
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
 from loraserve.outputs import RequestOutput
 from loraserve.page_pool import PagePool
@@ -42,7 +39,7 @@ from loraserve.request import Request, make_output
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
 from loraserve.sequence import FinishReason, Sequence
-from loraserve.stats import EngineStats
+from loraserve.stats import EngineStats, engine_stats
 from loraserve.stop_checker import StopChecker, model_eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -69,35 +66,10 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.kernels = select_backend(config.kernels, self.device, config.torch_dtype)
-        self.kernel_fallbacks = cpu.fallbacks() if self.kernels.name == "cpu" else ()
-        for name in self.kernel_fallbacks:
-            logger.warning("compiled kernel %s runs its fallback: a library symbol is missing from torch", name)
-        gemm_policy = None
-        if self.kernels.pack_linears:
-            gemm_policy = GemmPolicy(
-                config.cpu_gemm,
-                max_rows=config.step_token_budget,
-                row_limits=(("lm_head", config.max_num_seqs),),  # one row per sampled sequence
-                cache_dir=cache_root() / "cpu_gemm",
-            )
-        elif config.cpu_gemm != "auto":
-            raise ConfigError(f"cpu_gemm={config.cpu_gemm!r} needs the compiled CPU kernels (kernels 'cpu')")
-        # Where the compiled prefill attention can use AMX tiles: whether it does, timed or cached.
-        model_kernels, self.attention_plan = prefill_attention_kernels(
-            self.kernels.name,
-            self.kernels.model,
-            AttentionShape.of_model(self.hf_config, config.block_size),
-            config.torch_dtype,
-            config.step_token_budget,
-            PrefillAttentionPolicy(config.cpu_prefill_attention, cache_root() / "cpu_attention"),
-        )
-        decode_graphs = self.kernels.decode_graphs and not config.enforce_eager
-        if config.adapter_decode_path != "auto" and not decode_graphs:
-            raise ConfigError(
-                f"adapter_decode_path={config.adapter_decode_path!r} chooses between decode graphs and eager "
-                f"steps: it needs the triton kernels (kernels: {self.kernels.name})"
-            )
+        chosen = EngineKernels.choose(config, self.hf_config, self.device)
+        self.kernels = chosen.backend
+        self.kernel_fallbacks = chosen.fallbacks
+        self.attention_plan = chosen.attention_plan
         # The CPU GEMM kernel of each linear layer shape and row bucket (empty off the cpu backend).
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
         self.model, self.gemm_plan = load_model(
@@ -105,8 +77,8 @@ class LLMEngine:
             self.hf_config,
             config.torch_dtype,
             self.device,
-            model_kernels,
-            gemm_policy,
+            chosen.model,
+            chosen.gemm_policy,
             max_positions=self.max_model_len,
         )
         self.inputs = InputProcessor(self.tokenizer, int(self.hf_config.vocab_size), self.max_model_len)
@@ -169,7 +141,7 @@ class LLMEngine:
             config.max_num_seqs,
             self.max_model_len,
             eos_token_ids,
-            decode_graphs=decode_graphs,
+            decode_graphs=chosen.decode_graphs,
             # Slot rows wide enough for rank 64 on every module: common adapters never regrow them.
             adapter_slot_pages=max_rank_pages(shapes.module_shapes, 64, self.layout.page_elems),
             adapter_decode=DecodePathChoice(config.adapter_decode_path),
@@ -284,34 +256,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of pages, queues and counters (call on the engine's thread)."""
-        index = self.kv_manager.prefix_cache  # None when prefix caching is off
-        running = self.scheduler.running
-        return EngineStats(
-            kernels=self.kernels.name,
-            num_pages=self.pools.num_pages,
-            pages_by_kind=self.pools.pages_by_kind(),
-            evictions_by_kind=self.pools.evictions_by_kind(),
-            num_running=len(self.scheduler.running),
-            num_waiting=self.scheduler.num_waiting,
-            num_swapped=len(self.scheduler.swapped),
-            num_preemptions=self.scheduler.num_preemptions,
-            num_adapter_loads=self.adapters.num_loads,
-            num_adapters=self.adapters.num_registered,  # as the catalog last saw them: no registry call here
-            registry_up=self.adapters.registry_up,
-            prefix_cache_enabled=index is not None,
-            prefix_cache_queried_tokens=index.num_queried_tokens if index is not None else 0,
-            prefix_cache_matched_tokens=index.num_hit_tokens if index is not None else 0,
-            prefix_cache_hit_rate=float(index.hit_rate) if index is not None else 0.0,
-            prefix_cache_blocks=len(index) if index is not None else 0,
-            cpu_gemm=self.gemm_plan.as_dict() if self.gemm_plan.choices else {},
-            cpu_lora=self.lora_plan.as_dict() if self.lora_plan is not None else {},
-            cpu_prefill_attention=self.attention_plan.as_dict() if self.attention_plan is not None else {},
-            kernel_fallbacks=self.kernel_fallbacks,
-            num_kv_tokens=sum(seq.num_computed_tokens for seq in running),
-            num_running_adapters=len({seq.adapter_id for seq in running if seq.adapter_id is not None}),
-            adapter_region_pages=self.pools.adapter_region_pages,
-            adapter_decode_paths={size: path.value for size, path in self.runner.adapter_decode.chosen.items()},
-        )
+        return engine_stats(self)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loraserve.page_pool import PageKind
+
+if TYPE_CHECKING:
+    from loraserve.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -44,3 +48,36 @@ class EngineStats:
     @property
     def num_adapter_evictions(self) -> int:
         return self.evictions_by_kind[PageKind.ADAPTER_IDLE]
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    """The snapshot of ``engine`` (``LLMEngine.stats()``): read from its managers and plans, on its thread."""
+    index = engine.kv_manager.prefix_cache  # None when prefix caching is off
+    scheduler, pools, adapters = engine.scheduler, engine.pools, engine.adapters
+    running = scheduler.running
+    return EngineStats(
+        kernels=engine.kernels.name,
+        num_pages=pools.num_pages,
+        pages_by_kind=pools.pages_by_kind(),
+        evictions_by_kind=pools.evictions_by_kind(),
+        num_running=len(running),
+        num_waiting=scheduler.num_waiting,
+        num_swapped=len(scheduler.swapped),
+        num_preemptions=scheduler.num_preemptions,
+        num_adapter_loads=adapters.num_loads,
+        num_adapters=adapters.num_registered,  # as the catalog last saw them: no registry call here
+        registry_up=adapters.registry_up,
+        prefix_cache_enabled=index is not None,
+        prefix_cache_queried_tokens=index.num_queried_tokens if index is not None else 0,
+        prefix_cache_matched_tokens=index.num_hit_tokens if index is not None else 0,
+        prefix_cache_hit_rate=float(index.hit_rate) if index is not None else 0.0,
+        prefix_cache_blocks=len(index) if index is not None else 0,
+        cpu_gemm=engine.gemm_plan.as_dict() if engine.gemm_plan.choices else {},
+        cpu_lora=engine.lora_plan.as_dict() if engine.lora_plan is not None else {},
+        cpu_prefill_attention=engine.attention_plan.as_dict() if engine.attention_plan is not None else {},
+        kernel_fallbacks=engine.kernel_fallbacks,
+        num_kv_tokens=sum(seq.num_computed_tokens for seq in running),
+        num_running_adapters=len({seq.adapter_id for seq in running if seq.adapter_id is not None}),
+        adapter_region_pages=pools.adapter_region_pages,
+        adapter_decode_paths={size: path.value for size, path in engine.runner.adapter_decode.chosen.items()},
+    )

@@ -23,7 +23,7 @@ from loraserve.models.attention_choice import (
     choose_prefill_attention,
     prefill_attention_kernels,
 )
-from loraserve.models.llama import ModelKernels
+from loraserve.models.model_kernels import ModelKernels
 
 BUILT = cpu.load_extension() is not None
 pytestmark = pytest.mark.skipif(not BUILT, reason="the C++ CPU kernels could not be built")

@@ -21,7 +21,8 @@ from loraserve.lora.batch import AdapterPages, LoRABatch
 from loraserve.lora.layout import AdapterLayout, GroupSlot, ModuleSlot
 from loraserve.models import gemm_choice
 from loraserve.models.gemm_choice import GemmPolicy, pack_linears
-from loraserve.models.llama import LlamaMLP, ModelKernels
+from loraserve.models.llama import LlamaMLP
+from loraserve.models.model_kernels import ModelKernels
 from loraserve.models.packed_linear import GemmKernel, PackedLinearGroup, kernels_for
 from loraserve.models.silu_epilogue import pick_silu_epilogue, time_silu_epilogue
 

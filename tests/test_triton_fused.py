@@ -1,4 +1,5 @@
-"""The fused elementwise Triton kernels (``kernels/triton_fused.py``) against the torch references.
+"""The fused elementwise Triton kernels (``kernels/triton_fused.py``, ``kernels/triton_rope_kv.py``)
+against the torch references.
 
 Compiled on a CUDA machine, interpreted elsewhere (``conftest.py``), on tiny shapes: residual add +
 RMSNorm (one tile and two passes, widths that are not powers of two), SiLU-and-mul on the two
@@ -19,6 +20,7 @@ from loraserve.models.llama import RMSNorm
 from loraserve.models.rope import apply_rope
 
 triton_fused = pytest.importorskip("loraserve.kernels.triton_fused")
+triton_rope_kv = pytest.importorskip("loraserve.kernels.triton_rope_kv")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6
@@ -186,7 +188,7 @@ def _run_rope_write_kv(
     qkv_dev, storage_dev = qkv.to(DEVICE), storage.to(DEVICE)
     q, k, v = _split_qkv(qkv_dev, num_heads, num_kv_heads, head_dim)
     kv = _layer_kv(storage_dev, 1, block_size, num_kv_heads, head_dim)
-    triton_fused.rope_write_kv(q, k, v, cos.to(DEVICE), sin.to(DEVICE), kv, slots.to(DEVICE))
+    triton_rope_kv.rope_write_kv(q, k, v, cos.to(DEVICE), sin.to(DEVICE), kv, slots.to(DEVICE))
     return qkv_dev.cpu(), storage_dev.cpu()
 
 
@@ -263,7 +265,7 @@ def test_empty_batches_are_no_ops() -> None:
     heads = torch.empty(0, 2, 16, device=DEVICE)
     kv = torch.zeros(2, 2, 8, 2, 16, device=DEVICE)
     tables = torch.empty(0, 16, device=DEVICE)
-    triton_fused.rope_write_kv(
+    triton_rope_kv.rope_write_kv(
         heads, heads, heads, tables, tables, kv, torch.empty(0, dtype=torch.int64, device=DEVICE)
     )
     assert not kv.any()

@@ -129,7 +129,7 @@ def test_refuses_bad_arguments() -> None:
 
 def test_page_ids_outside_the_pool_are_refused_in_debug_mode() -> None:
     """The tests run with LORASERVE_CHECK_PAGE_IDS=1: a bad page id or slot fails before any launch."""
-    from loraserve.kernels import page_checks, triton_fused
+    from loraserve.kernels import page_checks, triton_rope_kv
 
     assert page_checks.ENABLED
     kv, tables = make_paged([5, 9], 2, 16, 8, torch.float32, seed=1)
@@ -143,4 +143,4 @@ def test_page_ids_outside_the_pool_are_refused_in_debug_mode() -> None:
     key = torch.zeros(2, 2, 16)
     cos = torch.ones(2, 16)
     with pytest.raises(ValueError, match=r"slot_mapping: .* outside"):
-        triton_fused.rope_write_kv(query, key, key.clone(), cos, cos, kv, torch.tensor([0, kv.shape[0] * 8]))
+        triton_rope_kv.rope_write_kv(query, key, key.clone(), cos, cos, kv, torch.tensor([0, kv.shape[0] * 8]))

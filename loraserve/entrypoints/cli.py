@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from loraserve.entrypoints.serve import add_engine_arguments, add_serve_parser, engine_options, run_serve
+from loraserve.entrypoints.engine_args import add_engine_arguments, engine_options
+from loraserve.entrypoints.serve import add_serve_parser, run_serve
 
 
 def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:

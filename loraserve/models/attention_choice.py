@@ -25,7 +25,7 @@ from loraserve.choice_file import ChoiceFile, build_key
 from loraserve.config import ConfigError
 from loraserve.kernels import cpu, cpu_features
 from loraserve.models.cpu_load import best_alternating_passes
-from loraserve.models.llama import ModelKernels
+from loraserve.models.model_kernels import ModelKernels
 from loraserve.models.rope import head_dim
 from loraserve.timed_choice import TilePolicy, timed_choice
 

@@ -17,7 +17,8 @@ from loraserve.kernels.cpu_build import cache_root
 from loraserve.models.fused_linear import ConcatLinear
 from loraserve.models.gemm_cache import GemmPlan
 from loraserve.models.gemm_choice import GemmPolicy, pack_linears
-from loraserve.models.llama import LlamaForCausalLM, ModelKernels
+from loraserve.models.llama import LlamaForCausalLM
+from loraserve.models.model_kernels import ModelKernels
 
 logger = logging.getLogger(__name__)
 

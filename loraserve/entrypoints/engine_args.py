@@ -1,0 +1,99 @@
+"""The engine's command-line options: one table of (flag, ``EngineConfig`` field, type, help),
+shared by ``loraserve serve`` and ``loraserve generate``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from loraserve.config import CPU_GEMM_CHOICES, CPU_TILE_CHOICES, DTYPES, KERNEL_CHOICES
+from loraserve.decode_path import ADAPTER_DECODE_PATHS
+
+# Engine options: (flag, EngineConfig field, type, help).
+ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
+    ("--block-size", "block_size", int, "tokens per KV page (a power of two; default 16)"),
+    ("--num-pages", "num_pages", int, "pages in the unified pool (default: sized by --memory-budget-mb)"),
+    ("--memory-budget-mb", "memory_budget_mb", int, "MiB of pool storage when --num-pages is not given (default 1024)"),
+    ("--max-num-seqs", "max_num_seqs", int, "most sequences running at once (default 64)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens a step (default 2048; 1024 in float32 on CPU)"),
+    ("--max-model-len", "max_model_len", int, "context length limit (default: the model's)"),
+    ("--device", "device", str, "torch device, e.g. cpu or cuda:0 (default cpu)"),
+    ("--dtype", "dtype", str, f"weights and pool dtype, one of {sorted(DTYPES)} (default float32)"),
+    ("--seed", "seed", int, "seed of unseeded sampling (default 0)"),
+    ("--num-threads", "num_threads", int, "torch CPU threads (default: torch's choice)"),
+    ("--max-lora-rank", "max_lora_rank", int, "largest adapter rank accepted at registration (default 512)"),
+    ("--max-adapters", "max_adapters", int, "most registered adapters (default 10000)"),
+    (
+        "--adapter-region",
+        "adapter_region",
+        str,
+        "where adapters' pages come from: unified (the pool the KV cache uses; default) or fixed (a separate "
+        "region of --max-loras slots at --max-lora-rank, as vLLM and SGLang do)",
+    ),
+    ("--max-loras", "max_loras", int, "slots of the fixed adapter region (with --adapter-region fixed only)"),
+    (
+        "--kv-allocation",
+        "kv_allocation",
+        str,
+        "paged (KV pages as tokens arrive; default) or reserve (prompt + max_tokens taken at admission)",
+    ),
+    ("--kernels", "kernels", str, f"kernels, one of {KERNEL_CHOICES} (default auto: C++ on CPU, Triton on CUDA)"),
+    (
+        "--cpu-gemm",
+        "cpu_gemm",
+        str,
+        f"GEMM kernel of the linear layers on the CPU, one of {CPU_GEMM_CHOICES} (default auto: timed on this "
+        "CPU per layer shape and row count at the first start, the choice cached per CPU kind)",
+    ),
+    (
+        "--cpu-lora",
+        "cpu_lora",
+        str,
+        f"LoRA of 3+ token segments over a bfloat16 pool on a CPU with AMX, one of {CPU_TILE_CHOICES}: amx "
+        "(tiles), vector (vector loops and MKL); default auto: timed per segment length at the first start, "
+        "cached per CPU kind",
+    ),
+    (
+        "--cpu-prefill-attention",
+        "cpu_prefill_attention",
+        str,
+        f"prefill attention of a bfloat16 model on a CPU with AMX, one of {CPU_TILE_CHOICES}: amx (tiles), "
+        "vector (vector loops); default auto: timed on the model's head shape at the first start, cached per "
+        "CPU kind",
+    ),
+    (
+        "--adapter-decode-path",
+        "adapter_decode_path",
+        str,
+        f"Triton kernels with decode graphs: decode steps with adapters, one of {ADAPTER_DECODE_PATHS}: graph "
+        "(replayed, adapters by slot), eager (adapters by segment); default auto: both timed on the first "
+        "steps of each batch size, the faster kept",
+    ),
+)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The EngineConfig options as flags (shared by ``serve`` and ``generate``)."""
+    engine = parser.add_argument_group("engine options")
+    for flag, _, kind, help_text in ENGINE_OPTIONS:
+        engine.add_argument(flag, type=kind, default=None, help=help_text)
+    engine.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="do not share KV blocks between requests with the same prefix (default: shared)",
+    )
+    engine.add_argument(
+        "--enforce-eager",
+        dest="enforce_eager",
+        action="store_true",
+        default=None,
+        help="Triton kernels: run decode steps eagerly, no CUDA graphs (default: graphs per padded batch size)",
+    )
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (others keep their defaults)."""
+    fields = [field for _, field, _, _ in ENGINE_OPTIONS] + ["enable_prefix_caching", "enforce_eager"]
+    return {field: getattr(args, field) for field in fields if getattr(args, field, None) is not None}
