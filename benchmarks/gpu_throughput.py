@@ -45,6 +45,36 @@ def timed_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] | No
     return {"ms_per_step": wall / steps * 1e3, "seqs": len(prompts)}
 
 
+def profiled_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] | None, steps: int) -> str:
+    """The device kernels of ``steps`` full decode steps (``torch.profiler``), by total device time:
+    which kernels a step's time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from loraserve import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{i}", prompt, params, names[i] if names else None)
+    for _ in range(64):  # past every prefill
+        if not engine.scheduler.num_waiting and all(
+            seq.num_computed_tokens >= seq.num_prompt_tokens for r in engine.requests.values() for seq in r.seqs
+        ):
+            break
+        engine.step()
+    engine.step()
+    synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    sort = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    return str(prof.key_averages().table(sort_by=sort, row_limit=22, max_name_column_width=60))
+
+
 def timed_generate(llm: Any, prompts: list[list[int]], names: list[str] | None, new: int) -> dict[str, float]:
     from loraserve import SamplingParams
 
@@ -106,6 +136,12 @@ def part_throughput(args: argparse.Namespace) -> None:
                                               else 50)  # fmt: skip
             log(f"{key}: {results[key]}")
             record("throughput", results)
+        if extra.get("enforce_eager"):  # where a decode step's device time goes, kernel by kernel
+            for label, request_adapters in runs:
+                table = profiled_decode_steps(llm, prompts[: args.max_num_seqs], request_adapters, 2 if args.smoke
+                                              else 5)  # fmt: skip
+                log(f"loraserve[{kernels}{mode}] decode step kernels, {label}:\n{table}")
+                record(f"kernel profile, {kernels}{mode}, {label}", table)
         graphs = llm.engine.runner.decode_graphs
         if graphs is not None and graphs.capture:  # the GPU time alone of a full decode step
             for label, request_adapters in runs:
