@@ -32,7 +32,12 @@ def part_kernels(args: argparse.Namespace) -> None:
             return 0.0
         return float(triton.testing.do_bench(fn))
 
-    cases = [(4, 40, 1)] if args.smoke else [(256, 512, 1), (64, 1024, 1), (256, 2048, 1), (4, 8192, 1), (4, 8192, 8)]
+    cases = (
+        [(4, 40, 1)]
+        if args.smoke
+        else [(256, 512, 1), (64, 1024, 1), (256, 2048, 1), (4, 8192, 1)]
+        + [(4, 8192, splits) for splits in (4, 8, 16, 32)]
+    )
     for num_seqs, context, splits in cases:
         blocks = -(-context // block)
         num_pages = num_seqs * blocks + 1
@@ -92,20 +97,27 @@ def part_kernels(args: argparse.Namespace) -> None:
     slot_args = (x, outputs, weights, token_slots, page_tables.to(dev), meta.to(dev), scales, grouping)
     t_slots = bench(partial(triton_lora_slots.lora_slots, *slot_args))
     t_slots_gathered = bench(partial(triton_lora_slots.lora_slots, *slot_args, gather_elements=True))
-    # Tile shapes of the slot kernel, for the next choice of its constants (rank rows per step of
-    # its rank loop, programs per token tile and module); each compiles once, here.
+    # Tile shapes of both LoRA paths, for the next choice of their constants (slot kernel: input
+    # columns per step of its shrink, rank rows per step of its rank loop, programs per token tile
+    # and module; segment shrink: input columns and rank rows per step); each compiles once, here.
     tile_sweep: dict[str, float] = {}
-    saved = triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT
-    tiles = [(32, 8), (64, 8)] if args.smoke else [(r, s) for r in (16, 32, 64) for s in (4, 8, 16)]
+    saved = triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT
+    wides = [triton_lora.WIDE_SHRINK_WIDTHS, (128, 64), (64,)]
+    tiles = [((64,), 32, 8)] if args.smoke else [(w, r, s) for w in wides for r in (16, 32, 64) for s in (4, 8)]
     try:
-        for block_r, max_split in tiles:
-            triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT = block_r, max_split
-            tile_sweep[f"BLOCK_R={block_r} MAX_SPLIT={max_split}"] = bench(
+        for widths, block_r, max_split in tiles:
+            triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT = (
+                widths,
+                block_r,
+                max_split,
+            )
+            tile_sweep[f"BLOCK_K={widths[0]} BLOCK_R={block_r} MAX_SPLIT={max_split}"] = bench(
                 partial(triton_lora_slots.lora_slots, *slot_args)
             )
     finally:
-        triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT = saved
-    log(f"slot LoRA tile sweep (ms; main: BLOCK_R={saved[0]} MAX_SPLIT={saved[1]}): {tile_sweep}")
+        triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT = saved
+    log(f"slot LoRA tile sweep (ms; main: BLOCK_K={saved[0][0]} BLOCK_R={saved[1]} MAX_SPLIT={saved[2]}): "
+        f"{tile_sweep}")  # fmt: skip
     t_grouping = bench(partial(sort_by_slot, token_slots, 32))
     mean_rank = sum(ranks) // len(ranks)
     dense_a = torch.randn(3 * mean_rank, hidden, device=dev, dtype=bf16)
@@ -117,16 +129,36 @@ def part_kernels(args: argparse.Namespace) -> None:
     bounds = torch.tensor([[a * per, (a + 1) * per, 0, 0] for a in range(used)], device=dev)
     segment_args = (x, outputs, weights, bounds, page_tables[:used].to(dev), meta[:used].to(dev), scales[:used])
     t_segments = bench(partial(triton_lora.lora_segments, *segment_args, per, 3 * max(ranks[:used])))
+    segment_sweep: dict[str, float] = {}
+    saved_segments = triton_lora.SHRINK_WIDTHS, triton_lora.SHRINK_BLOCK_R
+    try:
+        for widths in [(64,)] if args.smoke else wides:
+            for block_r in (32,) if args.smoke else (16, 32, 64):
+                triton_lora.SHRINK_WIDTHS, triton_lora.SHRINK_BLOCK_R = widths, block_r
+                segment_sweep[f"SHRINK BLOCK_K={widths[0]} BLOCK_R={block_r}"] = bench(
+                    partial(triton_lora.lora_segments, *segment_args, per, 3 * max(ranks[:used]))
+                )
+    finally:
+        triton_lora.SHRINK_WIDTHS, triton_lora.SHRINK_BLOCK_R = saved_segments
+    log(f"segment LoRA tile sweep (ms; main: BLOCK_K={saved_segments[0][0]} BLOCK_R={saved_segments[1]}): "
+        f"{segment_sweep}")  # fmt: skip
+    # The yardstick read the other way: one dense matmul pair of all 32 adapters' ranks summed.
+    total_rank = sum(ranks)
+    total_a = torch.randn(3 * total_rank, hidden, device=dev, dtype=bf16)
+    total_b = torch.randn(sum(outs), total_rank, device=dev, dtype=bf16)
+    t_dense_total = bench(lambda: (x @ total_a.T)[:, :total_rank] @ total_b.T)
     t_segments_gathered = bench(
         partial(triton_lora.lora_segments, *segment_args, per, 3 * max(ranks[:used]), gather_elements=True)
     )
     rows["lora slots"] = {"tokens": tokens, "adapters": 32, "slots_ms": t_slots, "dense_same_rank_ms": t_dense,
                           "ratio": t_slots / t_dense if t_dense else None, "grouping_ms": t_grouping,
                           "segments_ms": t_segments, "slots_gathered_ms": t_slots_gathered,
-                          "segments_gathered_ms": t_segments_gathered, "slots_tile_sweep_ms": tile_sweep}  # fmt: skip
+                          "segments_gathered_ms": t_segments_gathered, "slots_tile_sweep_ms": tile_sweep,
+                          "segments_tile_sweep_ms": segment_sweep, "dense_total_rank_ms": t_dense_total}  # fmt: skip
     log(f"LoRA by slot, {tokens} tokens x 32 adapters (ranks 8-64, interleaved): {t_slots:.3f} ms; one dense "
         f"shrink+expand of rank {mean_rank}: {t_dense:.3f} ms; grouping the tokens by slot (once per step) "
         f"{t_grouping:.3f} ms; the segment kernels (eager steps, tokens grouped) {t_segments:.3f} ms; "
         f"element by element (before aligned tiles): slots {t_slots_gathered:.3f} ms, segments "
-        f"{t_segments_gathered:.3f} ms")  # fmt: skip
+        f"{t_segments_gathered:.3f} ms; one dense shrink+expand of all ranks summed ({total_rank}): "
+        f"{t_dense_total:.3f} ms")  # fmt: skip
     record("kernels", rows)

@@ -43,7 +43,7 @@ WEIGHT_ALIGN = 64
 starts at a multiple of it in an adapter's flat layer buffer (``lora/layout.py`` pads to it).
 Where a page holds a multiple of it too, no run of ``WEIGHT_ALIGN`` elements at an aligned
 column of such a matrix crosses a page: the Triton kernels then find one page per row and tile,
-and load the tile contiguously (``triton_lora.aligned_tiles``)."""
+and load the tile contiguously (``triton_lora_tiles.aligned_tiles``)."""
 
 
 class OutputSlice(NamedTuple):

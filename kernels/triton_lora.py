@@ -39,60 +39,31 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from loraserve.kernels.lora import WEIGHT_ALIGN, SegmentMeta
-from loraserve.kernels.page_checks import check_multiples, check_range
 from loraserve.kernels.triton_attention import runs_interpreted
+from loraserve.kernels.triton_lora_tiles import (
+    META_A_OFFSET,
+    META_B_OFFSET,
+    META_COLUMN,
+    META_MODULE_BASE,
+    META_MODULE_STRIDE,
+    META_NUM_ROWS,
+    META_OUT_FEATURES,
+    META_RANK,
+    _dot,
+    _load_weight_tiles,
+    alignment,
+    check_arguments,
+    shrink_width,
+)
 
 BLOCK_T = 16  # tokens per tile (tl.dot needs at least 16)
-SHRINK_BLOCK_R, SHRINK_BLOCK_K = 32, 64
+SHRINK_BLOCK_R = 32
+# Input columns per step of a shrink's loop: the widest of these whose tiles are aligned
+# (``shrink_width``). Wider tiles shorten a program's serial loop, whose steps wait on memory;
+# (256, 128, 64) is built and tested but not yet timed on a GPU (benchmarks.gpu sweeps it).
+SHRINK_WIDTHS: tuple[int, ...] = (64,)
+WIDE_SHRINK_WIDTHS = (256, 128, 64)
 EXPAND_BLOCK_N, EXPAND_BLOCK_R = 64, 16
-# The segment metadata layout (kernels/lora.py: SegmentMeta), as constants the kernels can read.
-META_A_OFFSET = tl.constexpr(SegmentMeta.A_OFFSET)
-META_NUM_ROWS = tl.constexpr(SegmentMeta.NUM_ROWS)
-META_MODULE_BASE = tl.constexpr(SegmentMeta.MODULE_BASE)
-META_MODULE_STRIDE = tl.constexpr(SegmentMeta.MODULE_STRIDE)
-META_COLUMN = tl.constexpr(SegmentMeta.COLUMN)
-META_RANK = tl.constexpr(SegmentMeta.RANK)
-META_B_OFFSET = tl.constexpr(SegmentMeta.B_OFFSET)
-META_OUT_FEATURES = tl.constexpr(SegmentMeta.OUT_FEATURES)
-
-
-@triton.jit
-def _load_weight_tiles(
-    weights_ptr,
-    table,
-    row_starts,
-    first_col,
-    row_length,
-    row_mask,
-    WIDTH: tl.constexpr,
-    PAGE_ELEMS: tl.constexpr,
-    ALIGNED: tl.constexpr,
-):
-    """``[R, WIDTH]``: columns ``first_col ..`` of ``R`` rows (row ``i`` starts at element
-    ``row_starts[i]`` of an adapter's flat layer buffer), found through its page table; zeros past
-    the row or for masked rows. ``ALIGNED`` (the caller's guarantee, ``aligned_tiles``): each run
-    lies inside one page, so one page id per row and a contiguous, vectorised load; otherwise
-    the page of every element (``weights[page_table[e // page_elems], e % page_elems]``)."""
-    if ALIGNED:
-        starts = row_starts + first_col  # [R]
-        pages = tl.load(table + starts // PAGE_ELEMS, mask=row_mask, other=0)  # [R]
-        bases = tl.multiple_of(pages * PAGE_ELEMS + starts % PAGE_ELEMS, WIDTH)  # [R]
-        ptrs = weights_ptr + bases[:, None] + tl.arange(0, WIDTH)[None, :]  # [R, WIDTH]
-        return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
-    else:
-        cols = first_col + tl.arange(0, WIDTH)  # [WIDTH]
-        elems = row_starts[:, None] + cols[None, :]  # [R, WIDTH]
-        mask = row_mask[:, None] & (cols < row_length)[None, :]
-        pages = tl.load(table + elems // PAGE_ELEMS, mask=mask, other=0)
-        return tl.load(weights_ptr + pages * PAGE_ELEMS + elems % PAGE_ELEMS, mask=mask, other=0.0)
-
-
-@triton.jit
-def _dot(lhs, rhs, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    if DOT_FP32:
-        lhs, rhs = lhs.to(tl.float32), rhs.to(tl.float32)
-    return tl.dot(lhs, rhs, acc, input_precision=PRECISION)
 
 
 @triton.jit(
@@ -226,46 +197,6 @@ def _expand_kernel(
         tl.store(out_ptr, (old + acc * scale).to(out0_ptr.dtype.element_ty), mask=out_mask)
 
 
-def check_arguments(
-    name: str, x: torch.Tensor, outputs: tuple[torch.Tensor, ...], weights: torch.Tensor, page_tables: torch.Tensor
-) -> None:
-    """What both LoRA kernels need: 1-3 outputs, row-major tensors, page ids inside the pool (debug mode)."""
-    if not 1 <= len(outputs) <= 3:
-        raise ValueError(f"{name} takes 1 to 3 outputs, got {len(outputs)}")
-    if x.stride(1) != 1 or any(out.stride(1) != 1 for out in outputs) or not weights.is_contiguous():
-        raise ValueError(f"{name} needs row-major x, outputs and weights")
-    check_range(f"{name} page_tables", page_tables, 0, weights.shape[0])
-
-
-def aligned_tiles(row_length: int, page_elems: int, width: int) -> bool:
-    """Whether every ``width``-element tile at a multiple of ``width`` along a row of
-    ``row_length`` elements lies inside one page: ``lora/layout.py`` starts a matrix whose rows
-    are a multiple of ``WEIGHT_ALIGN`` at a multiple of it, and ``width`` divides both that and
-    the page."""
-    return WEIGHT_ALIGN % width == 0 and row_length % WEIGHT_ALIGN == 0 and page_elems % width == 0
-
-
-def alignment(
-    name: str,
-    x: torch.Tensor,  # [num_tokens, in_features]
-    outputs: tuple[torch.Tensor, ...],  # 1-3 of [num_tokens, out_features_m]
-    page_elems: int,
-    meta: torch.Tensor,  # [S, 14] int64
-    widths: tuple[int, int],
-) -> tuple[bool, bool]:
-    """Whether the shrink's A tiles (``widths[0]`` wide) and the expand's B^T tiles
-    (``widths[1]``) may be loaded as aligned runs; in the debug mode, checks the offsets in
-    ``meta [S, 14]`` that the aligned loads rely on."""
-    a_aligned = aligned_tiles(x.shape[1], page_elems, widths[0])
-    b_aligned = all(aligned_tiles(out.shape[1], page_elems, widths[1]) for out in outputs)
-    if a_aligned:
-        check_multiples(f"{name} A offsets", meta[:, META_A_OFFSET.value], WEIGHT_ALIGN)
-    if b_aligned:
-        modules = META_MODULE_BASE.value + META_MODULE_STRIDE.value * torch.arange(len(outputs), device=meta.device)
-        check_multiples(f"{name} B offsets", meta[:, modules + META_B_OFFSET.value], WEIGHT_ALIGN)
-    return a_aligned, b_aligned
-
-
 def lora_segments(
     x: torch.Tensor,  # [num_tokens, in_features]
     outputs: tuple[torch.Tensor, ...],  # 1-3 of [num_tokens, out_features_m], updated in place
@@ -290,7 +221,8 @@ def lora_segments(
     num_token_tiles = triton.cdiv(max_segment_len, BLOCK_T)
     v = torch.empty(x.shape[0], max_rows, dtype=x.dtype, device=x.device)  # [num_tokens, max_rows]
     page_elems = weights.shape[1]
-    a_aligned, b_aligned = alignment("lora_segments", x, outputs, page_elems, meta, (SHRINK_BLOCK_K, EXPAND_BLOCK_N))
+    block_k = shrink_width(x.shape[1], page_elems, SHRINK_WIDTHS)
+    a_aligned, b_aligned = alignment("lora_segments", x, outputs, page_elems, meta, (block_k, EXPAND_BLOCK_N))
     a_aligned, b_aligned = a_aligned and not gather_elements, b_aligned and not gather_elements
     _shrink_kernel[(num_segments, num_token_tiles, triton.cdiv(max_rows, SHRINK_BLOCK_R))](
         x,
@@ -308,7 +240,7 @@ def lora_segments(
         PRECISION=precision,
         BLOCK_T=BLOCK_T,
         BLOCK_R=SHRINK_BLOCK_R,
-        BLOCK_K=SHRINK_BLOCK_K,
+        BLOCK_K=block_k,
         DOT_FP32=dot_fp32,
         ALIGNED=a_aligned,
     )

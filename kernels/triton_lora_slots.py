@@ -19,7 +19,7 @@ the input, then their expand into this program's output columns), so there is no
 nothing is padded. A slot's weights are found through its page table
 (``weights[page_table[e // page_elems], e % page_elems]`` for element ``e`` of the adapter's flat
 layer buffer, ``lora/layout.py``), wherever its pages are: one page per row and tile where the
-tiles are aligned (``triton_lora.aligned_tiles``), element by element otherwise.
+tiles are aligned (``triton_lora_tiles.aligned_tiles``), element by element otherwise.
 
 Arguments (``x``, ``outputs`` and ``weights`` share one float dtype; float32 accumulation, the
 shrink's result rounded to that dtype before the expand, as the segment kernels do):
@@ -45,10 +45,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraserve.kernels import triton_lora
 from loraserve.kernels.lora import SLOT_TILE, SlotGrouping, sort_by_slot
 from loraserve.kernels.page_checks import check_range
 from loraserve.kernels.triton_attention import runs_interpreted
-from loraserve.kernels.triton_lora import (
+from loraserve.kernels.triton_lora_tiles import (
     META_A_OFFSET,
     META_B_OFFSET,
     META_COLUMN,
@@ -60,13 +61,15 @@ from loraserve.kernels.triton_lora import (
     _load_weight_tiles,
     alignment,
     check_arguments,
+    shrink_width,
 )
 
 BLOCK_T = SLOT_TILE  # tokens of one slot per program (tl.dot needs at least 16 rows)
-BLOCK_R = 16  # rank rows per step of the rank loop
-BLOCK_K = 64  # input columns per step of the shrink
+# BLOCK_R and MAX_SPLIT: the fastest of benchmarks.gpu's sweep on an H100 (benchmarks/RESULTS.md).
+BLOCK_R = 32  # rank rows per step of the rank loop
+SHRINK_WIDTHS = triton_lora.SHRINK_WIDTHS  # input columns per step of the shrink (shrink_width)
 BLOCK_N = 64  # output columns per step of the expand
-MAX_SPLIT = 8  # programs per (token tile, module), each taking every MAX_SPLIT-th column tile
+MAX_SPLIT = 4  # programs per (token tile, module), each taking every MAX_SPLIT-th column tile
 
 
 @triton.jit
@@ -212,7 +215,8 @@ def lora_slots(
     # Triton's interpreter (3.9) multiplies 16-bit dots wrongly: there they run in float32.
     dot_fp32 = x.dtype != torch.float32 and runs_interpreted()
     split = num_splits(outputs)
-    a_aligned, b_aligned = alignment("lora_slots", x, outputs, weights.shape[1], meta, (BLOCK_K, BLOCK_N))
+    block_k = shrink_width(x.shape[1], weights.shape[1], SHRINK_WIDTHS)
+    a_aligned, b_aligned = alignment("lora_slots", x, outputs, weights.shape[1], meta, (block_k, BLOCK_N))
     a_aligned, b_aligned = a_aligned and not gather_elements, b_aligned and not gather_elements
     padded = (*outputs, *(outputs[0],) * (3 - len(outputs)))  # absent modules: no program runs them
     grid = (triton.cdiv(num_tokens, BLOCK_T) + min(num_tokens, num_slots), len(outputs) * split)
@@ -241,7 +245,7 @@ def lora_slots(
         N_SPLIT=split,
         BLOCK_T=BLOCK_T,
         BLOCK_R=BLOCK_R,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=block_k,
         BLOCK_N=BLOCK_N,
         PRECISION="ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32",
         DOT_FP32=dot_fp32,

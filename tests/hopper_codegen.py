@@ -54,12 +54,12 @@ def loads(ptx: str) -> dict[str, int]:
 
 def main() -> None:
     shrink = dict(PAGE_ELEMS=PAGE_ELEMS, PRECISION="tf32", BLOCK_T=16, DOT_FP32=False,
-                  BLOCK_R=triton_lora.SHRINK_BLOCK_R, BLOCK_K=triton_lora.SHRINK_BLOCK_K)  # fmt: skip
+                  BLOCK_R=triton_lora.SHRINK_BLOCK_R, BLOCK_K=triton_lora.SHRINK_WIDTHS[0])  # fmt: skip
     expand = dict(PAGE_ELEMS=PAGE_ELEMS, PRECISION="tf32", BLOCK_T=16, DOT_FP32=False,
                   BLOCK_N=triton_lora.EXPAND_BLOCK_N, BLOCK_R=triton_lora.EXPAND_BLOCK_R)  # fmt: skip
     slots = triton_lora_slots
-    slot = dict(PAGE_ELEMS=PAGE_ELEMS, N_SPLIT=8, BLOCK_T=slots.BLOCK_T, BLOCK_R=slots.BLOCK_R, BLOCK_K=slots.BLOCK_K,
-                BLOCK_N=slots.BLOCK_N, PRECISION="tf32", DOT_FP32=False)  # fmt: skip
+    slot = dict(PAGE_ELEMS=PAGE_ELEMS, N_SPLIT=slots.MAX_SPLIT, BLOCK_T=slots.BLOCK_T, BLOCK_R=slots.BLOCK_R,
+                BLOCK_K=slots.SHRINK_WIDTHS[0], BLOCK_N=slots.BLOCK_N, PRECISION="tf32", DOT_FP32=False)  # fmt: skip
     result: dict[str, dict[str, int]] = {}
     for aligned in (True, False):
         shrink_ptx = compile_for_hopper(triton_lora._shrink_kernel, dict(shrink, ALIGNED=aligned))
@@ -68,6 +68,8 @@ def main() -> None:
         result[f"expand aligned={aligned}"] = loads(expand_ptx)
         constexprs = dict(slot, A_ALIGNED=aligned, B_ALIGNED=aligned)
         result[f"slots aligned={aligned}"] = loads(compile_for_hopper(slots._lora_slots_kernel, constexprs))
+    wide = dict(shrink, BLOCK_K=triton_lora.WIDE_SHRINK_WIDTHS[0], ALIGNED=True)  # runs of 64, each from its page
+    result["shrink aligned=True wide"] = loads(compile_for_hopper(triton_lora._shrink_kernel, wide))
     print(json.dumps(result))
 
 

@@ -1,6 +1,6 @@
 """What the LoRA kernels compile to on a Hopper GPU (sm_90), checked without one: Triton compiles
 for a named target on the CPU (``hopper_codegen.py``). Where the tiles are aligned
-(``triton_lora.aligned_tiles``: every projection of real models), the weight tiles must reach
+(``triton_lora_tiles.aligned_tiles``: every projection of real models), the weight tiles must reach
 shared memory as 16-byte asynchronous copies that the software pipeliner issues ahead of the
 loop's dots, instead of 2-byte loads behind a dependent page-table load per element (the latency
 that made the H200 run's slot LoRA 17x a dense matmul). The figures come from
@@ -18,6 +18,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 triton_lora = pytest.importorskip("loraserve.kernels.triton_lora")
+triton_lora_tiles = pytest.importorskip("loraserve.kernels.triton_lora_tiles")
 
 PAGE_ELEMS = 16 * 8 * 64 * 2  # as hopper_codegen.py's
 
@@ -38,9 +39,14 @@ def hopper_loads() -> dict[str, dict[str, int]]:
 
 def test_aligned_tiles_hold_for_real_shapes() -> None:
     for row_length in (576, 1536, 2048, 8192, 14336):  # SmolLM2, Llama-3.2-1B, Llama-3-8B
-        assert triton_lora.aligned_tiles(row_length, PAGE_ELEMS, 64)
-    assert not triton_lora.aligned_tiles(48, PAGE_ELEMS, 64)
-    assert not triton_lora.aligned_tiles(2048, PAGE_ELEMS + 32, 64)  # a page that is not a multiple of 64
+        assert triton_lora_tiles.aligned_tiles(row_length, PAGE_ELEMS, 64)
+    assert not triton_lora_tiles.aligned_tiles(48, PAGE_ELEMS, 64)
+    assert not triton_lora_tiles.aligned_tiles(2048, PAGE_ELEMS + 32, 64)  # a page that is not a multiple of 64
+    # the shrink's wide tiles: runs of 64 from their pages, the widest that covers the row exactly
+    wide = triton_lora.WIDE_SHRINK_WIDTHS
+    widths = [triton_lora_tiles.shrink_width(n, PAGE_ELEMS, wide) for n in (576, 1536, 2048, 384, 48)]
+    assert widths == [64, 256, 256, 128, 64]
+    assert not triton_lora_tiles.aligned_tiles(576, PAGE_ELEMS, 256)
 
 
 def test_shrink_loads_aligned_tiles_by_async_16_byte_copies(hopper_loads: dict[str, dict[str, int]]) -> None:
@@ -48,6 +54,12 @@ def test_shrink_loads_aligned_tiles_by_async_16_byte_copies(hopper_loads: dict[s
     assert gathered.get("ld.global.b16", 0) > 0  # weights element by element
     assert aligned.get("ld.global.b16", 0) == 0
     assert aligned.get("cp.async:16", 0) > gathered.get("cp.async:16", 0)
+
+
+def test_wide_shrink_tiles_load_runs_by_async_16_byte_copies(hopper_loads: dict[str, dict[str, int]]) -> None:
+    wide, narrow = hopper_loads["shrink aligned=True wide"], hopper_loads["shrink aligned=True"]
+    assert wide.get("ld.global.b16", 0) == 0  # no weight element loaded alone
+    assert wide.get("cp.async:16", 0) > narrow.get("cp.async:16", 0)  # four runs of 64 per row and step
 
 
 def test_expand_loads_aligned_tiles_by_async_16_byte_copies(hopper_loads: dict[str, dict[str, int]]) -> None:

@@ -29,6 +29,7 @@ from loraserve.kernels.paged_attention import paged_decode_attention
 
 triton_attention = pytest.importorskip("loraserve.kernels.triton_attention")
 triton_lora = pytest.importorskip("loraserve.kernels.triton_lora")
+triton_lora_tiles = pytest.importorskip("loraserve.kernels.triton_lora_tiles")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -121,13 +122,24 @@ def test_lora_segments_any_width_and_tile_remainders(hidden: int, outs: tuple[in
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
 def test_lora_segments_aligned_tiles(hidden: int, outs: tuple[int, ...], expected: tuple, scattered: bool) -> None:
     """Widths that are multiples of the tiles: the kernels load each tile of a row from one page
-    (``aligned_tiles``), here over rows that start mid-page and adapters on several pages."""
+    (``aligned_tiles``; a shrink tile wider than ``WEIGHT_ALIGN`` as runs of it, each from its
+    page), here over rows that start mid-page and adapters on several pages."""
     x, meta = torch.zeros(1, hidden), torch.zeros(1, 14, dtype=torch.long)
-    widths = (triton_lora.SHRINK_BLOCK_K, triton_lora.EXPAND_BLOCK_N)
+    widths = (triton_lora_tiles.shrink_width(hidden, PAGE_ELEMS, triton_lora.SHRINK_WIDTHS), triton_lora.EXPAND_BLOCK_N)
     outputs = tuple(torch.zeros(1, out) for out in outs)
-    assert triton_lora.alignment("test", x, outputs, PAGE_ELEMS, meta, widths) == expected
+    assert triton_lora_tiles.alignment("test", x, outputs, PAGE_ELEMS, meta, widths) == expected
     indices = POPULARITY["skewed"](random.Random(4)) + [-1, 2, 2] + [5] * 17
     run_segments(triton_segments, indices, seed=6, scattered=scattered, layer=1, hidden=hidden, outs=outs)
+
+
+@pytest.mark.parametrize("hidden, width", [(512, 256), (384, 128)])
+def test_lora_segments_wide_shrink_tiles(monkeypatch: pytest.MonkeyPatch, hidden: int, width: int) -> None:
+    """Shrink tiles wider than ``WEIGHT_ALIGN`` (``WIDE_SHRINK_WIDTHS``): each row's tile loaded as
+    runs of 64 columns, each from its own page, over rows that start mid-page."""
+    monkeypatch.setattr(triton_lora, "SHRINK_WIDTHS", triton_lora.WIDE_SHRINK_WIDTHS)
+    assert triton_lora_tiles.shrink_width(hidden, PAGE_ELEMS, triton_lora.SHRINK_WIDTHS) == width
+    indices = POPULARITY["skewed"](random.Random(4)) + [-1, 2, 2] + [5] * 17
+    run_segments(triton_segments, indices, seed=6, scattered=True, layer=1, hidden=hidden, outs=(64, 128))
 
 
 def test_aligned_loads_refuse_misaligned_offsets_in_debug_mode() -> None:
@@ -136,10 +148,10 @@ def test_aligned_loads_refuse_misaligned_offsets_in_debug_mode() -> None:
     meta[1, 0] = 64 * 3 + 8  # a group's A not at a multiple of WEIGHT_ALIGN
     args = ("lora_segments", torch.zeros(1, 64), (torch.zeros(1, 64),), PAGE_ELEMS, meta, (64, 64))
     with pytest.raises(ValueError, match="A offsets: 200 is not a multiple of 64"):
-        triton_lora.alignment(*args)
+        triton_lora_tiles.alignment(*args)
     meta[1, 0], meta[0, 4] = 0, 96  # module 0's B^T
     with pytest.raises(ValueError, match="B offsets: 96"):
-        triton_lora.alignment(*args)
+        triton_lora_tiles.alignment(*args)
 
 
 def test_lora_segments_bfloat16_close_to_float32_reference() -> None:

@@ -89,6 +89,15 @@ def test_aligned_tiles(hidden: int, outs: tuple[int, ...]) -> None:
     run_segments(shuffled, indices, seed=8, scattered=True, layer=1, hidden=hidden, outs=outs)
 
 
+@pytest.mark.parametrize("hidden", [512, 384])
+def test_wide_shrink_tiles(monkeypatch: pytest.MonkeyPatch, hidden: int) -> None:
+    """Shrink tiles of 256 or 128 input columns (``WIDE_SHRINK_WIDTHS``), as runs of 64 from their pages."""
+    monkeypatch.setattr(slots_kernel, "SHRINK_WIDTHS", slots_kernel.triton_lora.WIDE_SHRINK_WIDTHS)
+    indices = [*POPULARITY["uniform"](random.Random(8)), -1, 3, 3]
+    shuffled = functools.partial(slot_kernel, shuffle=True)
+    run_segments(shuffled, indices, seed=8, scattered=True, layer=1, hidden=hidden, outs=(64, 128))
+
+
 def test_float16_close_to_float32_reference() -> None:
     indices = POPULARITY["skewed"](random.Random(1))[:12]
     fp16 = functools.partial(slot_kernel, dtype=torch.float16)
