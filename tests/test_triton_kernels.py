@@ -122,8 +122,7 @@ def test_lora_segments_any_width_and_tile_remainders(hidden: int, outs: tuple[in
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
 def test_lora_segments_aligned_tiles(hidden: int, outs: tuple[int, ...], expected: tuple, scattered: bool) -> None:
     """Widths that are multiples of the tiles: the kernels load each tile of a row from one page
-    (``aligned_tiles``; a shrink tile wider than ``WEIGHT_ALIGN`` as runs of it, each from its
-    page), here over rows that start mid-page and adapters on several pages."""
+    (``aligned_tiles``), here over rows that start mid-page and adapters on several pages."""
     x, meta = torch.zeros(1, hidden), torch.zeros(1, 14, dtype=torch.long)
     widths = (triton_lora_tiles.shrink_width(hidden, PAGE_ELEMS, triton_lora.SHRINK_WIDTHS), triton_lora.EXPAND_BLOCK_N)
     outputs = tuple(torch.zeros(1, out) for out in outs)

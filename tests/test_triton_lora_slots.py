@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from kernel_cases import BS, NUM_ADAPTERS, POPULARITY, run_segments
+from kernel_cases import BS, NUM_ADAPTERS, PAGE_ELEMS, POPULARITY, run_segments
 
 slots_kernel = pytest.importorskip("loraserve.kernels.triton_lora_slots")
 
@@ -89,10 +89,11 @@ def test_aligned_tiles(hidden: int, outs: tuple[int, ...]) -> None:
     run_segments(shuffled, indices, seed=8, scattered=True, layer=1, hidden=hidden, outs=outs)
 
 
-@pytest.mark.parametrize("hidden", [512, 384])
-def test_wide_shrink_tiles(monkeypatch: pytest.MonkeyPatch, hidden: int) -> None:
+@pytest.mark.parametrize("hidden, width", [(512, 256), (384, 128)])
+def test_wide_shrink_tiles(monkeypatch: pytest.MonkeyPatch, hidden: int, width: int) -> None:
     """Shrink tiles of 256 or 128 input columns (``WIDE_SHRINK_WIDTHS``), as runs of 64 from their pages."""
     monkeypatch.setattr(slots_kernel, "SHRINK_WIDTHS", slots_kernel.triton_lora.WIDE_SHRINK_WIDTHS)
+    assert slots_kernel.shrink_width(hidden, PAGE_ELEMS, slots_kernel.SHRINK_WIDTHS) == width
     indices = [*POPULARITY["uniform"](random.Random(8)), -1, 3, 3]
     shuffled = functools.partial(slot_kernel, shuffle=True)
     run_segments(shuffled, indices, seed=8, scattered=True, layer=1, hidden=hidden, outs=(64, 128))
