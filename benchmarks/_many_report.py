@@ -144,7 +144,7 @@ def describe(args: argparse.Namespace, info: dict[str, Any], kernels: dict[str, 
     lines = [
         f"Machine: {info['cpu']} ({info['isa']}: {info['cpu_flags']}), {info['usable_cores']} usable of "
         f"{info['logical_cores']} cores, torch {info['torch']} ({info['torch_threads']} threads), transformers "
-        f"{info['transformers']}, float32; load average {info['load_avg_at_start']} at start, "
+        f"{info['transformers']}, {args.dtype}; load average {info['load_avg_at_start']} at start, "
         f"{info.get('load_avg_at_end')} at end",
         f"Stream: {args.requests} requests (seed {args.seed}), arrivals {rate}, prompt and output lengths uniform in "
         f"[{args.min_len}, {args.max_len}), greedy, EOS ignored; adapter int(u*N), u ~ power({args.alpha})",

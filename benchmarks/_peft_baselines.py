@@ -52,14 +52,14 @@ class PeftBaseline:
     """One base model and a ``PeftModel`` over it, rebuilt for every run (adapters start cold)."""
 
     def __init__(self, model_dir: Path, adapter_dir: Callable[[int], Path], adapter_name: Callable[[int], str],
-                 batch: int, max_loaded: int = 64) -> None:  # fmt: skip
+                 batch: int, dtype: torch.dtype = torch.float32, max_loaded: int = 64) -> None:  # fmt: skip
         import transformers
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
         warnings.filterwarnings("ignore", module="transformers|peft")
         self.model_dir, self.adapter_dir, self.adapter_name = model_dir, adapter_dir, adapter_name
-        self.batch, self.max_loaded = batch, max(max_loaded, batch)
+        self.batch, self.max_loaded, self.dtype = batch, max(max_loaded, batch), dtype
         self.model: Any = None
         self.loaded: OrderedDict[str, None] = OrderedDict()
         self.loads = 0
@@ -69,10 +69,12 @@ class PeftBaseline:
         from transformers import AutoModelForCausalLM
 
         self.model = None
-        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).eval()
         self.pad = int(base.config.pad_token_id if base.config.pad_token_id is not None else 0)
         name = self.adapter_name(first)
-        self.model = PeftModel.from_pretrained(base, str(self.adapter_dir(first)), adapter_name=name).eval()
+        # PEFT keeps an adapter's float32 weights in float32 over a bfloat16 base: .to() casts them (each load too).
+        self.model = PeftModel.from_pretrained(base, str(self.adapter_dir(first)), adapter_name=name).to(self.dtype)
+        self.model.eval()
         self.loaded, self.loads = OrderedDict({name: None}), 0
         self._generate([[self.pad + 1] * 4], [name], 2, None, float("inf"))  # warm-up
 
@@ -82,6 +84,7 @@ class PeftBaseline:
             self.loaded.move_to_end(name)
             return name
         self.model.load_adapter(str(self.adapter_dir(index)), adapter_name=name)
+        self.model.to(self.dtype)
         self.loads += 1
         self.loaded[name] = None
         while len(self.loaded) > self.max_loaded:

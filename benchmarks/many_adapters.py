@@ -74,7 +74,7 @@ def prepare_adapters(args: argparse.Namespace, model_dir: Path, hf_config: Any, 
 def engine_options(args: argparse.Namespace, system: str, store_dir: Path) -> dict[str, Any]:
     options: dict[str, Any] = {
         "registry": f"dir:{store_dir}", "max_num_seqs": args.max_num_seqs, "memory_budget_mb": args.memory_budget_mb,
-        "host_adapter_cache_mb": args.host_cache_mb, "max_lora_rank": args.max_lora_rank,
+        "host_adapter_cache_mb": args.host_cache_mb, "max_lora_rank": args.max_lora_rank, "dtype": args.dtype,
     }  # fmt: skip
     if args.threads:
         options["num_threads"] = args.threads
@@ -175,7 +175,7 @@ def run_all(
     from loraserve.config import ConfigError
 
     peft = PeftBaseline(model_dir, lambda i: store_dir / adapter_name(i, args.ranks),
-                        lambda i: adapter_name(i, args.ranks), args.peft_batch)  # fmt: skip
+                        lambda i: adapter_name(i, args.ranks), args.peft_batch, getattr(torch, args.dtype))  # fmt: skip
     results: list[RunResult] = []
     kernels: dict[str, Any] = {}
     timed_out: dict[str, int] = {}
@@ -217,6 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ranks", type=ints, default=[64, 32, 16, 8], help="ranks cycled over the adapters (default 64,32,16,8)")
     add("--targets", type=lambda t: t.split(","), default=["q_proj", "v_proj"],
         help="target modules (default q_proj,v_proj: 1000 adapters take 6.9 GB in float32)")  # fmt: skip
+    add("--dtype", choices=["float32", "bfloat16"], default="float32",
+        help="weights and KV of every system, PEFT too (default float32)")  # fmt: skip
     add("--adapter-dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     add("--cache-dir", type=Path, default=cache_root() / "bench-adapters", help="where the adapters are kept")
     group = parser.add_argument_group("loraserve (every variant)")

@@ -68,7 +68,8 @@ def machine_info() -> dict[str, Any]:
     from loraserve.kernels import cpu_features
 
     info = cpu_features.cpu_info()
-    return {"cpu": info.model_name, "isa": info.vector_isa, "cpu_flags": " ".join(info.features),
+    cpu = f"{info.model_name}, {info.identity}" if info.identity else info.model_name
+    return {"cpu": cpu, "isa": info.vector_isa, "cpu_flags": " ".join(info.features),
             "logical_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "torch_threads": torch.get_num_threads(), "dtype": "float32",

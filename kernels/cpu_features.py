@@ -2,8 +2,11 @@
 
 Two things depend on it and so are keyed by ``signature()``: the compiled kernels (built with
 ``-march=native``, so a build from another CPU may hold instructions this one lacks) and the
-GEMM kernel chosen per layer shape by timing (``models/gemm_choice.py``). Benchmarks print
-``summary()`` beside every figure.
+kernels chosen per shape by timing (``models/gemm_choice.py`` and the other choices). The
+signature includes the vendor, family, model, stepping and cache size that ``/proc/cpuinfo``
+reports, not only the model name and flags: virtual machines often name different CPUs alike
+("Intel(R) Xeon(R) Processor") with the same flags, and a choice timed on one is not the other's.
+Benchmarks print ``summary()`` beside every figure.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ ISA_FEATURES = (
 @dataclass(frozen=True)
 class CpuInfo:
     model_name: str
+    identity: str  # vendor, family, model, stepping and cache size, e.g. "GenuineIntel family 6 model 207 ..."
     machine: str  # platform.machine(): x86_64, aarch64, ...
     features: tuple[str, ...]  # the ISA_FEATURES this CPU has, in ISA_FEATURES order
     num_cpus: int
@@ -66,9 +70,21 @@ class CpuInfo:
         return "sse" if self.machine == "x86_64" else self.machine
 
 
-def _parse_cpuinfo(text: str) -> tuple[str, set[str], int]:
+# The /proc/cpuinfo fields that tell CPUs of the same model name apart, as the identity names them.
+IDENTITY_FIELDS = {
+    "vendor_id": "",
+    "cpu family": "family",
+    "model": "model",
+    "stepping": "stepping",
+    "cache size": "cache",
+}
+
+
+def _parse_cpuinfo(text: str) -> tuple[str, str, set[str], int]:
+    """The first processor's model name, identity (``IDENTITY_FIELDS``) and flags; the processor count."""
     model, count = "", 0
     flags: set[str] = set()
+    identity: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -78,7 +94,10 @@ def _parse_cpuinfo(text: str) -> tuple[str, set[str], int]:
             model = value.strip()
         elif key in ("flags", "Features") and not flags:
             flags = set(value.split())
-    return model, flags, count
+        elif key in IDENTITY_FIELDS and key not in identity:
+            identity[key] = value.strip()
+    words = [f"{IDENTITY_FIELDS[key]} {identity[key]}".strip() for key in IDENTITY_FIELDS if identity.get(key)]
+    return model, " ".join(words), flags, count
 
 
 @functools.cache
@@ -87,19 +106,21 @@ def cpu_info() -> CpuInfo:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: the platform's description only
         text = ""
-    model, flags, count = _parse_cpuinfo(text)
+    model, identity, flags, count = _parse_cpuinfo(text)
     return CpuInfo(
         model_name=model or platform.processor() or "unknown",
+        identity=identity,
         machine=platform.machine(),
         features=tuple(f for f in ISA_FEATURES if f in flags),
         num_cpus=count,
     )
 
 
-def signature() -> str:
-    """A short digest of the model name, machine and ISA features (what a build or a choice depends on)."""
-    info = cpu_info()
-    text = "|".join((info.model_name, info.machine, ",".join(info.features)))
+def signature(info: CpuInfo | None = None) -> str:
+    """A short digest of the model name, identity, machine and ISA features (what a build or a
+    choice depends on) of ``info``, by default this CPU's."""
+    info = info or cpu_info()
+    text = "|".join((info.model_name, info.identity, info.machine, ",".join(info.features)))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -107,4 +128,5 @@ def summary() -> str:
     """One line for logs and benchmark headers: model, vector ISA and the notable features."""
     info = cpu_info()
     notable = [f for f in info.features if f.startswith(("avx512", "amx", "avx_vnni")) or f in ("avx2", "fma")]
-    return f"{info.model_name} ({info.machine}; {info.vector_isa}; {' '.join(notable) or 'no AVX'})"
+    identity = f"{info.identity}; " if info.identity else ""
+    return f"{info.model_name} ({identity}{info.machine}; {info.vector_isa}; {' '.join(notable) or 'no AVX'})"

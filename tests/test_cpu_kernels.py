@@ -372,17 +372,27 @@ def test_prefill_attention_checks_page_ids_and_offsets() -> None:
         cpu.paged_prefill_attention(query, kv, torch.tensor([0, 20, 26]), cached, tables, 0.25)
 
 
+def cpuinfo_text(model: int) -> str:
+    first = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: {}\nmodel name\t: Some CPU\n"
+    first += "stepping\t: 2\ncache size\t: 307200 KB\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512vl amx_tile\n\n"
+    return first.format(model) + "processor\t: 1\nmodel\t\t: 1\nmodel name\t: Some CPU\nflags\t\t: fpu\n"
+
+
 def test_cpu_features_are_read_from_cpuinfo() -> None:
-    text = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512vl amx_tile\n\n"
-    text += "processor\t: 1\nmodel name\t: Some CPU\nflags\t\t: fpu\n"
-    model, flags, count = cpu_features._parse_cpuinfo(text)
+    model, identity, flags, count = cpu_features._parse_cpuinfo(cpuinfo_text(207))
     assert (model, count) == ("Some CPU", 2) and {"avx2", "avx512f", "amx_tile"} <= flags
-    info = cpu_features.CpuInfo(model, "x86_64", tuple(f for f in cpu_features.ISA_FEATURES if f in flags), count)
+    assert identity == "GenuineIntel family 6 model 207 stepping 2 cache 307200 KB"  # the first processor's
+    features = tuple(f for f in cpu_features.ISA_FEATURES if f in flags)
+    info = cpu_features.CpuInfo(model, identity, "x86_64", features, count)
     assert info.vector_isa == "avx512" and info.has("fma") and not info.has("avx512bw")
     assert dataclasses.replace(info, features=("avx2", "fma")).vector_isa == "avx2"
+    # Virtual machines name different CPUs alike with the same flags: the model tells them apart.
+    _, other, _, _ = cpu_features._parse_cpuinfo(cpuinfo_text(167))
+    assert cpu_features.signature(info) != cpu_features.signature(dataclasses.replace(info, identity=other))
     here = cpu_features.cpu_info()
     assert here.model_name in cpu_features.summary() and here.vector_isa in cpu_features.summary()
-    assert len(cpu_features.signature()) == 12
+    assert here.identity in cpu_features.summary()
+    assert len(cpu_features.signature()) == 12 and cpu_features.signature() == cpu_features.signature(here)
 
 
 def test_decode_attention_checks_page_ids() -> None:

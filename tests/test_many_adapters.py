@@ -93,6 +93,23 @@ def test_many_adapters_smoke(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert (plots / f"many_adapters_{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_many_adapters_dtype_reaches_loraserve_and_peft(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from benchmarks._peft_baselines import PeftBaseline
+
+    argv = ["--model", str(tiny_model_dir), "--cache-dir", str(tmp_path), "--adapters", "2", "--dtype", "bfloat16"]
+    args = many_adapters.parse_args(argv)
+    store = many_adapters.prepare_adapters(args, tiny_model_dir, AutoConfig.from_pretrained(tiny_model_dir), 2)
+    assert all(many_adapters.engine_options(args, s, store)["dtype"] == "bfloat16" for s in ("loraserve", "fixed"))
+    name = lambda i: many_adapters.adapter_name(i, args.ranks)  # noqa: E731
+    peft = PeftBaseline(tiny_model_dir, lambda i: store / name(i), name, 2, torch.bfloat16)
+    peft._reset(0)
+    peft._ensure(1)  # a second adapter, loaded later: cast too (PEFT keeps float32 files in float32)
+    assert {p.dtype for p in peft.model.parameters()} == {torch.bfloat16}
+    assert len(peft.loaded) == 2
+
+
 def test_serving_arrivals_against_loraserve(tiny_model_dir: Path, tmp_path: Path) -> None:
     from loraserve.api import ServerSettings, ServerThread, create_app
     from transformers import AutoConfig
