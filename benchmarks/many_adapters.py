@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lens = (args.min_len, args.max_len)
     vocab = int(hf_config.vocab_size)
     stream = make_stream(args.requests, lens, lens, vocab, rate=args.rate, cv=args.cv, alpha=args.alpha, seed=args.seed)
-    info = machine_info()
+    info = {**machine_info(), "dtype": args.dtype}
     start = time.perf_counter()
     results, kernels = run_all(args, stream, model_dir, store_dir)
     info["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -67,6 +67,7 @@ def test_many_adapters_smoke(tiny_model_dir: Path, tmp_path: Path) -> None:
     finally:
         torch.set_num_threads(threads)
     payload = json.loads(out.read_text())
+    assert payload["machine"]["dtype"] == "float32"
     expected = payload["stream"]["output_lens"]
     assert len(expected) == 16 and all(4 <= n < 12 for n in expected)
     results = payload["results"]
