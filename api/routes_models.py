@@ -73,6 +73,8 @@ async def health(request: Request) -> JSONResponse:
         body["cpu_lora"] = stats.cpu_lora
     if stats.cpu_prefill_attention:  # whether the prefill attention runs on AMX tiles, and how it was chosen
         body["cpu_prefill_attention"] = stats.cpu_prefill_attention
+    if stats.cpu_decode_attention:  # the compiled decode attention's vector width, and how it was chosen
+        body["cpu_decode_attention"] = stats.cpu_decode_attention
     if stats.adapter_decode_paths:  # decode graphs: the path measured faster for steps with adapters, per size
         body["adapter_decode_paths"] = {str(size): path for size, path in stats.adapter_decode_paths.items()}
     return JSONResponse(body)

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from benchmarks._workload import Workload, adapter_name, add_workload_args, check_workload_args, ensure_adapters
 from benchmarks.cpu_perf_profile import PARTS, profile_decode
-from loraserve.config import CPU_GEMM_CHOICES, CPU_TILE_CHOICES
+from loraserve.config import CPU_DECODE_ATTENTION_CHOICES, CPU_GEMM_CHOICES, CPU_TILE_CHOICES
 from loraserve.lora.tile_choice import LoRAKernelPlan
 
 TARGET_LORA_VS_BASE = 0.85  # (b)/(a): LoRA tok/s at least this share of the base model's
@@ -167,7 +167,7 @@ def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs:
         f"loraserve's CPU GEMM ({info['cpu_gemm']['source']}, kernel per row bucket): "
         + "; ".join(f"{shape} {'/'.join(by_rows.values())}" for shape, by_rows in info["cpu_gemm"]["layers"].items()),
         f"loraserve's LoRA kernel for segments of 3+ tokens: {info['lora_segments']}; prefill attention: "
-        f"{info['prefill_attention']}",
+        f"{info['prefill_attention']}; decode attention: {info['decode_attention']}",
         "",
     ]
     rows = [[r.system, str(r.requests), str(r.tokens), f"{r.wall_s:.1f}", f"{r.tok_s:.1f}", f"{r.cpu_s / r.wall_s:.2f}"]
@@ -214,6 +214,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="loraserve's LoRA of 3+ token segments in bfloat16: amx or vector (default auto: timed)")  # fmt: skip
     add("--cpu-prefill-attention", choices=CPU_TILE_CHOICES, default="auto",
         help="loraserve's bfloat16 prefill attention: amx or vector (default auto: timed)")  # fmt: skip
+    add("--cpu-decode-attention", choices=CPU_DECODE_ATTENTION_CHOICES, default="auto",
+        help="loraserve's decode attention: avx512 (16 lanes) or vec8 (default auto: timed)")  # fmt: skip
     add("--peft-batch", type=int, default=16, help="PEFT mixed-adapter batch size (default 16)")
     add("--no-peft", action="store_true", help="skip PEFT (c)")
     add("--rounds", type=int, default=4, help="interleaved rounds, (c) on 1/rounds of the requests in each (default 4)")
@@ -242,12 +244,15 @@ def main(argv: list[str] | None = None) -> None:
     options = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype, "num_threads": args.threads,
                "memory_budget_mb": args.memory_budget_mb, "cpu_gemm": args.cpu_gemm,
                "cpu_lora": args.cpu_lora, "cpu_prefill_attention": args.cpu_prefill_attention,
+               "cpu_decode_attention": args.cpu_decode_attention,
                "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     llm = LLM(**{k: v for k, v in options.items() if v is not None})
     info["cpu_gemm"] = llm.engine.gemm_plan.as_dict()
     info["lora_segments"] = lora_segments_kernel(llm.engine.lora_plan)
     plan = llm.engine.attention_plan
     info["prefill_attention"] = f"{plan.as_dict()['kernel']} ({plan.source})" if plan is not None else "torch"
+    decode = llm.engine.decode_attention_plan
+    info["decode_attention"] = f"{decode.variant} ({decode.source})" if decode is not None else "torch"
     info["max_num_batched_tokens"] = llm.engine.config.step_token_budget
     for name, path in adapters:
         llm.add_adapter(name, path)

@@ -99,11 +99,22 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
     context_lens: torch.Tensor,  # [num_seqs] int64
     scale: float,
+    *,
+    variant: str = "",  # one of decode_attention_variants(); "": the widest
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     module = load_extension()
     assert module is not None, "paged_decode_attention needs the compiled CPU kernels"
-    out: torch.Tensor = module.paged_decode_attention(query.contiguous(), kv, block_tables, context_lens, scale)
+    query = query.contiguous()
+    out: torch.Tensor = module.paged_decode_attention(query, kv, block_tables, context_lens, scale, variant)
     return out
+
+
+def decode_attention_variants() -> list[str]:
+    """The register-tiled decode attentions compiled into this build, widest first: "avx512"
+    (16 lanes, where the build targets AVX-512) and "vec8" (8 lanes). A shape a variant cannot
+    tile runs on the next one that can, the generic loops last."""
+    module = load_extension()
+    return list(module.decode_attention_variants()) if module is not None else []
 
 
 def paged_prefill_attention(

@@ -26,6 +26,7 @@ KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # see loraserve/kernel_back
 # "auto" or a GemmKernel (models/packed_linear.py)
 CPU_GEMM_CHOICES = ("auto", "panels", "onednn", "torch", "dot", "amx")
 CPU_TILE_CHOICES = ("auto", "amx", "vector")  # lora/tile_choice.py, models/attention_choice.py
+CPU_DECODE_ATTENTION_CHOICES = ("auto", "avx512", "vec8")  # models/decode_attention_choice.py
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,9 @@ class EngineConfig:
     start, cached per CPU kind), ``amx`` (always; an error without AMX) or ``vector`` (never).
     ``cpu_prefill_attention``: the same choice for the prefill attention of a bfloat16 model
     (``auto``: timed on the model's head shape at start, cached per CPU kind).
+    ``cpu_decode_attention``: the vector width of the compiled decode attention, ``auto`` (timed
+    on the model's head shape at start where the build has both, cached per CPU kind), ``avx512``
+    (16 lanes; an error where the build lacks it) or ``vec8`` (8 lanes).
     ``max_lora_rank`` and ``max_adapters``: the largest adapter rank, and the most adapters, the
     registry accepts (an operator's limits; there is no rank limit in the design).
     ``adapter_region``: ``unified`` (adapters take pages from the one pool the KV cache uses, any
@@ -90,6 +94,7 @@ class EngineConfig:
     cpu_gemm: str = "auto"
     cpu_lora: str = "auto"
     cpu_prefill_attention: str = "auto"
+    cpu_decode_attention: str = "auto"
     enforce_eager: bool = False
     adapter_decode_path: str = "auto"
     max_lora_rank: int = 512
@@ -169,6 +174,7 @@ class EngineConfig:
             ("cpu_gemm", self.cpu_gemm, CPU_GEMM_CHOICES),
             ("cpu_lora", self.cpu_lora, CPU_TILE_CHOICES),
             ("cpu_prefill_attention", self.cpu_prefill_attention, CPU_TILE_CHOICES),
+            ("cpu_decode_attention", self.cpu_decode_attention, CPU_DECODE_ATTENTION_CHOICES),
         )
         for name, value, choices in cpu_options:  # the compiled CPU backend's kernel choices
             _require(value in choices, f"{name} must be one of {choices}, got {value!r}")

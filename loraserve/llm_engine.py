@@ -70,6 +70,7 @@ class LLMEngine:
         self.kernels = chosen.backend
         self.kernel_fallbacks = chosen.fallbacks
         self.attention_plan = chosen.attention_plan
+        self.decode_attention_plan = chosen.decode_attention_plan
         # The CPU GEMM kernel of each linear layer shape and row bucket (empty off the cpu backend).
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
         self.model, self.gemm_plan = load_model(

@@ -38,6 +38,7 @@ class EngineStats:
     cpu_gemm: dict[str, object] = field(default_factory=dict)  # GemmPlan.as_dict(); empty when not packed
     cpu_lora: dict[str, object] = field(default_factory=dict)  # LoRAKernelPlan.as_dict(); empty off the CPU kernel
     cpu_prefill_attention: dict[str, object] = field(default_factory=dict)  # PrefillAttentionPlan.as_dict(); ditto
+    cpu_decode_attention: dict[str, object] = field(default_factory=dict)  # DecodeAttentionPlan.as_dict(); ditto
     kernel_fallbacks: tuple[str, ...] = ()  # compiled kernels on a slower fallback (a library symbol missing)
     registry_up: bool = True  # the adapter registry answers and its changes are followed
     num_kv_tokens: int = 0  # tokens whose KV the running sequences hold (KV utilisation: / kv pages' slots)
@@ -75,6 +76,9 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         cpu_gemm=engine.gemm_plan.as_dict() if engine.gemm_plan.choices else {},
         cpu_lora=engine.lora_plan.as_dict() if engine.lora_plan is not None else {},
         cpu_prefill_attention=engine.attention_plan.as_dict() if engine.attention_plan is not None else {},
+        cpu_decode_attention=(
+            engine.decode_attention_plan.as_dict() if engine.decode_attention_plan is not None else {}
+        ),
         kernel_fallbacks=engine.kernel_fallbacks,
         num_kv_tokens=sum(seq.num_computed_tokens for seq in running),
         num_running_adapters=len({seq.adapter_id for seq in running if seq.adapter_id is not None}),

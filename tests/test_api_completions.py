@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from loraserve.api import ServerSettings, ServerThread, create_app
-from loraserve.kernels import cpu_features
+from loraserve.kernels import cpu, cpu_features
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraserve.config import EngineConfig
@@ -92,6 +92,9 @@ def test_health_models_and_openapi(http: httpx.Client, client: openai.OpenAI) ->
         attention = health["cpu_prefill_attention"]  # the same for the prefill attention
         assert attention["source"] in ("no tiles", "measured", "cached", "disturbed")
         assert attention["kernel"] in ("amx", "vector")
+        decode = health["cpu_decode_attention"]  # the decode attention's variant, timed where the build has two
+        assert decode["source"] in ("only one", "measured", "cached", "disturbed")
+        assert decode["kernel"] in cpu.decode_attention_variants()
         fallback = int("lora_grouped_gemm" in health.get("kernel_fallbacks", []))  # 0 with torch's MKL
         assert f'loraserve_kernel_fallback{{kernel="lora_grouped_gemm"}} {fallback}.0' in metrics
     assert [model.id for model in client.models.list()] == [MODEL]

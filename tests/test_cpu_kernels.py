@@ -1,8 +1,7 @@
-"""The compiled CPU kernels (``kernels/cpu.py``) against the torch references.
+"""The compiled CPU kernels (``kernels/cpu.py``) against the torch references (the decode
+attention's are in ``test_cpu_decode_attention.py``).
 
-Paged decode attention: GQA and MHA, scattered pages, contexts of 1 token, exact
-multiples of the block size and padded block tables, float32 and bfloat16. Segmented
-LoRA: adapters of mixed ranks laid out in pool pages as ``lora/layout.py`` does
+Segmented LoRA: adapters of mixed ranks laid out in pool pages as ``lora/layout.py`` does
 (stacked A rows, then B^T per module, modules absent in some adapters), on consecutive
 pages (read in place) or scattered ones (followed through page tables), under Punica's
 adapter popularity patterns.
@@ -16,79 +15,11 @@ import random
 
 import pytest
 import torch
-from kernel_cases import ATTENTION_CASES, ATTENTION_IDS, BS, HIDDEN, POPULARITY, decode_case, make_paged, run_segments
+from kernel_cases import ATTENTION_CASES, ATTENTION_IDS, BS, HIDDEN, POPULARITY, make_paged, run_segments
 from loraserve.kernels import cpu, cpu_features
-from loraserve.kernels.paged_attention import paged_decode_attention, write_kv
+from loraserve.kernels.paged_attention import write_kv
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
-
-
-# float32 (and bfloat16) with head_dim 16/32/48/64/96/128 and block_size a multiple of 8 runs the register-tiled
-# kernel (csrc/decode_attention_tiled.h), the other cases the generic one: both against the reference.
-TILED_CASES = [(8, 2, 128, 16), (4, 2, 64, 8), (4, 2, 16, 16), (6, 3, 48, 8), (4, 1, 96, 16)]
-
-
-@pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    ATTENTION_CASES + TILED_CASES,
-    ids=[
-        *ATTENTION_IDS,
-        "tiled-head-dim-128",
-        "tiled-block-8",
-        "tiled-head-dim-16",
-        "tiled-head-dim-48",
-        "tiled-96-mqa",
-    ],
-)
-def test_decode_attention_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-    query, kv, tables, context_lens, scale = decode_case(num_heads, num_kv_heads, head_dim, block_size)
-    expected = paged_decode_attention(query, kv, tables, context_lens, scale)
-    out = cpu.paged_decode_attention(query, kv, tables, context_lens, scale)
-    torch.testing.assert_close(out, expected, rtol=0, atol=2e-6)
-
-
-@pytest.mark.parametrize("slope", [3.0, -3.0], ids=["rising", "falling"])
-def test_decode_attention_scores_that_drift_across_pages(slope: float) -> None:
-    """The tiled kernel's online softmax rescales what it summed whenever a later page holds a
-    larger score. Scores that rise ~120 over the context (the first pages' weights fall below
-    exp's range, -87) or fall (the first page's max stands): scores that large carry float32
-    rounding of ~1e-5, so the kernel is held to twice the float32 reference's error against float64."""
-    lens, num_heads, num_kv_heads, head_dim = [130, 47], 9, 3, 64
-    kv, tables = make_paged(lens, num_kv_heads, head_dim, 16, torch.float32, seed=11)
-    query = torch.randn(len(lens), num_heads, head_dim, generator=torch.Generator().manual_seed(3))
-    direction = query.view(len(lens), num_kv_heads, -1, head_dim).mean(2)  # [seqs, kv_heads, head_dim]
-    for seq, n in enumerate(lens):
-        for j in range(n):
-            page, row = tables[seq, j // 16], j % 16
-            kv[page, 0, row] = 0.1 * kv[page, 0, row] + slope * (j - n / 2) / 8 * direction[seq]
-    context_lens, scale = torch.tensor(lens), head_dim**-0.5
-    exact = paged_decode_attention(query.double(), kv.double(), tables, context_lens, scale)
-    reference_error = (paged_decode_attention(query, kv, tables, context_lens, scale).double() - exact).abs().max()
-    error = (cpu.paged_decode_attention(query, kv, tables, context_lens, scale).double() - exact).abs().max()
-    assert error <= 2 * reference_error + 1e-6, (float(error), float(reference_error))
-
-
-@pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(6, 2, 32, 16), (4, 2, 24, 16), *TILED_CASES],
-    ids=["tiled-32", "generic-head-dim-24", "tiled-128", "tiled-block-8", "tiled-16", "tiled-48", "tiled-96-mqa"],
-)
-def test_decode_attention_bfloat16_is_the_float32_result_rounded_once(
-    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
-) -> None:
-    """bfloat16 query and KV (widened as read, float32 sums) on the register-tiled kernel and the
-    generic loops: each output is the float32 reference of the same values rounded once to
-    bfloat16, so within half a bfloat16 step (at most 2^-8 relative) plus the sums' float32 error."""
-    lens = [5, 40, 129, 16]
-    kv, tables = make_paged(lens, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=7)
-    query = torch.randn(len(lens), num_heads, head_dim, generator=torch.Generator().manual_seed(2))
-    query = query.to(torch.bfloat16)
-    expected = paged_decode_attention(query.float(), kv.float(), tables, torch.tensor(lens), 0.2)
-    out = cpu.paged_decode_attention(query, kv, tables, torch.tensor(lens), 0.2)
-    assert out.dtype == torch.bfloat16
-    error = (out.float() - expected).abs()
-    bound = expected.abs() * 2**-8 + 1e-6
-    assert (error <= bound).all(), (float((error - bound).max()), float(expected[error > bound].abs().min()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -393,13 +324,3 @@ def test_cpu_features_are_read_from_cpuinfo() -> None:
     assert here.model_name in cpu_features.summary() and here.vector_isa in cpu_features.summary()
     assert here.identity in cpu_features.summary()
     assert len(cpu_features.signature()) == 12 and cpu_features.signature() == cpu_features.signature(here)
-
-
-def test_decode_attention_checks_page_ids() -> None:
-    query, kv, tables, lens, scale = decode_case(9, 3, 64, 16)
-    bad = tables.clone()
-    bad[2, 1] = -1
-    with pytest.raises(RuntimeError, match=r"sequence 2 block 1: page -1 is outside the pool"):
-        cpu.paged_decode_attention(query, kv, bad, lens, scale)
-    with pytest.raises(RuntimeError, match=r"needs \d+ blocks, its table has"):
-        cpu.paged_decode_attention(query, kv, tables[:, :1].contiguous(), lens, scale)

@@ -12,10 +12,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention_common.h"
 #include "decode_attention_tiled.h"
+#include "decode_attention_wide.h"
 
 namespace {
 
@@ -106,8 +109,22 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv, const 
 
 }  // namespace
 
+// The register-tiled decode attentions compiled into this build, widest first.
+std::vector<std::string> decode_attention_variants() {
+#if defined(LORASERVE_DECODE_ATTENTION_WIDE)
+  return {"avx512", "vec8"};
+#else
+  return {"vec8"};
+#endif
+}
+
+// variant: one of decode_attention_variants(), or "" for the widest; shapes a variant cannot tile
+// run on the next one that can (the generic loops last).
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, const std::string& variant) {
+  const auto variants = decode_attention_variants();
+  TORCH_CHECK(variant.empty() || std::find(variants.begin(), variants.end(), variant) != variants.end(),
+              "paged_decode_attention variant '", variant, "' is not compiled into this build");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [num_seqs, heads, head_dim]");
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "kv must be [num_pages, 2, block_size, kv_heads, head_dim]");
   TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == kv.size(4), "kv rows must be contiguous");
@@ -125,6 +142,32 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv,
   at::Tensor out = at::empty_like(query);
   const int64_t head_dim = query.size(2);
   const at::ScalarType dtype = query.scalar_type();
+#if defined(LORASERVE_DECODE_ATTENTION_WIDE)
+  const bool wide = variant.empty() || variant == "avx512";
+  if (wide && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+      loraserve_attention::can_run_wide(head_dim, kv.size(2), dtype == at::kBFloat16)) {
+    const auto run = [&](auto type) {
+      using T = decltype(type);
+      using loraserve_attention::decode_attention_wide;
+      switch (head_dim) {  // the head dims can_run_wide accepts, head_dim / 16 vectors each
+        case 16: if constexpr (std::is_same_v<T, float>) decode_attention_wide<1, T>(query, kv, block_tables, context_lens, scale, out); break;
+        case 32: decode_attention_wide<2, T>(query, kv, block_tables, context_lens, scale, out); break;
+        case 48: if constexpr (std::is_same_v<T, float>) decode_attention_wide<3, T>(query, kv, block_tables, context_lens, scale, out); break;
+        case 64: decode_attention_wide<4, T>(query, kv, block_tables, context_lens, scale, out); break;
+        case 80: if constexpr (std::is_same_v<T, float>) decode_attention_wide<5, T>(query, kv, block_tables, context_lens, scale, out); break;
+        case 96: decode_attention_wide<6, T>(query, kv, block_tables, context_lens, scale, out); break;
+        case 112: if constexpr (std::is_same_v<T, float>) decode_attention_wide<7, T>(query, kv, block_tables, context_lens, scale, out); break;
+        default: decode_attention_wide<8, T>(query, kv, block_tables, context_lens, scale, out); break;
+      }
+    };
+    if (dtype == at::kFloat) {
+      run(float{});
+    } else {
+      run(uint16_t{});  // bfloat16 as its bits
+    }
+    return out;
+  }
+#endif
   if ((dtype == at::kFloat || dtype == at::kBFloat16) && loraserve_attention::can_tile(head_dim, kv.size(2))) {
     const auto run = [&](auto type) {
       using T = decltype(type);
@@ -216,6 +259,8 @@ bool prefill_attention_amx();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (see kernels/cpu.py)", no_gil());
+  m.def("decode_attention_variants", &decode_attention_variants,
+        "the register-tiled decode attentions compiled in, widest first");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal paged attention of all the prefill chunks of a step (see kernels/cpu.py)", no_gil());
   m.def("prefill_attention_amx", &prefill_attention_amx,

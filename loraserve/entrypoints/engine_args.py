@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from loraserve.config import CPU_GEMM_CHOICES, CPU_TILE_CHOICES, DTYPES, KERNEL_CHOICES
+from loraserve.config import CPU_DECODE_ATTENTION_CHOICES, CPU_GEMM_CHOICES, CPU_TILE_CHOICES, DTYPES, KERNEL_CHOICES
 from loraserve.decode_path import ADAPTER_DECODE_PATHS
 
 # Engine options: (flag, EngineConfig field, type, help).
@@ -60,6 +60,14 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
         f"prefill attention of a bfloat16 model on a CPU with AMX, one of {CPU_TILE_CHOICES}: amx (tiles), "
         "vector (vector loops); default auto: timed on the model's head shape at the first start, cached per "
         "CPU kind",
+    ),
+    (
+        "--cpu-decode-attention",
+        "cpu_decode_attention",
+        str,
+        f"vector width of the compiled decode attention, one of {CPU_DECODE_ATTENTION_CHOICES}: avx512 (16 "
+        "lanes, where the build targets AVX-512), vec8 (8 lanes); default auto: timed on the model's head shape "
+        "at the first start, cached per CPU kind",
     ),
     (
         "--adapter-decode-path",

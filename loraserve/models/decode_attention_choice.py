@@ -1,0 +1,138 @@
+"""Choosing the compiled decode attention's vector width, by timing it on this CPU.
+
+Where the build targets AVX-512, the compiled paged decode attention has two register-tiled
+variants (``cpu.decode_attention_variants()``): ``avx512`` (16 lanes) and ``vec8`` (8 lanes).
+Which is faster depends on the CPU and the dtype (a float32 step mostly waits on reading the KV
+from memory; a bfloat16 one spends more of its time widening it), so both are timed on the
+model's head shape and block size: a decode step of the engine's batch (at most ``MAX_SEQS``
+sequences of 96-160 cached tokens) over several layers' KV (``TIMED_BYTES`` in all, so that most
+of it is read from memory as in a step), the variants alternating, the best of several passes.
+The wider one is kept only when more than ``TIE_TOLERANCE`` faster. The choice is cached per CPU
+signature in ``<cache>/cpu_attention/`` (``choice_file``) and shown in ``/health``;
+``--cpu-decode-attention avx512|vec8`` forces one. A build with one variant needs no timing.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraserve.choice_file import ChoiceFile, build_key
+from loraserve.config import CPU_DECODE_ATTENTION_CHOICES, ConfigError
+from loraserve.kernels import cpu, cpu_features
+from loraserve.models.attention_choice import AttentionShape
+from loraserve.models.cpu_load import best_alternating_passes
+from loraserve.timed_choice import timed_choice
+
+CACHE_FORMAT = 1
+TIE_TOLERANCE = 0.03  # the wider variant must be this much faster to be kept (noise between passes)
+MAX_SEQS = 64  # sequences of the timed step
+TIMED_BYTES = 96 << 20  # KV read by one timed pass, over as many layers as that takes
+CONTEXTS = (96, 160)  # cached tokens of the timed sequences, spread evenly over this range
+
+_DISTURBED: dict[str, str] = {}  # choices timed under load in this process, by cache key
+
+
+@dataclass(frozen=True)
+class DecodeAttentionPolicy:
+    """``variant``: ``auto`` (timed, cached under ``cache_dir``; None: timed at every start), or
+    one of ``cpu.decode_attention_variants()`` (forced; refused where this build lacks it)."""
+
+    variant: str = "auto"
+    cache_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.variant not in CPU_DECODE_ATTENTION_CHOICES:
+            choices = CPU_DECODE_ATTENTION_CHOICES
+            raise ValueError(f"cpu_decode_attention must be one of {choices}, got {self.variant!r}")
+
+
+@dataclass(frozen=True)
+class DecodeAttentionPlan:
+    """The variant the decode attention runs, and how it was decided."""
+
+    variant: str
+    source: str  # measured | cached | forced | disturbed | only one (a build with one variant)
+    seconds: float = 0.0  # spent timing
+    ms: dict[str, list[float]] = field(default_factory=dict)  # per variant: the timed step
+
+    def as_dict(self) -> dict[str, Any]:
+        shown: dict[str, Any] = {"kernel": self.variant, "source": self.source, "cpu": cpu_features.summary()}
+        shown["timing_seconds"] = round(self.seconds, 2)
+        if self.ms:
+            shown["ms"] = self.ms
+        return shown
+
+
+def choose_decode_attention(
+    shape: AttentionShape, dtype: torch.dtype, max_seqs: int, policy: DecodeAttentionPolicy
+) -> DecodeAttentionPlan:
+    """The plan for ``dtype`` KV and a model of ``shape``, batches of up to ``max_seqs``: forced,
+    the one variant of this build, cached or timed."""
+    variants = cpu.decode_attention_variants()
+    if policy.variant != "auto":
+        if policy.variant not in variants:
+            raise ConfigError(
+                f"cpu_decode_attention={policy.variant!r} is not compiled for this CPU ({cpu_features.summary()}); "
+                f"this build has {variants}"
+            )
+        return DecodeAttentionPlan(policy.variant, "forced")
+    if len(variants) < 2:
+        return DecodeAttentionPlan(variants[0] if variants else "vec8", "only one")
+    wide, narrow = variants[0], variants[-1]
+    seqs = max(1, min(max_seqs, MAX_SEQS))
+    what = f"{dtype} heads={shape.num_heads}/{shape.num_kv_heads}x{shape.head_dim} block={shape.block_size}"
+
+    def decide(times: dict[str, list[float]]) -> str:
+        return wide if sum(times[wide]) < sum(times[narrow]) * (1 - TIE_TOLERANCE) else narrow
+
+    choice = timed_choice(
+        ChoiceFile(policy.cache_dir, "decode attention"),
+        build_key(f"{what} seqs={seqs}", CACHE_FORMAT),
+        _DISTURBED,
+        lambda: time_variants(shape, dtype, seqs, (wide, narrow)),
+        decide,
+        lambda cached: cached if cached in variants else None,
+    )
+    return DecodeAttentionPlan(choice.value, choice.source, choice.seconds, choice.ms)
+
+
+def time_variants(
+    shape: AttentionShape, dtype: torch.dtype, seqs: int, variants: tuple[str, ...]
+) -> dict[str, list[float]]:
+    """Seconds of one timed step (every layer's call) per variant: the best of several passes,
+    the variants alternating."""
+    block = shape.block_size
+    contexts = [CONTEXTS[0] + (CONTEXTS[1] - CONTEXTS[0]) * i // seqs for i in range(seqs)]
+    blocks = [-(-n // block) for n in contexts]
+    page_bytes = 2 * block * shape.num_kv_heads * shape.head_dim * torch.tensor([], dtype=dtype).element_size()
+    layers = max(1, TIMED_BYTES // (page_bytes * sum(blocks)))
+    # Zeros: the speed does not depend on the values, and writing them maps every page.
+    kvs = [torch.zeros(sum(blocks), 2, block, shape.num_kv_heads, shape.head_dim, dtype=dtype) for _ in range(layers)]
+    # Each sequence's pages scattered over the pool, as in a pool that served many requests.
+    pages = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(0)).tolist()
+    width, firsts = max(blocks), [sum(blocks[:i]) for i in range(seqs)]
+    rows = [[pages[first + b] if b < n else 0 for b in range(width)] for first, n in zip(firsts, blocks, strict=True)]
+    tables = torch.tensor(rows, dtype=torch.int64)  # [seqs, width]
+    lens = torch.tensor(contexts, dtype=torch.int64)
+    query = torch.zeros(seqs, shape.num_heads, shape.head_dim, dtype=dtype)
+    call = (query, tables, lens, shape.head_dim**-0.5)
+    with torch.no_grad():
+        best = best_alternating_passes({v: functools.partial(_one_pass, call, kvs, v) for v in variants})
+    return {v: [best[v]] for v in variants}
+
+
+_Call = tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]  # query, block tables, context lengths, scale
+
+
+def _one_pass(call: _Call, kvs: list[torch.Tensor], variant: str) -> float:
+    query, tables, lens, scale = call
+    start = time.perf_counter()
+    for kv in kvs:
+        cpu.paged_decode_attention(query, kv, tables, lens, scale, variant=variant)
+    return time.perf_counter() - start
