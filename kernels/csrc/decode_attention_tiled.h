@@ -30,16 +30,14 @@
 
 #include "attention_common.h"
 #include "bf16_bits.h"
+#include "online_softmax.h"
 #include "simd8.h"
 
 namespace loraserve_attention {
 
 using loraserve_simd::f32x8;
-using loraserve_simd::hmax8;
-using loraserve_simd::hsum8;
 using loraserve_simd::lane_sums;
 using loraserve_simd::load8;
-using loraserve_simd::max8;
 using loraserve_simd::splat8;
 using loraserve_simd::store8;
 
@@ -177,31 +175,8 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
             }
           }
         }
-        // Online softmax, vectorized across rows and heads (one head at a time, its max, exps and
-        // rescaling form a chain of dependent scalar steps that cost as much as the matmuls).
-        const int64_t num_vectors = block_size / 8;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float* s = scores.data() + h * block_size;
-          std::fill(s + rows, s + block_size, -std::numeric_limits<float>::infinity());  // past n
-          f32x8 m = load8(s);
-          for (int64_t v = 1; v < num_vectors; ++v) m = max8(m, load8(s + 8 * v));
-          new_maxes[h] = std::max(maxes[h], hmax8(m));
-        }
-        for (int64_t h = 0; h < padded_heads; h += 8) {
-          store8(corrections.data() + h, exp8_nonpositive(load8(maxes.data() + h) - load8(new_maxes.data() + h)));
-          store8(maxes.data() + h, load8(new_maxes.data() + h));
-        }
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float* s = scores.data() + h * block_size;
-          const f32x8 shift = splat8(new_maxes[h]);
-          f32x8 total = splat8(0.f);
-          for (int64_t v = 0; v < num_vectors; ++v) {
-            const f32x8 p = exp8_nonpositive(load8(s + 8 * v) - shift);  // past n: ~1e-38, below the sum's last bit
-            store8(s + 8 * v, p);
-            total += p;
-          }
-          sums[h] = sums[h] * corrections[h] + hsum8(total);
-        }
+        online_softmax_page<f32x8>(scores.data(), num_heads, padded_heads, block_size, rows, maxes.data(),
+                                   new_maxes.data(), corrections.data(), sums.data());
         const T* values = page + kv_stride;
         for (int64_t g = 0; g < num_kv_heads; ++g) {
           const T* value = values + g * head_dim;

@@ -30,6 +30,7 @@
 #include "attention_common.h"
 #include "bf16_bits.h"
 #include "decode_attention_tiled.h"
+#include "online_softmax.h"
 #include "simd16.h"
 
 namespace loraserve_attention {
@@ -42,21 +43,6 @@ using loraserve_simd::store16;
 
 inline bool can_run_wide(int64_t head_dim, int64_t block_size, bool bfloat16) {
   return block_size % 16 == 0 && head_dim % (bfloat16 ? 32 : 16) == 0 && head_dim >= 16 && head_dim <= 128;
-}
-
-inline f32x16 exp16_nonpositive(f32x16 x) {
-  return exp_lanes_nonpositive<f32x16, i32x16>(x, splat16(-87.0f), splat16(12582912.0f));
-}
-
-inline float hmax16(f32x16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = m > v[i] ? m : v[i];
-  return m;
-}
-inline float hsum16(f32x16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
 }
 
 #if defined(__clang__)
@@ -220,32 +206,8 @@ void decode_attention_wide(const at::Tensor& query, const at::Tensor& kv, const 
             prefetcher.advance(lines_per_call);
           }
         }
-        // Online softmax, vectorized across rows (and across heads for the corrections).
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float* s = scores.data() + h * block_size;
-          std::fill(s + rows, s + block_size, -std::numeric_limits<float>::infinity());  // past n
-          f32x16 m = load16(s);
-          for (int64_t t = 1; t < tiles_per_page; ++t) {
-            const f32x16 next = load16(s + 16 * t);
-            m = m > next ? m : next;
-          }
-          new_maxes[h] = std::max(maxes[h], hmax16(m));
-        }
-        for (int64_t h = 0; h < padded_heads; h += 16) {
-          store16(corrections.data() + h, exp16_nonpositive(load16(maxes.data() + h) - load16(new_maxes.data() + h)));
-          store16(maxes.data() + h, load16(new_maxes.data() + h));
-        }
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float* s = scores.data() + h * block_size;
-          const f32x16 shift = splat16(new_maxes[h]);
-          f32x16 total = splat16(0.f);
-          for (int64_t t = 0; t < tiles_per_page; ++t) {
-            const f32x16 p = exp16_nonpositive(load16(s + 16 * t) - shift);  // past n: ~1e-38, below the sum's last bit
-            store16(s + 16 * t, p);
-            total += p;
-          }
-          sums[h] = sums[h] * corrections[h] + hsum16(total);
-        }
+        online_softmax_page<f32x16>(scores.data(), num_heads, padded_heads, block_size, rows, maxes.data(),
+                                    new_maxes.data(), corrections.data(), sums.data());
         const float* values = keys + half;
         for (int64_t g = 0; g < num_kv_heads; ++g) {
           for (int64_t h = g * group; h < (g + 1) * group; h += kHeadsAtOnce) {
