@@ -278,7 +278,7 @@ def linear_panels(
 
 
 def linear_panels_variants() -> list[str]:
-    """The panel tilings in this build, widest first: ``avx512`` (2 panels x 12 rows of 16-lane
+    """The panel tilings in this build, widest first: ``avx512`` (4 panels x 6 rows of 16-lane
     registers; built where the CPU has AVX-512F) and ``vec8`` (6 rows x 1 panel of 8-lane pairs)."""
     module = load_extension()
     assert module is not None, "linear_panels needs the compiled CPU kernels"

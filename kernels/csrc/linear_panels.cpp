@@ -13,7 +13,10 @@
 // feeds four FMAs and each k step loads 4 weight vectors and 6 broadcasts for 24 FMAs (two panels
 // for 12 rows, the tiling before, load 14 for 24 and measured slower from 16 rows up: see
 // benchmarks/RESULTS.md, 2026-12-02, EPYC Zen 4). A thread's
-// last 1-3 panels run as two- and one-panel tiles of 12 rows. linear_panels_variants() names the
+// last 1-3 panels run as two- and one-panel tiles of 12 rows. The tiles that pass over a group of
+// panels split the next group's lines into contiguous runs, one run each, and fetch one line per
+// k step (strided lines in bursts, the 8-lane tiling's way, ran ~10 % slower at 64 rows: RESULTS,
+// 2026-12-05 22:44). linear_panels_variants() names the
 // tilings compiled in.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -127,7 +130,9 @@ inline void store_tile(const f32x16* acc, const PanelOut& out) {
   }
 }
 
-// R rows times NP (1 or 2) panels side by side; prefetches lines of the next NP panels as tile() does.
+// R rows times NP (1, 2 or 4) panels side by side. Tile `first` of the `every` tiles that pass over
+// these panels prefetches its share of the next NP panels' lines: a contiguous run of them in
+// panel order, one line per k step, so the tiles between them fetch all of the next panels.
 template <int R, int NP>
 void wide_tile(const float* a, int64_t lda, const PanelOut* outs, int64_t K, const float* const* next, int64_t every,
                int64_t first) {
@@ -136,19 +141,25 @@ void wide_tile(const float* a, int64_t lda, const PanelOut* outs, int64_t K, con
     const f32x16 b = outs[j].bias != nullptr ? load16(outs[j].bias) : splat16(0.f);
     for (int i = 0; i < R; ++i) acc[j][i] = b;
   }
-  for (int64_t k0 = 0; k0 < K; k0 += every) {
-    if (k0 + first < K)
-      for (int j = 0; j < NP; ++j)
-        if (next[j] != nullptr) __builtin_prefetch(next[j] + (k0 + first) * kPanel, 0, 3);
-    const int64_t k_end = std::min(K, k0 + every);
-    for (int64_t k = k0; k < k_end; ++k) {
-      f32x16 w[NP];
-      for (int j = 0; j < NP; ++j) w[j] = load16(outs[j].panel + k * kPanel);
-#pragma GCC unroll 12
-      for (int i = 0; i < R; ++i) {
-        const f32x16 x = splat16(a[i * lda + k]);
-        for (int j = 0; j < NP; ++j) acc[j][i] += x * w[j];
+  const int64_t share = (NP * K + every - 1) / every;
+  const int64_t begin = std::min(NP * K, first * share);
+  int64_t to_fetch = std::min(NP * K, begin + share) - begin;
+  int64_t fetch_panel = begin / K, fetch_line = begin % K;
+  for (int64_t k = 0; k < K; ++k) {
+    if (to_fetch > 0) {
+      if (next[fetch_panel] != nullptr) __builtin_prefetch(next[fetch_panel] + fetch_line * kPanel, 0, 3);
+      if (++fetch_line == K) {
+        fetch_line = 0;
+        ++fetch_panel;
       }
+      --to_fetch;
+    }
+    f32x16 w[NP];
+    for (int j = 0; j < NP; ++j) w[j] = load16(outs[j].panel + k * kPanel);
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i) {
+      const f32x16 x = splat16(a[i * lda + k]);
+      for (int j = 0; j < NP; ++j) acc[j][i] += x * w[j];
     }
   }
   for (int j = 0; j < NP; ++j) store_tile<R>(acc[j], outs[j]);
