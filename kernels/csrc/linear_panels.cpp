@@ -15,9 +15,10 @@
 // benchmarks/RESULTS.md, 2026-12-02, EPYC Zen 4). A thread's
 // last 1-3 panels run as two- and one-panel tiles of 12 rows. The tiles that pass over a group of
 // panels split the next group's lines into contiguous runs, one run each, and fetch one line per
-// k step (strided lines in bursts, the 8-lane tiling's way, ran ~10 % slower at 64 rows: RESULTS,
-// 2026-12-05 22:44). linear_panels_variants() names the
-// tilings compiled in.
+// k step into L2 (prefetcht1). Measured at 64 rows with the weights coming from memory (RESULTS,
+// 2026-12-05 22:44): strided lines in bursts into L1, the 8-lane tiling's way, took 4-9 % longer
+// a layer; into L1, ~3 % longer; two lines a step, or the run spread over all K steps, longer
+// still. linear_panels_variants() names the tilings compiled in.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -147,7 +148,7 @@ void wide_tile(const float* a, int64_t lda, const PanelOut* outs, int64_t K, con
   int64_t fetch_panel = begin / K, fetch_line = begin % K;
   for (int64_t k = 0; k < K; ++k) {
     if (to_fetch > 0) {
-      if (next[fetch_panel] != nullptr) __builtin_prefetch(next[fetch_panel] + fetch_line * kPanel, 0, 3);
+      if (next[fetch_panel] != nullptr) __builtin_prefetch(next[fetch_panel] + fetch_line * kPanel, 0, 2);
       if (++fetch_line == K) {
         fetch_line = 0;
         ++fetch_panel;
