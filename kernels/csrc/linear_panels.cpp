@@ -132,28 +132,26 @@ inline void store_tile(const f32x16* acc, const PanelOut& out) {
 }
 
 // R rows times NP (1, 2 or 4) panels side by side. Tile `first` of the `every` tiles that pass over
-// these panels prefetches its share of the next NP panels' lines: a contiguous run of them in
-// panel order, one line per k step, so the tiles between them fetch all of the next panels.
+// these panels prefetches its share of the `fetch_lines` cache lines at `fetch` (the panels that
+// come next: a contiguous run, as panels are stored one after another): a contiguous run of them,
+// one line per k step, so the tiles between them fetch all of the lines.
 template <int R, int NP>
-void wide_tile(const float* a, int64_t lda, const PanelOut* outs, int64_t K, const float* const* next, int64_t every,
-               int64_t first) {
+void wide_tile(const float* a, int64_t lda, const PanelOut* outs, int64_t K, const float* fetch, int64_t fetch_lines,
+               int64_t every, int64_t first) {
   f32x16 acc[NP][R];
   for (int j = 0; j < NP; ++j) {
     const f32x16 b = outs[j].bias != nullptr ? load16(outs[j].bias) : splat16(0.f);
     for (int i = 0; i < R; ++i) acc[j][i] = b;
   }
-  const int64_t share = (NP * K + every - 1) / every;
-  const int64_t begin = std::min(NP * K, first * share);
-  int64_t to_fetch = std::min(NP * K, begin + share) - begin;
-  int64_t fetch_panel = begin / K, fetch_line = begin % K;
-  for (int64_t k = 0; k < K; ++k) {
-    if (to_fetch > 0) {
-      if (next[fetch_panel] != nullptr) __builtin_prefetch(next[fetch_panel] + fetch_line * kPanel, 0, 2);
-      if (++fetch_line == K) {
-        fetch_line = 0;
-        ++fetch_panel;
-      }
-      --to_fetch;
+  const int64_t share = (fetch_lines + every - 1) / every;
+  const int64_t begin = std::min(fetch_lines, first * share);
+  const int64_t fetch_end = std::min(fetch_lines, begin + share);
+  const float* line = fetch + begin * kPanel;  // a line is one k row of a panel: 16 floats
+  for (int64_t k = 0, fetched = begin; k < K; ++k) {
+    if (fetched < fetch_end) {
+      __builtin_prefetch(line, 0, 2);
+      line += kPanel;
+      ++fetched;
     }
     f32x16 w[NP];
     for (int j = 0; j < NP; ++j) w[j] = load16(outs[j].panel + k * kPanel);
@@ -166,7 +164,7 @@ void wide_tile(const float* a, int64_t lda, const PanelOut* outs, int64_t K, con
   for (int j = 0; j < NP; ++j) store_tile<R>(acc[j], outs[j]);
 }
 
-using WideTileFn = void (*)(const float*, int64_t, const PanelOut*, int64_t, const float* const*, int64_t, int64_t);
+using WideTileFn = void (*)(const float*, int64_t, const PanelOut*, int64_t, const float*, int64_t, int64_t, int64_t);
 template <int NP>
 constexpr WideTileFn kWideTiles[kWideRows + 1] = {
     nullptr,           wide_tile<1, NP>, wide_tile<2, NP>, wide_tile<3, NP>,  wide_tile<4, NP>,
@@ -177,9 +175,11 @@ constexpr WideTileFn kWideTiles<4>[kWideRows + 1] = {
     nullptr, wide_tile<1, 4>, wide_tile<2, 4>, wide_tile<3, 4>, wide_tile<4, 4>, wide_tile<5, 4>, wide_tile<6, 4>};
 
 // Rows [0, m) of a times the NP panels of outs (their tiles' output pointers at row 0), in
-// tiles of kQuadRows rows for four panels, kWideRows for one or two.
+// tiles of kQuadRows rows for four panels, kWideRows for one or two; the tiles prefetch the
+// `fetch_lines` lines at `fetch` between them.
 template <int NP>
-void wide_rows(const float* a, int64_t lda, int64_t m, const PanelOut* outs, int64_t K, const float* const* next) {
+void wide_rows(const float* a, int64_t lda, int64_t m, const PanelOut* outs, int64_t K, const float* fetch,
+               int64_t fetch_lines) {
   constexpr int64_t tile_rows = NP == 4 ? kQuadRows : kWideRows;
   const int64_t num_tiles = (m + tile_rows - 1) / tile_rows;
   for (int64_t t = 0; t < num_tiles; ++t) {
@@ -189,7 +189,7 @@ void wide_rows(const float* a, int64_t lda, int64_t m, const PanelOut* outs, int
       shifted[j] = outs[j];
       shifted[j].c += row * outs[j].ldc;
     }
-    kWideTiles<NP>[rows](a + row * lda, lda, shifted, K, next, num_tiles, t);
+    kWideTiles<NP>[rows](a + row * lda, lda, shifted, K, fetch, fetch_lines, num_tiles, t);
   }
 }
 #endif
@@ -248,24 +248,30 @@ std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& pan
       return PanelOut{w + p * K * kPanel, bias_ptr ? bias_ptr + p * kPanel : nullptr, out_ptrs[out] + row * width + col,
                       width, std::min(kPanel, width - col)};
     };
+    // The lines of the up to `count` panels of this range from q (none past its end).
+    auto fetch_of = [&](int64_t q, int64_t count, const float** fetch) -> int64_t {
+      if (q >= end) return 0;
+      *fetch = w + q * K * kPanel;
+      return (std::min(end, q + count) - q) * K;
+    };
     for (int64_t row = 0; row < M; row += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, M - row);
-      auto next_panel = [&](int64_t q) { return q < end ? w + q * K * kPanel : nullptr; };
       int64_t p = begin;
       for (; p + 4 <= end; p += 4) {
         const PanelOut outs[4] = {out_of(p, row), out_of(p + 1, row), out_of(p + 2, row), out_of(p + 3, row)};
-        const float* next[4] = {next_panel(p + 4), next_panel(p + 5), next_panel(p + 6), next_panel(p + 7)};
-        wide_rows<4>(a + row * K, K, rows, outs, K, next);
+        const float* fetch = nullptr;
+        const int64_t lines = fetch_of(p + 4, 4, &fetch);
+        wide_rows<4>(a + row * K, K, rows, outs, K, fetch, lines);
       }
       for (; p < end; p += 2) {  // the range's last 1-3 panels
+        const float* fetch = nullptr;
+        const int64_t lines = fetch_of(p + 2, 2, &fetch);
         if (p + 1 < end) {
           const PanelOut outs[2] = {out_of(p, row), out_of(p + 1, row)};
-          const float* next[2] = {next_panel(p + 2), next_panel(p + 3)};
-          wide_rows<2>(a + row * K, K, rows, outs, K, next);
+          wide_rows<2>(a + row * K, K, rows, outs, K, fetch, lines);
         } else {
           const PanelOut outs[1] = {out_of(p, row)};
-          const float* next[1] = {nullptr};
-          wide_rows<1>(a + row * K, K, rows, outs, K, next);
+          wide_rows<1>(a + row * K, K, rows, outs, K, fetch, lines);
         }
       }
     }
