@@ -72,7 +72,7 @@ def machine_info() -> dict[str, Any]:
     return {"cpu": cpu, "isa": info.vector_isa, "cpu_flags": " ".join(info.features),
             "logical_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "torch_threads": torch.get_num_threads(), "dtype": "float32",
+            "torch_threads": torch.get_num_threads(),
             "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
 
 
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
 
     vocab = int(load_hf_config(default_model_dir()).vocab_size)
     work = Workload.make(args.requests, args.min_len, args.max_len, vocab, args.seed)
-    info = machine_info()
+    info = {**machine_info(), "dtype": "float32"}  # both systems run in float32 (the engine's default)
     options = {"block_size": args.block_size, "num_pages": args.num_pages, "num_threads": args.threads,
                "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     options = {k: v for k, v in options.items() if v is not None}
