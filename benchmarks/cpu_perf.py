@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = llm.engine.attention_plan
     info["prefill_attention"] = f"{plan.as_dict()['kernel']} ({plan.source})" if plan is not None else "torch"
     decode = llm.engine.decode_attention_plan
-    info["decode_attention"] = f"{decode.variant} ({decode.source})" if decode is not None else "torch"
+    info["decode_attention"] = f"{decode.kernel} ({decode.source})" if decode is not None else "torch"
     info["max_num_batched_tokens"] = llm.engine.config.step_token_budget
     for name, path in adapters:
         llm.add_adapter(name, path)

@@ -117,6 +117,16 @@ def decode_attention_variants() -> list[str]:
     return list(module.decode_attention_variants()) if module is not None else []
 
 
+def decode_attention_tilings(dtype: torch.dtype, head_dim: int, block_size: int) -> list[str]:
+    """The variants of ``decode_attention_variants()`` whose own tiling runs ``dtype`` queries of
+    ``head_dim`` over pages of ``block_size``, widest first. Empty: every variant passes such
+    queries to the generic loops (float16, or sizes no tiling takes)."""
+    module = load_extension()
+    if module is None:
+        return []
+    return list(module.decode_attention_tilings(torch.empty(0, dtype=dtype), head_dim, block_size))
+
+
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv: torch.Tensor,  # [num_pages, 2, block_size, num_kv_heads, head_dim]

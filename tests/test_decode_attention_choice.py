@@ -47,12 +47,35 @@ def test_the_wider_variant_only_when_more_than_a_tie_faster(
     wide_ms: float, chosen: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(decode_attention_choice.cpu, "decode_attention_variants", lambda: ["avx512", "vec8"])
+    monkeypatch.setattr(decode_attention_choice.cpu, "decode_attention_tilings", lambda *args: ["avx512", "vec8"])
     monkeypatch.setattr(timed_choice, "OtherLoad", QuietLoad)
     timings = {"avx512": [wide_ms / 1e3], "vec8": [1.0 / 1e3]}
     monkeypatch.setattr(decode_attention_choice, "time_variants", lambda *args: timings)
     plan = choose_decode_attention(SHAPE, torch.float32, 8, DecodeAttentionPolicy())
     assert (plan.variant, plan.source) == (chosen, "measured")
     assert plan.ms == {"avx512": [wide_ms], "vec8": [1.0]}
+
+
+def test_nothing_is_timed_where_at_most_one_variant_tiles_the_dtype_and_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float16 runs the generic loops under either variant name; a shape only the 8-lane tiling
+    takes (bfloat16 heads of 48) runs it under either name; neither is timed."""
+
+    def untimed(*args: object) -> dict[str, list[float]]:
+        raise AssertionError("timed a choice that has one outcome")
+
+    monkeypatch.setattr(decode_attention_choice, "time_variants", untimed)
+    half = choose_decode_attention(SHAPE, torch.float16, 8, DecodeAttentionPolicy())
+    assert cpu.decode_attention_tilings(torch.float16, SHAPE.head_dim, SHAPE.block_size) == []
+    assert (half.source, half.kernel, half.seconds) == ("only one", "generic", 0.0)
+    assert half.as_dict()["kernel"] == "generic"
+    heads_of_48 = AttentionShape(num_heads=6, num_kv_heads=2, head_dim=48, block_size=16)
+    assert cpu.decode_attention_tilings(torch.bfloat16, 48, 16) == ["vec8"]
+    narrow = choose_decode_attention(heads_of_48, torch.bfloat16, 8, DecodeAttentionPolicy())
+    assert (narrow.variant, narrow.kernel, narrow.source) == ("vec8", "vec8", "only one")
+    for variant in cpu.decode_attention_variants():  # forced: what runs is shown, not only the name
+        forced = choose_decode_attention(heads_of_48, torch.bfloat16, 8, DecodeAttentionPolicy(variant))
+        assert (forced.variant, forced.kernel, forced.source) == (variant, "vec8", "forced")
+        assert forced.as_dict()["kernel"] == "vec8" and forced.as_dict()["variant"] == variant
 
 
 @needs_two
@@ -121,5 +144,8 @@ def test_the_engine_model_runs_the_plan_and_health_shows_it(tiny_model_dir: Path
     auto = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu", dtype="bfloat16")
     plan = auto.engine.decode_attention_plan
     assert plan is not None and variant_of(auto) == plan.variant
-    assert plan.source in (("measured", "cached", "disturbed") if TWO_VARIANTS else ("only one",))
+    head_dim = auto.engine.model.model.layers[0].self_attn.head_dim  # type: ignore[union-attr]
+    tilings = cpu.decode_attention_tilings(torch.bfloat16, int(head_dim), auto.engine.config.block_size)
+    assert plan.source in (("measured", "cached", "disturbed") if len(tilings) == 2 else ("only one",))
+    assert plan.kernel == (plan.variant if tilings else "generic")
     assert LLM(str(tiny_model_dir), num_pages=64, kernels="torch").engine.stats().cpu_decode_attention == {}

@@ -252,6 +252,19 @@ bool linear_amx_available();
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& query_starts,
                                    const at::Tensor& cached_lens, const at::Tensor& block_tables, double scale,
                                    bool tiles);
+// The variants of decode_attention_variants() whose own tiling runs queries of `like`'s dtype with these
+// head and block sizes, widest first; an empty list: such queries run on the generic loops whatever the variant.
+std::vector<std::string> decode_attention_tilings(const at::Tensor& like, int64_t head_dim, int64_t block_size) {
+  const at::ScalarType dtype = like.scalar_type();
+  std::vector<std::string> tilings;
+  if (dtype != at::kFloat && dtype != at::kBFloat16) return tilings;
+#if defined(LORASERVE_DECODE_ATTENTION_WIDE)
+  if (loraserve_attention::can_run_wide(head_dim, block_size, dtype == at::kBFloat16)) tilings.push_back("avx512");
+#endif
+  if (loraserve_attention::can_tile(head_dim, block_size)) tilings.push_back("vec8");
+  return tilings;
+}
+
 bool prefill_attention_amx();
 
 // Every kernel runs without the GIL (as torch's own ops do), so a server's event-loop thread
@@ -261,6 +274,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (see kernels/cpu.py)", no_gil());
   m.def("decode_attention_variants", &decode_attention_variants,
         "the register-tiled decode attentions compiled in, widest first");
+  m.def("decode_attention_tilings", &decode_attention_tilings,
+        "the decode attention variants whose tiling runs a dtype and head and block sizes");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal paged attention of all the prefill chunks of a step (see kernels/cpu.py)", no_gil());
   m.def("prefill_attention_amx", &prefill_attention_amx,

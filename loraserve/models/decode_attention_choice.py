@@ -9,7 +9,9 @@ sequences of 96-160 cached tokens) over several layers' KV (``TIMED_BYTES`` in a
 of it is read from memory as in a step), the variants alternating, the best of several passes.
 The wider one is kept only when more than ``TIE_TOLERANCE`` faster. The choice is cached per CPU
 signature in ``<cache>/cpu_attention/`` (``choice_file``) and shown in ``/health``;
-``--cpu-decode-attention avx512|vec8`` forces one. A build with one variant needs no timing.
+``--cpu-decode-attention avx512|vec8`` forces one. A build with one variant needs no timing, nor
+do a dtype and shape that at most one variant tiles (``cpu.decode_attention_tilings``: float16 and
+head sizes no tiling takes run on the generic loops whichever variant is named).
 """
 
 from __future__ import annotations
@@ -57,12 +59,14 @@ class DecodeAttentionPlan:
     """The variant the decode attention runs, and how it was decided."""
 
     variant: str
-    source: str  # measured | cached | forced | disturbed | only one (a build with one variant)
+    source: str  # measured | cached | forced | disturbed | only one (one variant built, or tiling the shape)
+    kernel: str  # what runs: the variant, the next narrower one that tiles the shape, or "generic"
     seconds: float = 0.0  # spent timing
     ms: dict[str, list[float]] = field(default_factory=dict)  # per variant: the timed step
 
     def as_dict(self) -> dict[str, Any]:
-        shown: dict[str, Any] = {"kernel": self.variant, "source": self.source, "cpu": cpu_features.summary()}
+        shown: dict[str, Any] = {"kernel": self.kernel, "variant": self.variant, "source": self.source}
+        shown["cpu"] = cpu_features.summary()
         shown["timing_seconds"] = round(self.seconds, 2)
         if self.ms:
             shown["ms"] = self.ms
@@ -75,15 +79,23 @@ def choose_decode_attention(
     """The plan for ``dtype`` KV and a model of ``shape``, batches of up to ``max_seqs``: forced,
     the one variant of this build, cached or timed."""
     variants = cpu.decode_attention_variants()
+    tilings = [v for v in cpu.decode_attention_tilings(dtype, shape.head_dim, shape.block_size) if v in variants]
+
+    def running(variant: str) -> str:
+        """The variant, or the next narrower one that tiles the shape, or the generic loops."""
+        later = variants[variants.index(variant) :] if variant in variants else []
+        return next((v for v in later if v in tilings), "generic")
+
     if policy.variant != "auto":
         if policy.variant not in variants:
             raise ConfigError(
                 f"cpu_decode_attention={policy.variant!r} is not compiled for this CPU ({cpu_features.summary()}); "
                 f"this build has {variants}"
             )
-        return DecodeAttentionPlan(policy.variant, "forced")
-    if len(variants) < 2:
-        return DecodeAttentionPlan(variants[0] if variants else "vec8", "only one")
+        return DecodeAttentionPlan(policy.variant, "forced", running(policy.variant))
+    if len(variants) < 2 or len(tilings) < 2:  # one variant runs whichever is named: nothing to time
+        variant = tilings[0] if tilings else variants[-1] if variants else "vec8"
+        return DecodeAttentionPlan(variant, "only one", running(variant))
     wide, narrow = variants[0], variants[-1]
     seqs = max(1, min(max_seqs, MAX_SEQS))
     what = f"{dtype} heads={shape.num_heads}/{shape.num_kv_heads}x{shape.head_dim} block={shape.block_size}"
@@ -99,7 +111,7 @@ def choose_decode_attention(
         decide,
         lambda cached: cached if cached in variants else None,
     )
-    return DecodeAttentionPlan(choice.value, choice.source, choice.seconds, choice.ms)
+    return DecodeAttentionPlan(choice.value, choice.source, choice.value, choice.seconds, choice.ms)
 
 
 def time_variants(
