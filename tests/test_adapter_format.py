@@ -1,9 +1,9 @@
-"""PEFT adapter parsing: weights, PEFT-exact scales and targets, digests, and validation errors."""
+"""PEFT adapter parsing: weights, PEFT-exact scales and targets, and digests (validation errors:
+``test_adapter_validation.py``)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,74 +13,32 @@ from adapter_factory import (
     make_peft_adapter,
     make_peft_adapter_for_config,
     make_peft_model,
-    make_tiny_llama,
     tiny_llama_config,
 )
 from loraserve.adapters import (
-    CONFIG_FILE,
     WEIGHTS_FILE,
-    AdapterError,
     BaseModelShapes,
     LoRAAdapter,
     load_adapter,
     parse_adapter_files,
-    read_adapter_dir,
 )
 from loraserve.adapters.peft_config import parse_lora_config
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils.other import get_pattern_key
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import load_file, save
+from peft_adapter_files import (  # noqa: F401 (pytest fixtures: base_model, shapes, adapter_dir, files)
+    ALL_PROJECTIONS,
+    Files,
+    adapter_dir_fixture,
+    base_model_fixture,
+    edit_files,
+    files_fixture,
+    peft_key,
+    shapes_fixture,
+)
+from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
-
-ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-Files = dict[str, bytes]
-
-
-@pytest.fixture(scope="module")
-def base_model() -> LlamaForCausalLM:
-    return make_tiny_llama(num_layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2)
-
-
-@pytest.fixture(scope="module")
-def shapes(base_model: LlamaForCausalLM) -> BaseModelShapes:
-    return BaseModelShapes.from_hf_config(base_model.config)
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(base_model: LlamaForCausalLM, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out_dir = tmp_path_factory.mktemp("adapter")
-    return make_peft_adapter(base_model, out_dir, rank=4, target_modules=ALL_PROJECTIONS, alpha=8, seed=1)
-
-
-@pytest.fixture()
-def files(adapter_dir: Path) -> Files:
-    return read_adapter_dir(adapter_dir)
-
-
-def _edit(
-    files: Files,
-    config: Callable[[dict[str, Any]], None] | None = None,
-    tensors: Callable[[dict[str, torch.Tensor]], None] | None = None,
-) -> Files:
-    """A copy of ``files`` with the config dict and/or the tensor dict edited in place by callbacks."""
-    edited = dict(files)
-    if config is not None:
-        raw = json.loads(files[CONFIG_FILE])
-        config(raw)
-        edited[CONFIG_FILE] = json.dumps(raw).encode()
-    if tensors is not None:
-        loaded = load_safetensors(files[WEIGHTS_FILE])
-        tensors(loaded)
-        edited[WEIGHTS_FILE] = save(loaded)
-    return edited
-
-
-def _peft_key(layer: int, module: str, factor: str) -> str:
-    parent = "self_attn" if module in ALL_PROJECTIONS[:4] else "mlp"
-    return f"base_model.model.model.layers.{layer}.{parent}.{module}.lora_{factor}.weight"
 
 
 def _lora_layers(peft_model: Any) -> dict[tuple[int, str], LoraLayer]:
@@ -112,8 +70,8 @@ def test_parsed_tensors_equal_what_peft_saved(adapter_dir: Path, shapes: BaseMod
     assert len(adapter.weights) == 2 * 7 and len(saved) == 2 * 2 * 7
     for (layer, module), weights in adapter.weights.items():
         assert weights.lora_a.dtype == torch.float32 and weights.lora_b.dtype == torch.float32
-        assert torch.equal(weights.lora_a, saved[_peft_key(layer, module, "A")])
-        assert torch.equal(weights.lora_b, saved[_peft_key(layer, module, "B")])
+        assert torch.equal(weights.lora_a, saved[peft_key(layer, module, "A")])
+        assert torch.equal(weights.lora_b, saved[peft_key(layer, module, "B")])
         assert weights.scale == 2.0
     assert adapter.target_modules == tuple(sorted(ALL_PROJECTIONS))
     assert adapter.max_rank == 4 and adapter.ranks == {m: 4 for m in sorted(ALL_PROJECTIONS)}
@@ -206,7 +164,7 @@ def test_half_precision_weights_become_float32(
     saved = load_file(path / WEIGHTS_FILE)
     weights = adapter.weights[(0, "v_proj")]
     assert weights.lora_a.dtype == torch.float32
-    assert torch.equal(weights.lora_a, saved[_peft_key(0, "v_proj", "A")].float())
+    assert torch.equal(weights.lora_a, saved[peft_key(0, "v_proj", "A")].float())
 
 
 def _digest(files: Files, shapes: BaseModelShapes, name: str = "a") -> str:
@@ -224,20 +182,20 @@ def test_digest_is_stable_and_name_independent(adapter_dir: Path, files: Files, 
             tensors[key.removeprefix("base_model.model.")] = tensors.pop(key)
 
     # Same content under the other key layout peft writes, in another order: same adapter.
-    assert _digest(_edit(files, tensors=strip_prefix), shapes) == digest
+    assert _digest(edit_files(files, tensors=strip_prefix), shapes) == digest
 
 
 def test_digest_changes_with_any_weight_or_scale(files: Files, shapes: BaseModelShapes) -> None:
     digest = _digest(files, shapes)
 
     def nudge(tensors: dict[str, torch.Tensor]) -> None:
-        tensors[_peft_key(1, "up_proj", "B")][3, 1] += 1e-6
+        tensors[peft_key(1, "up_proj", "B")][3, 1] += 1e-6
 
     def set_alpha(config: dict[str, Any]) -> None:
         config["lora_alpha"] = 9
 
-    assert _digest(_edit(files, tensors=nudge), shapes) != digest
-    assert _digest(_edit(files, config=set_alpha), shapes) != digest
+    assert _digest(edit_files(files, tensors=nudge), shapes) != digest
+    assert _digest(edit_files(files, config=set_alpha), shapes) != digest
 
 
 def test_key_variants_parse_identically(files: Files, shapes: BaseModelShapes) -> None:
@@ -246,7 +204,7 @@ def test_key_variants_parse_identically(files: Files, shapes: BaseModelShapes) -
             tensors[key.replace(".weight", ".default.weight")] = tensors.pop(key)
 
     plain = parse_adapter_files(files, shapes, "a")
-    named = parse_adapter_files(_edit(files, tensors=with_adapter_name), shapes, "a")
+    named = parse_adapter_files(edit_files(files, tensors=with_adapter_name), shapes, "a")
     assert named.digest == plain.digest
     assert torch.equal(named.weights[(0, "q_proj")].lora_b, plain.weights[(0, "q_proj")].lora_b)
 
@@ -267,7 +225,7 @@ def test_matching_rules_agree_with_peft_helpers(raw: dict[str, Any]) -> None:
     peft_config = LoraConfig(r=4, lora_alpha=8, **raw)
     ours = parse_lora_config(json.dumps(peft_config.to_dict(), default=list).encode())
     keys = [
-        _peft_key(i, m, "A").removeprefix("base_model.model.")[: -len(".lora_A.weight")]
+        peft_key(i, m, "A").removeprefix("base_model.model.")[: -len(".lora_A.weight")]
         for i in range(2)
         for m in ALL_PROJECTIONS
     ]
@@ -279,118 +237,6 @@ def test_matching_rules_agree_with_peft_helpers(raw: dict[str, Any]) -> None:
         assert ours.scale_for(key) == alpha / rank, key
 
 
-def _set(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    def edit(config: dict[str, Any]) -> None:
-        config[field] = value
-
-    return edit
-
-
-Q0A, Q0B = _peft_key(0, "q_proj", "A"), _peft_key(0, "q_proj", "B")
-
-# (config edit, tensor edit, expected message fragments)
-ERROR_CASES: dict[str, tuple[Any, Any, tuple[str, ...]]] = {
-    "dora": (_set("use_dora", True), None, ("DoRA", CONFIG_FILE)),
-    "modules_to_save": (_set("modules_to_save", ["lm_head"]), None, ("modules_to_save",)),
-    "bias": (_set("bias", "all"), None, ("bias",)),
-    "peft_type": (_set("peft_type", "IA3"), None, ("peft_type", "IA3")),
-    "fan_in_fan_out": (_set("fan_in_fan_out", True), None, ("fan_in_fan_out",)),
-    "lora_bias": (_set("lora_bias", True), None, ("lora_bias",)),
-    "pissa_residual": (_set("init_lora_weights", "pissa_niter_4"), None, ("init_lora_weights",)),
-    "embed_target": (
-        _set("target_modules", [*ALL_PROJECTIONS, "embed_tokens"]),
-        None,
-        ("embed_tokens", "not supported"),
-    ),
-    "lm_head_target": (_set("target_modules", [*ALL_PROJECTIONS, "lm_head"]), None, ("lm_head", "not supported")),
-    "unknown_target": (_set("target_modules", ["c_attn"]), None, ("c_attn", "not supported")),
-    "regex_hits_norm": (_set("target_modules", r".*(_proj|_layernorm)"), None, ("layernorm", "unsupported")),
-    "bad_regex": (_set("rank_pattern", {"q_proj(": 2}), None, ("regular expression",)),
-    "config_rank": (_set("r", 8), None, ("rank 4 does not match", "r=8")),
-    "negative_r": (_set("r", -1), None, ("r must be a positive integer",)),
-    "nan": (None, lambda t: t[Q0A].__setitem__((0, 0), float("nan")), ("NaN", Q0A)),
-    "inf": (None, lambda t: t[Q0B].__setitem__((1, 1), float("inf")), ("infinite", Q0B)),
-    "rank_a_vs_b": (None, lambda t: t.__setitem__(Q0B, torch.ones(64, 5)), ("rank mismatch", "q_proj")),
-    "missing_b": (None, lambda t: t.pop(Q0B), ("missing lora_B", "layer 0 q_proj")),
-    "missing_module": (None, lambda t: [t.pop(Q0A), t.pop(Q0B)], ("missing lora_A/lora_B", "layer 0 q_proj")),
-    "untargeted_weights": (_set("target_modules", ALL_PROJECTIONS[1:]), None, ("does not target", "q_proj")),
-    "dora_tensor": (
-        None,
-        lambda t: t.__setitem__(Q0A.replace("lora_A.weight", "lora_magnitude_vector"), torch.ones(64)),
-        ("DoRA",),
-    ),
-    "embedding_tensor": (
-        None,
-        lambda t: t.__setitem__("base_model.model.model.embed_tokens.lora_embedding_A", torch.ones(4, 128)),
-        ("embed",),
-    ),
-    "lm_head_tensor": (
-        None,
-        lambda t: t.__setitem__("base_model.model.lm_head.lora_A.weight", torch.ones(4, 64)),
-        ("lm_head",),
-    ),
-    "saved_module": (
-        None,
-        lambda t: t.__setitem__("base_model.model.lm_head.modules_to_save.default.weight", torch.ones(2, 2)),
-        ("modules_to_save",),
-    ),
-    "layer_out_of_range": (
-        None,
-        lambda t: t.__setitem__(Q0A.replace("layers.0", "layers.7"), torch.ones(4, 64)),
-        ("layer 7 does not exist",),
-    ),
-    "int_dtype": (None, lambda t: t.__setitem__(Q0A, torch.ones(4, 64, dtype=torch.int32)), ("dtype", Q0A)),
-}
-
-
-@pytest.mark.parametrize("case", sorted(ERROR_CASES))
-def test_invalid_adapters_raise_adapter_error(case: str, files: Files, shapes: BaseModelShapes) -> None:
-    config_edit, tensor_edit, fragments = ERROR_CASES[case]
-    with pytest.raises(AdapterError) as info:
-        parse_adapter_files(_edit(files, config=config_edit, tensors=tensor_edit), shapes, "bad")
-    for fragment in fragments:
-        assert fragment in str(info.value), (case, str(info.value))
-
-
-def test_shape_mismatch_with_base_model_names_module_and_shapes(files: Files) -> None:
-    other = BaseModelShapes.from_hf_config(tiny_llama_config(hidden=32, intermediate=128, heads=4, kv_heads=2))
-    with pytest.raises(AdapterError, match=r"shape mismatch") as info:
-        parse_adapter_files(files, other, "bad")
-    message = str(info.value)
-    assert "q_proj" in message and "[r, 32]" in message and "[4, 64]" in message
-
-
-@pytest.mark.parametrize(
-    ("mutate", "fragment"),
-    [
-        (lambda f: f.pop(CONFIG_FILE), "missing adapter_config.json"),
-        (lambda f: f.pop(WEIGHTS_FILE), "missing adapter_model.safetensors"),
-        (lambda f: f.__setitem__(CONFIG_FILE, b"{not json"), "malformed JSON"),
-        (lambda f: f.__setitem__(CONFIG_FILE, b"[1, 2]"), "JSON object"),
-        (lambda f: f.__setitem__(WEIGHTS_FILE, b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage"), "safetensors"),
-        (lambda f: f.__setitem__("adapter_model.bin", b"\x80\x04pickle"), "pickle"),
-        (lambda f: f.__setitem__("optimizer.pt", b"\x80\x04pickle"), "pickle"),
-    ],
-)
-def test_file_level_errors(
-    mutate: Callable[[Files], object], fragment: str, files: Files, shapes: BaseModelShapes
-) -> None:
-    edited = dict(files)
-    mutate(edited)
-    with pytest.raises(AdapterError, match=fragment):
-        parse_adapter_files(edited, shapes, "bad")
-
-
-def test_directory_with_only_pickle_weights_is_refused(files: Files, shapes: BaseModelShapes, tmp_path: Path) -> None:
-    (tmp_path / CONFIG_FILE).write_bytes(files[CONFIG_FILE])
-    (tmp_path / "adapter_model.bin").write_bytes(b"\x80\x04not really")
-    with pytest.raises(AdapterError, match="pickle") as info:
-        load_adapter(tmp_path, shapes, "bad")
-    assert "adapter_model.bin" in str(info.value)
-    with pytest.raises(AdapterError, match="not a directory"):
-        load_adapter(tmp_path / "missing", shapes, "bad")
-
-
 def test_rank_of_unadapted_module_is_zero(
     base_model: LlamaForCausalLM, shapes: BaseModelShapes, tmp_path: Path
 ) -> None:
@@ -399,13 +245,3 @@ def test_rank_of_unadapted_module_is_zero(
     assert adapter.rank_of(1, "q_proj") == 2
     assert adapter.rank_of(0, "q_proj") == 0 and adapter.rank_of(1, "v_proj") == 0
     assert adapter.target_modules == ("q_proj",) and adapter.ranks == {"q_proj": 2}
-
-
-def test_huge_finite_weights_whose_sum_overflows_are_accepted(files: Files, shapes: BaseModelShapes) -> None:
-    """The finiteness check sums the weights; a sum that overflows must fall back to the exact check."""
-
-    def huge(tensors: dict[str, torch.Tensor]) -> None:
-        tensors[Q0A] = torch.full_like(tensors[Q0A], 3e38)
-
-    adapter = parse_adapter_files(_edit(files, tensors=huge), shapes, "huge")
-    assert float(adapter.weights[(0, "q_proj")].lora_a.sum()) == float("inf")  # the overflow did happen

@@ -1,43 +1,34 @@
-"""Adapter stores (local directory and a real Redis server), upload archives, and the registry."""
+"""Adapter stores (local directory and a real Redis server) and the registry (upload archives:
+``test_adapter_archives.py``)."""
 
 from __future__ import annotations
 
-import io
 import os
-import tarfile
 import threading
 import time
 import uuid
-import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from adapter_factory import make_peft_adapter, make_tiny_llama
 from loraserve.adapters import (
     CONFIG_FILE,
-    WEIGHTS_FILE,
     AdapterError,
     AdapterExistsError,
     AdapterNotFoundError,
     AdapterRegistry,
     AdapterStore,
-    AdapterTooLargeError,
     BaseModelShapes,
     InvalidAdapterNameError,
     LocalDirStore,
     RedisStore,
-    extract_adapter_archive,
     make_store,
-    read_adapter_dir,
     register_store_scheme,
 )
-
-Files = dict[str, bytes]
-
+from small_adapter import Files, adapter_files_fixture, shapes_and_files_fixture  # noqa: F401 (pytest fixtures)
 
 # ---------------------------------------------------------------------------------------------
-# Fixtures: a real redis-server, stores of both kinds, a small valid adapter
+# Fixtures: a real redis-server, stores of both kinds (the small valid adapter: small_adapter.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -54,18 +45,6 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[AdapterSto
     redis_store = _redis_store(request.getfixturevalue("redis_url"), f"test-{uuid.uuid4().hex}:")
     yield redis_store
     redis_store.close()
-
-
-@pytest.fixture(scope="module")
-def shapes_and_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[BaseModelShapes, Files]:
-    model = make_tiny_llama(num_layers=2, hidden=32, intermediate=64, heads=2, kv_heads=1)
-    path = make_peft_adapter(model, tmp_path_factory.mktemp("adapter"), rank=2, target_modules=["q_proj", "down_proj"])
-    return BaseModelShapes.from_hf_config(model.config), read_adapter_dir(path)
-
-
-@pytest.fixture()
-def adapter_files(shapes_and_files: tuple[BaseModelShapes, Files]) -> Files:
-    return dict(shapes_and_files[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,101 +179,6 @@ def test_make_store_picks_the_kind_from_the_spec(tmp_path: Path, redis_url: str)
     register_store_scheme("memtest", factory)
     make_store("memtest:thing")
     assert made == ["memtest:thing"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Upload archives
-# ---------------------------------------------------------------------------------------------
-
-
-def _zip(entries: dict[str, bytes], symlinks: dict[str, str] | None = None) -> bytes:
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        for name, content in entries.items():
-            archive.writestr(name, content)
-        for name, target in (symlinks or {}).items():
-            info = zipfile.ZipInfo(name)
-            info.create_system = 3
-            info.external_attr = 0o120777 << 16
-            archive.writestr(info, target)
-    return buffer.getvalue()
-
-
-def _tar(entries: dict[str, bytes], mode: str = "w:gz", extra: list[tarfile.TarInfo] | None = None) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode=mode) as archive:
-        for name, content in entries.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(content)
-            archive.addfile(info, io.BytesIO(content))
-        for info in extra or []:
-            archive.addfile(info)
-    return buffer.getvalue()
-
-
-def _tar_special(name: str, kind: bytes, linkname: str = "") -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.type = kind
-    info.linkname = linkname
-    return info
-
-
-def _nest(files: Files, folder: str) -> Files:
-    return {f"{folder}/{name}": content for name, content in files.items()}
-
-
-@pytest.mark.parametrize(
-    "build",
-    [
-        lambda f: _zip(f),
-        lambda f: _zip({**_nest(f, "my-adapter"), "my-adapter/README.md": b"hi", "my-adapter/training_args.bin": b"x"}),
-        lambda f: _tar(_nest(f, "./lora")),
-        lambda f: _tar(f, mode="w"),
-        lambda f: _tar({**f, "checkpoint/optimizer.pt": b"x"}, mode="w:gz"),
-    ],
-    ids=["zip-root", "zip-nested-with-extras", "tgz-nested", "tar-root", "tgz-extras"],
-)
-def test_good_archives_extract_the_two_files(build: Callable[[Files], bytes], adapter_files: Files) -> None:
-    assert extract_adapter_archive(build(adapter_files)) == adapter_files
-
-
-BAD_ARCHIVES: dict[str, tuple[Callable[[Files], bytes], str]] = {
-    "zip-traversal": (lambda f: _zip({**f, "../evil": b"x"}), "path traversal"),
-    "zip-absolute": (lambda f: _zip({**f, "/etc/evil": b"x"}), "absolute"),
-    "zip-symlink": (lambda f: _zip(f, symlinks={"link": "/etc/passwd"}), "links"),
-    "tar-traversal": (lambda f: _tar({**_nest(f, "a"), "a/../../evil": b"x"}), "path traversal"),
-    "tar-symlink": (lambda f: _tar(f, extra=[_tar_special("x", tarfile.SYMTYPE, "/etc/passwd")]), "links"),
-    "tar-hardlink": (lambda f: _tar(f, extra=[_tar_special("h", tarfile.LNKTYPE, CONFIG_FILE)]), "links"),
-    "tar-device": (lambda f: _tar(f, extra=[_tar_special("dev", tarfile.CHRTYPE)]), "special files"),
-    "tar-fifo": (lambda f: _tar(f, extra=[_tar_special("fifo", tarfile.FIFOTYPE)]), "special files"),
-    "not-an-archive": (lambda f: b"just some bytes", "not a .zip"),
-    "truncated-zip": (lambda f: _zip(f)[:200], "corrupt zip"),
-    "truncated-tgz": (lambda f: _tar(f)[:100], "corrupt gzip"),
-    "pickle-only": (lambda f: _zip({CONFIG_FILE: f[CONFIG_FILE], "adapter_model.bin": b"\x80"}), "pickle"),
-    "no-config": (lambda f: _zip({WEIGHTS_FILE: f[WEIGHTS_FILE]}), "no adapter_config.json"),
-    "two-deep": (lambda f: _zip(_nest(_nest(f, "a"), "b")), "no adapter_config.json"),
-    "two-adapters": (lambda f: _zip({**_nest(f, "a"), **_nest(f, "b")}), "several adapters"),
-    "duplicate": (lambda f: _tar({**f, f"./{CONFIG_FILE}": b"{}"}), "more than once"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(BAD_ARCHIVES))
-def test_bad_archives_are_refused(case: str, adapter_files: Files) -> None:
-    build, fragment = BAD_ARCHIVES[case]
-    with pytest.raises(AdapterError, match=fragment):
-        extract_adapter_archive(build(adapter_files))
-
-
-@pytest.mark.parametrize("pack", [_zip, _tar], ids=["zip", "tgz"])
-def test_size_limits_raise_too_large(pack: Callable[[Files], bytes], adapter_files: Files) -> None:
-    bomb = pack({**adapter_files, "padding.txt": b"\x00" * 4_000_000})
-    assert len(bomb) < 100_000  # compresses well: a small upload that expands a lot
-    with pytest.raises(AdapterTooLargeError, match="limit"):
-        extract_adapter_archive(bomb, max_total_bytes=1_000_000)
-    many = pack({**adapter_files, **{f"f{i}.txt": b"" for i in range(20)}})
-    with pytest.raises(AdapterTooLargeError, match="members"):
-        extract_adapter_archive(many, max_members=10)
-    assert extract_adapter_archive(bomb, max_total_bytes=5_000_000) == adapter_files
 
 
 # ---------------------------------------------------------------------------------------------

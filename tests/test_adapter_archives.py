@@ -1,0 +1,109 @@
+"""Upload archives (zip, tar, tar.gz) of adapters: the two files extracted, nesting and extras
+tolerated; traversal, links, special files, corrupt or ambiguous archives and archive bombs refused."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import zipfile
+from collections.abc import Callable
+
+import pytest
+from loraserve.adapters import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterError,
+    AdapterTooLargeError,
+    extract_adapter_archive,
+)
+from small_adapter import Files, adapter_files_fixture, shapes_and_files_fixture  # noqa: F401 (pytest fixtures)
+
+
+def _zip(entries: dict[str, bytes], symlinks: dict[str, str] | None = None) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, content in entries.items():
+            archive.writestr(name, content)
+        for name, target in (symlinks or {}).items():
+            info = zipfile.ZipInfo(name)
+            info.create_system = 3
+            info.external_attr = 0o120777 << 16
+            archive.writestr(info, target)
+    return buffer.getvalue()
+
+
+def _tar(entries: dict[str, bytes], mode: str = "w:gz", extra: list[tarfile.TarInfo] | None = None) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode=mode) as archive:
+        for name, content in entries.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            archive.addfile(info, io.BytesIO(content))
+        for info in extra or []:
+            archive.addfile(info)
+    return buffer.getvalue()
+
+
+def _tar_special(name: str, kind: bytes, linkname: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = linkname
+    return info
+
+
+def _nest(files: Files, folder: str) -> Files:
+    return {f"{folder}/{name}": content for name, content in files.items()}
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda f: _zip(f),
+        lambda f: _zip({**_nest(f, "my-adapter"), "my-adapter/README.md": b"hi", "my-adapter/training_args.bin": b"x"}),
+        lambda f: _tar(_nest(f, "./lora")),
+        lambda f: _tar(f, mode="w"),
+        lambda f: _tar({**f, "checkpoint/optimizer.pt": b"x"}, mode="w:gz"),
+    ],
+    ids=["zip-root", "zip-nested-with-extras", "tgz-nested", "tar-root", "tgz-extras"],
+)
+def test_good_archives_extract_the_two_files(build: Callable[[Files], bytes], adapter_files: Files) -> None:
+    assert extract_adapter_archive(build(adapter_files)) == adapter_files
+
+
+BAD_ARCHIVES: dict[str, tuple[Callable[[Files], bytes], str]] = {
+    "zip-traversal": (lambda f: _zip({**f, "../evil": b"x"}), "path traversal"),
+    "zip-absolute": (lambda f: _zip({**f, "/etc/evil": b"x"}), "absolute"),
+    "zip-symlink": (lambda f: _zip(f, symlinks={"link": "/etc/passwd"}), "links"),
+    "tar-traversal": (lambda f: _tar({**_nest(f, "a"), "a/../../evil": b"x"}), "path traversal"),
+    "tar-symlink": (lambda f: _tar(f, extra=[_tar_special("x", tarfile.SYMTYPE, "/etc/passwd")]), "links"),
+    "tar-hardlink": (lambda f: _tar(f, extra=[_tar_special("h", tarfile.LNKTYPE, CONFIG_FILE)]), "links"),
+    "tar-device": (lambda f: _tar(f, extra=[_tar_special("dev", tarfile.CHRTYPE)]), "special files"),
+    "tar-fifo": (lambda f: _tar(f, extra=[_tar_special("fifo", tarfile.FIFOTYPE)]), "special files"),
+    "not-an-archive": (lambda f: b"just some bytes", "not a .zip"),
+    "truncated-zip": (lambda f: _zip(f)[:200], "corrupt zip"),
+    "truncated-tgz": (lambda f: _tar(f)[:100], "corrupt gzip"),
+    "pickle-only": (lambda f: _zip({CONFIG_FILE: f[CONFIG_FILE], "adapter_model.bin": b"\x80"}), "pickle"),
+    "no-config": (lambda f: _zip({WEIGHTS_FILE: f[WEIGHTS_FILE]}), "no adapter_config.json"),
+    "two-deep": (lambda f: _zip(_nest(_nest(f, "a"), "b")), "no adapter_config.json"),
+    "two-adapters": (lambda f: _zip({**_nest(f, "a"), **_nest(f, "b")}), "several adapters"),
+    "duplicate": (lambda f: _tar({**f, f"./{CONFIG_FILE}": b"{}"}), "more than once"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARCHIVES))
+def test_bad_archives_are_refused(case: str, adapter_files: Files) -> None:
+    build, fragment = BAD_ARCHIVES[case]
+    with pytest.raises(AdapterError, match=fragment):
+        extract_adapter_archive(build(adapter_files))
+
+
+@pytest.mark.parametrize("pack", [_zip, _tar], ids=["zip", "tgz"])
+def test_size_limits_raise_too_large(pack: Callable[[Files], bytes], adapter_files: Files) -> None:
+    bomb = pack({**adapter_files, "padding.txt": b"\x00" * 4_000_000})
+    assert len(bomb) < 100_000  # compresses well: a small upload that expands a lot
+    with pytest.raises(AdapterTooLargeError, match="limit"):
+        extract_adapter_archive(bomb, max_total_bytes=1_000_000)
+    many = pack({**adapter_files, **{f"f{i}.txt": b"" for i in range(20)}})
+    with pytest.raises(AdapterTooLargeError, match="members"):
+        extract_adapter_archive(many, max_members=10)
+    assert extract_adapter_archive(bomb, max_total_bytes=5_000_000) == adapter_files
