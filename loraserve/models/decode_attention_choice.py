@@ -56,7 +56,7 @@ class DecodeAttentionPolicy:
 
 @dataclass(frozen=True)
 class DecodeAttentionPlan:
-    """The variant the decode attention runs, and how it was decided."""
+    """The variant the decode attention is called with, the kernel that then runs, and how it was decided."""
 
     variant: str
     source: str  # measured | cached | forced | disturbed | only one (one variant built, or tiling the shape)
