@@ -94,30 +94,30 @@ def part_kernels(args: argparse.Namespace) -> None:
     outputs = tuple(torch.zeros(tokens, out, device=dev, dtype=bf16) for out in outs)
     scales = torch.ones(32, 3, device=dev)
     grouping = sort_by_slot(token_slots, 32)  # once per step in the engine, for all its layers
-    slot_args = (x, outputs, weights, token_slots, page_tables.to(dev), meta.to(dev), scales, grouping)
+    row_bound = triton.next_power_of_2(3 * max(ranks))  # as lora/slots.py keeps it
+    slot_args = (x, outputs, weights, token_slots, page_tables.to(dev), meta.to(dev), scales, grouping, row_bound)
     t_slots = bench(partial(triton_lora_slots.lora_slots, *slot_args))
     t_slots_gathered = bench(partial(triton_lora_slots.lora_slots, *slot_args, gather_elements=True))
-    # Tile shapes of both LoRA paths, for the next choice of their constants (slot kernel: input
-    # columns per step of its shrink, rank rows per step of its rank loop, programs per token tile
-    # and module; segment shrink: input columns and rank rows per step); each compiles once, here.
+    # Tile shapes of both LoRA paths, for the next choice of their constants (slot kernels: input
+    # columns per step of the shrink, stacked rows per shrink program, input columns per shrink
+    # program; segment shrink: input columns and rank rows per step); each compiles once, here.
     tile_sweep: dict[str, float] = {}
-    saved = triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT
+    saved = triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.SHRINK_BLOCK_R
     wides = [triton_lora.WIDE_SHRINK_WIDTHS, (128, 64), (64,)]
-    tiles = [((64,), 32, 8)] if args.smoke else [(w, r, s) for w in wides for r in (16, 32, 64) for s in (4, 8)]
+    k_chunks = (256, 512, 1024)
+    tiles: list[tuple[tuple[int, ...], int, int]] = (
+        [((64,), 32, 64)] if args.smoke else [(w, r, c) for w in wides for r in (32, 64) for c in k_chunks]
+    )
     try:
-        for widths, block_r, max_split in tiles:
-            triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT = (
-                widths,
-                block_r,
-                max_split,
-            )
-            tile_sweep[f"BLOCK_K={widths[0]} BLOCK_R={block_r} MAX_SPLIT={max_split}"] = bench(
-                partial(triton_lora_slots.lora_slots, *slot_args)
+        for widths, block_r, k_chunk in tiles:
+            triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.SHRINK_BLOCK_R = widths, block_r
+            tile_sweep[f"BLOCK_K={widths[0]} BLOCK_R={block_r} K_CHUNK={k_chunk}"] = bench(
+                partial(triton_lora_slots.lora_slots, *slot_args, k_chunk=k_chunk)
             )
     finally:
-        triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.BLOCK_R, triton_lora_slots.MAX_SPLIT = saved
-    log(f"slot LoRA tile sweep (ms; main: BLOCK_K={saved[0][0]} BLOCK_R={saved[1]} MAX_SPLIT={saved[2]}): "
-        f"{tile_sweep}")  # fmt: skip
+        triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.SHRINK_BLOCK_R = saved
+    log(f"slot LoRA tile sweep (ms; main: BLOCK_K={saved[0][0]} BLOCK_R={saved[1]} "
+        f"K_CHUNK={triton_lora_slots.K_CHUNK}): {tile_sweep}")  # fmt: skip
     t_grouping = bench(partial(sort_by_slot, token_slots, 32))
     mean_rank = sum(ranks) // len(ranks)
     dense_a = torch.randn(3 * mean_rank, hidden, device=dev, dtype=bf16)

@@ -168,8 +168,8 @@ class DecodeGraphs:
         with_lora = batch.lora is not None
         if batch.lora is not None and batch.lora.token_slots is None:
             return None  # adapters without slots (not expected from the runner): run eagerly
-        if self.capture and self.slots.generation != self._generation:  # the slot tables were reallocated
-            logger.info("adapter slot tables grew: capturing the decode graphs again")
+        if self.capture and self.slots.generation != self._generation:  # the slot tables or row bound grew
+            logger.info("adapter slot tables or their row bound grew: capturing the decode graphs again")
             self._graphs.clear()  # their memory pool goes with the last of them: captures start a new one
             self._pool = None
             self._generation = self.slots.generation

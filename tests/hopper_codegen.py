@@ -19,6 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 BF16_ARGS = {"x_ptr", "v_ptr", "out0_ptr", "out1_ptr", "out2_ptr", "weights_ptr"}
+FP32_ARGS = {"scales_ptr", "part_ptr"}  # the slot kernels' partial sums are float32
 PAGE_ELEMS = 16 * 8 * 64 * 2  # a KV page of a Llama-3.2-1B shape: 16 tokens, 8 KV heads of 64, K and V
 
 
@@ -33,7 +34,7 @@ def compile_for_hopper(kernel: Any, constexprs: dict[str, Any]) -> str:
             signature[name] = "constexpr"
             continue
         pointer = name.endswith("_ptr")
-        dtype = "*bf16" if name in BF16_ARGS else "*fp32" if name == "scales_ptr" else "*i64"
+        dtype = "*bf16" if name in BF16_ARGS else "*fp32" if name in FP32_ARGS else "*i64"
         signature[name] = dtype if pointer else "i32"
         excluded = kernel.do_not_specialize_on_alignment if pointer else kernel.do_not_specialize
         if name not in excluded and i not in excluded:
@@ -58,16 +59,20 @@ def main() -> None:
     expand = dict(PAGE_ELEMS=PAGE_ELEMS, PRECISION="tf32", BLOCK_T=16, DOT_FP32=False,
                   BLOCK_N=triton_lora.EXPAND_BLOCK_N, BLOCK_R=triton_lora.EXPAND_BLOCK_R)  # fmt: skip
     slots = triton_lora_slots
-    slot = dict(PAGE_ELEMS=PAGE_ELEMS, N_SPLIT=slots.MAX_SPLIT, BLOCK_T=slots.BLOCK_T, BLOCK_R=slots.BLOCK_R,
-                BLOCK_K=slots.SHRINK_WIDTHS[0], BLOCK_N=slots.BLOCK_N, PRECISION="tf32", DOT_FP32=False)  # fmt: skip
+    slot_shrink = dict(PAGE_ELEMS=PAGE_ELEMS, BLOCK_T=slots.BLOCK_T, BLOCK_R=slots.SHRINK_BLOCK_R,
+                       BLOCK_K=slots.SHRINK_WIDTHS[0], PRECISION="tf32", DOT_FP32=False)  # fmt: skip
+    slot_expand = dict(PAGE_ELEMS=PAGE_ELEMS, BLOCK_T=slots.BLOCK_T, BLOCK_R=slots.EXPAND_BLOCK_R,
+                       BLOCK_N=slots.EXPAND_BLOCK_N, CHUNKS=4, PRECISION="tf32", DOT_FP32=False)  # fmt: skip
     result: dict[str, dict[str, int]] = {}
     for aligned in (True, False):
         shrink_ptx = compile_for_hopper(triton_lora._shrink_kernel, dict(shrink, ALIGNED=aligned))
         result[f"shrink aligned={aligned}"] = loads(shrink_ptx)
         expand_ptx = compile_for_hopper(triton_lora._expand_kernel, dict(expand, ALIGNED=aligned))
         result[f"expand aligned={aligned}"] = loads(expand_ptx)
-        constexprs = dict(slot, A_ALIGNED=aligned, B_ALIGNED=aligned)
-        result[f"slots aligned={aligned}"] = loads(compile_for_hopper(slots._lora_slots_kernel, constexprs))
+        slot_shrink_ptx = compile_for_hopper(slots._slot_shrink_kernel, dict(slot_shrink, ALIGNED=aligned))
+        result[f"slot shrink aligned={aligned}"] = loads(slot_shrink_ptx)
+        slot_expand_ptx = compile_for_hopper(slots._slot_expand_kernel, dict(slot_expand, ALIGNED=aligned))
+        result[f"slot expand aligned={aligned}"] = loads(slot_expand_ptx)
     wide = dict(shrink, BLOCK_K=triton_lora.WIDE_SHRINK_WIDTHS[0], ALIGNED=True)  # runs of 64, each from its page
     result["shrink aligned=True wide"] = loads(compile_for_hopper(triton_lora._shrink_kernel, wide))
     print(json.dumps(result))

@@ -207,6 +207,29 @@ def test_adapter_slots_are_written_only_when_an_adapter_takes_one(
         table.assign({"a": a, "b": b, "c": c})
 
 
+def test_row_bound_doubles_past_the_stacked_rows(tiny_model_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """The slot kernels' shrink spans ``row_bound`` stacked rows: an adapter with more in some layer
+    group doubles it (a power of two) and changes the generation, so graphs are captured again."""
+    from loraserve.lora.apply_cpu import layout_meta
+
+    engine = _decoding(tiny_model_dir, adapter_dirs, 3, 0)
+
+    def stacked_rows(pages: AdapterPages) -> int:
+        return int(layout_meta(pages.layout)[0][:, :, 1].max())
+
+    small, large = sorted((r.pages for r in engine.adapters.resident.values()), key=stacked_rows)
+    assert stacked_rows(small) == 8 and stacked_rows(large) == 72  # r4 on q and v; r24 on q, k and v
+    table = AdapterSlots(2, engine.layout.num_layers, torch.device("cpu"), max_pages=len(large.page_ids))
+    table.assign({"small": small})
+    assert (table.tables.row_bound, table.generation) == (64, 0)
+    table.assign({"large": large})
+    assert (table.tables.row_bound, table.generation) == (128, 1)
+    table.assign({"small": small, "large": large})
+    assert (table.tables.row_bound, table.generation) == (128, 1)
+    runner_slots = engine.runner.adapter_slots
+    assert runner_slots is not None and runner_slots.tables.row_bound == 128
+
+
 def test_attention_splits_rule() -> None:
     from loraserve.forward_batch import attention_splits
 

@@ -32,11 +32,13 @@ def slot_kernel(
     reverse_slots: bool = False,
     dtype: torch.dtype = torch.float32,
     shuffle: bool = False,
+    k_chunk: int | None = None,
 ) -> None:
     """``kernel_cases.SegmentsKernel`` over ``lora_slots``: segment ``s``'s adapter sits in slot ``s``
     (or, ``reverse_slots``, in slot ``S - 1 - s``), its tokens point at that slot; ``shuffle``
     permutes the tokens first (as a decode batch has them: one adapter's tokens interleaved with
-    others'), and back after."""
+    others'), and back after. ``k_chunk`` (default: one shrink tile, so inputs wider than a tile
+    are summed over several chunks' partials)."""
     num_segments = bounds.shape[0]
     order = list(reversed(range(num_segments))) if reverse_slots else list(range(num_segments))
     token_slots = torch.full((x.shape[0],), -1, dtype=torch.long)
@@ -46,6 +48,8 @@ def slot_kernel(
     perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(7)) if shuffle else None
     rows = perm if perm is not None else torch.arange(x.shape[0])
     on_device = tuple(out[rows].to(DEVICE, dtype) for out in outputs)
+    if k_chunk is None:
+        k_chunk = slots_kernel.shrink_width(x.shape[1], storage.shape[2], slots_kernel.SHRINK_WIDTHS)
     slots_kernel.lora_slots(
         x[rows].to(DEVICE, dtype),
         on_device,
@@ -54,6 +58,7 @@ def slot_kernel(
         page_tables[inverse].contiguous().to(DEVICE),
         meta[layer, group][inverse].contiguous().to(DEVICE),
         scales[layer, group][inverse].contiguous().to(DEVICE),
+        k_chunk=k_chunk,
     )
     for out, result in zip(outputs, on_device, strict=True):
         out[rows] = result.float().cpu()
@@ -87,6 +92,30 @@ def test_aligned_tiles(hidden: int, outs: tuple[int, ...]) -> None:
     indices = [*POPULARITY["uniform"](random.Random(8)), -1, 3, 3]
     shuffled = functools.partial(slot_kernel, shuffle=True)
     run_segments(shuffled, indices, seed=8, scattered=True, layer=1, hidden=hidden, outs=outs)
+
+
+@pytest.mark.parametrize("k_chunk", [64, 128, 512], ids=["3-chunks", "2-chunks", "1-chunk"])
+def test_input_columns_split_into_chunks(k_chunk: int) -> None:
+    """The shrink's partial sums over chunks of the input (the last one short), summed by the expand."""
+    indices = [*POPULARITY["skewed"](random.Random(6)), -1, 2]
+    chunked = functools.partial(slot_kernel, shuffle=True, k_chunk=k_chunk)
+    run_segments(chunked, indices, seed=6, scattered=True, layer=1, hidden=160, outs=(130, 64))
+
+
+def test_row_bound_and_chunk_checked() -> None:
+    """A row bound below a slot's stacked rows, or a chunk not a multiple of the tile, is refused."""
+    x = torch.randn(2, 64, device=DEVICE)
+    out = torch.zeros(2, 64, device=DEVICE)
+    meta = torch.zeros(1, 14, dtype=torch.long, device=DEVICE)
+    meta[0, :6] = torch.tensor([0, 8, 0, 8, 8 * 64, 64])
+    args = (x, (out,), torch.zeros(4, 1024, device=DEVICE), torch.tensor([0, 0], device=DEVICE),
+            torch.zeros(1, 2, dtype=torch.long, device=DEVICE), meta, torch.ones(1, 1, device=DEVICE))  # fmt: skip
+    with pytest.raises(ValueError, match="stacked rows"):
+        slots_kernel.lora_slots(*args, row_bound=4)
+    with pytest.raises(ValueError, match="k_chunk must be a positive multiple of 64"):
+        slots_kernel.lora_slots(*args, k_chunk=96)
+    slots_kernel.lora_slots(*args, row_bound=64)  # a bound above the rows: programs past them return
+    assert not out.any()  # zero weights: nothing added
 
 
 @pytest.mark.parametrize("hidden, width", [(512, 256), (384, 128)])

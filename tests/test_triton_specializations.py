@@ -103,7 +103,8 @@ def test_one_variant_per_kernel_whatever_the_steps_hold(
     for prompts, adapters, max_tokens in rounds:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate(prompts, params, adapters=adapters, use_tqdm=False)
-    assert {kernel for kernel, _ in launches} >= {"_unified_attention_kernel", "_lora_slots_kernel"}
+    slot_kernels = {"_slot_shrink_kernel", "_slot_expand_kernel"}
+    assert {kernel for kernel, _ in launches} >= {"_unified_attention_kernel", *slot_kernels}
     several = {f"{kernel} {dict(constexprs)}": sorted(map(str, keys))
                for (kernel, constexprs), keys in launches.items() if len(keys) > 1}  # fmt: skip
     assert not several, f"kernels compiled more than once for one constexpr set: {several}"
@@ -121,7 +122,10 @@ PER_STEP_INTEGERS = {
         "_shrink_kernel": {"stride_v", "stride_table"},
         "_expand_kernel": {"stride_v", "stride_table"},
     },
-    "loraserve.kernels.triton_lora_slots": {"_lora_slots_kernel": {"num_slots", "stride_table"}},
+    "loraserve.kernels.triton_lora_slots": {  # the intermediate's strides: the step's tokens, the slots' row bound
+        "_slot_shrink_kernel": {"num_slots", "stride_table", "stride_part_chunk", "stride_part_token"},
+        "_slot_expand_kernel": {"num_slots", "stride_table", "stride_part_chunk", "stride_part_token"},
+    },
 }
 
 

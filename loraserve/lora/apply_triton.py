@@ -34,8 +34,9 @@ class TritonSegments:
 
 class TritonLoRAApplier(PerBatchLoRAHook[TritonSegments]):
     """``LoRAHook`` that runs every segment of a layer's input group in two kernel launches;
-    a batch that carries token slots (a decode step, maybe graph-captured) runs the slot kernel
-    instead: one launch per layer and group, nothing prepared on the host."""
+    a batch that carries token slots (a decode step, maybe graph-captured) runs the slot kernels
+    instead: two launches per layer and group whose grids depend only on the batch's size and the
+    slots' row bound, nothing prepared on the host."""
 
     def __call__(
         self,
@@ -60,6 +61,7 @@ class TritonLoRAApplier(PerBatchLoRAHook[TritonSegments]):
             tables.meta[layer, g],
             tables.scales[layer, g],
             lora.slot_grouping,
+            tables.row_bound,
         )
 
     def __init__(self, storage: torch.Tensor) -> None:

@@ -10,15 +10,17 @@ never while its adapter is in the step. Any rank fits: a slot holds pages, not w
 
 The runner owns this object (it is derived state of the batches it sees, like ``InputBatch``);
 the tables travel to the LoRA hook inside the batch (``LoRABatch.slots``). When an adapter needs
-more pages than a page-table row holds, the table is reallocated wider and ``generation``
-changes: graphs captured over the old tables must be captured again.
+more pages than a page-table row holds, the table is reallocated wider, and when it has more
+stacked A rows in some layer group than ``row_bound`` (what the slot kernels' shrink grid and
+intermediate span), the bound doubles until it fits; either way ``generation`` changes: graphs
+captured over the old tables or bound must be captured again.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +37,10 @@ class SlotTables:
     page_tables: torch.Tensor  # [num_slots, max_pages] int64
     meta: torch.Tensor  # [num_layers, num_groups, num_slots, 14] int64
     scales: torch.Tensor  # [num_layers, num_groups, num_slots, 3] float32
+    row_bound: int  # >= the stacked A rows of every slot in every layer group (a power of two)
+
+
+INITIAL_ROW_BOUND = 64
 
 
 class AdapterSlots:
@@ -42,19 +48,20 @@ class AdapterSlots:
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.device = device
-        self.tables = self._allocate(max_pages)
+        self.tables = self._allocate(max_pages, INITIAL_ROW_BOUND)
         self.generation = 0  # bumped when the tables are reallocated
         self.num_writes = 0  # slot rows written (host-to-device copies), once per adapter taking a slot
         # adapter id -> (slot, its pages when written), least recently used first
         self._slots: OrderedDict[str, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._free = list(reversed(range(num_slots)))
 
-    def _allocate(self, max_pages: int) -> SlotTables:
+    def _allocate(self, max_pages: int, row_bound: int) -> SlotTables:
         shape = (self.num_layers, len(LORA_GROUPS), self.num_slots)
         return SlotTables(
             torch.zeros(self.num_slots, max_pages, dtype=torch.long, device=self.device),
             torch.zeros(*shape, SegmentMeta.WIDTH, dtype=torch.long, device=self.device),
             torch.zeros(*shape, SegmentMeta.MAX_MODULES, dtype=torch.float32, device=self.device),
+            row_bound,
         )
 
     def assign(self, adapters: Mapping[str, AdapterPages]) -> dict[str, int]:
@@ -87,12 +94,19 @@ class AdapterSlots:
         width = self.tables.page_tables.shape[1]
         if len(pages.page_ids) > width:  # a wider row than any before: reallocate, keep the rows
             old = self.tables
-            self.tables = self._allocate(max(len(pages.page_ids), 2 * width))
+            self.tables = self._allocate(max(len(pages.page_ids), 2 * width), old.row_bound)
             self.tables.page_tables[:, :width] = old.page_tables
             self.tables.meta.copy_(old.meta)
             self.tables.scales.copy_(old.scales)
             self.generation += 1
         meta, scales = layout_meta(pages.layout)  # [num_layers, num_groups, 14], [.., 3]
+        rows = int(meta[:, :, SegmentMeta.NUM_ROWS].max())
+        if rows > self.tables.row_bound:
+            bound = self.tables.row_bound
+            while bound < rows:
+                bound *= 2
+            self.tables = replace(self.tables, row_bound=bound)
+            self.generation += 1
         row = torch.zeros(self.tables.page_tables.shape[1], dtype=torch.long)
         row[: len(pages.page_ids)] = torch.tensor(pages.page_ids, dtype=torch.long)
         self.tables.page_tables[slot] = row.to(self.device)
