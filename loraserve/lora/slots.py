@@ -49,7 +49,7 @@ class AdapterSlots:
         self.num_layers = num_layers
         self.device = device
         self.tables = self._allocate(max_pages, INITIAL_ROW_BOUND)
-        self.generation = 0  # bumped when the tables are reallocated
+        self.generation = 0  # bumped when the tables are reallocated or the row bound grows
         self.num_writes = 0  # slot rows written (host-to-device copies), once per adapter taking a slot
         # adapter id -> (slot, its pages when written), least recently used first
         self._slots: OrderedDict[str, tuple[int, tuple[int, ...]]] = OrderedDict()
