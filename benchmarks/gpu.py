@@ -180,14 +180,15 @@ def part_host_overhead(args: argparse.Namespace) -> None:
     sequences, 32 adapters), by phase, on the triton and torch backends."""
     from benchmarks import host_overhead
 
-    for kernels in ("triton", "torch"):
-        argv = ["--device", args.device, "--kernels", kernels]
+    for kernels, overlap in (("triton", False), ("triton", True), ("torch", False)):
+        argv = ["--device", args.device, "--kernels", kernels] + (["--async-scheduling"] if overlap else [])
         if args.smoke:
             argv += ["--seqs", "8", "--adapters", "2", "--steps", "4", "--warmup", "1"]
         result = host_overhead.measure(host_overhead.parse_args(argv))
-        log(f"host overhead, {kernels}: {result['ms_per_step_median']:.2f} ms per step, "
+        label = kernels + (", async scheduling" if overlap else "")
+        log(f"host overhead, {label}: {result['ms_per_step_median']:.2f} ms per step, "
             f"{result['us_per_seq_step']:.2f} us per sequence, phases {result['phase_ms_mean']}")  # fmt: skip
-        record(f"host_overhead_{kernels}", result)
+        record(f"host_overhead_{kernels}" + ("_async" if overlap else ""), result)
 
 
 PARTS: dict[str, Callable[[argparse.Namespace], None]] = {  # in order of what a short GPU slot needs most

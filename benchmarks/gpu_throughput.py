@@ -121,7 +121,7 @@ def part_throughput(args: argparse.Namespace) -> None:
         llm = LLM(str(model_dir), kernels=kernels, **engine_options, **extra)
         for name, path in adapters:
             llm.add_adapter(name, path)
-        mode = " eager" if extra.get("enforce_eager") else ""
+        mode = " eager" if extra.get("enforce_eager") else " async" if extra.get("async_scheduling") else ""
         for label, request_adapters in runs:
             key = f"loraserve[{kernels}{mode}] {label}"
             compiled = triton_compilations()
@@ -162,6 +162,8 @@ def part_throughput(args: argparse.Namespace) -> None:
 
     runs = [("no adapters", None), (f"{args.adapters} adapters", names)]
     guarded("throughput, triton with graphs", lambda: engine_runs("triton", runs))
+    # The host's scheduling and output work overlapped with the GPU's (--async-scheduling).
+    guarded("throughput, triton with graphs, async", lambda: engine_runs("triton", runs, async_scheduling=True))
     guarded("throughput, triton eager", lambda: engine_runs("triton", runs, enforce_eager=True))
 
     def hf_generate(model: Any, batch: list[list[int]], adapter_names: list[str] | None) -> int:

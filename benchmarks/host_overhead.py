@@ -112,7 +112,8 @@ class DecodeBench:
         seq_pages = math.ceil((args.prompt_len + args.warmup + total_steps + 2) / BLOCK_SIZE) + 1
         llm = LLM(str(model_dir), kernels=args.kernels, device=args.device, max_num_seqs=args.seqs,
                   max_num_batched_tokens=4096, num_pages=args.seqs * seq_pages + 64 * max(args.adapters, 1),
-                  block_size=BLOCK_SIZE, num_threads=args.threads)  # fmt: skip
+                  block_size=BLOCK_SIZE, num_threads=args.threads,
+                  **({"async_scheduling": True} if args.async_scheduling else {}))  # fmt: skip
         self.engine = engine = llm.engine
         ranks = [(8, 16, 32, 64)[i % 4] for i in range(args.adapters)]
         names: list[str | None] = [None]
@@ -205,6 +206,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="final_only (LLM.generate's, default) or cumulative (a streamed request's)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--async-scheduling", action="store_true", help="the engine's --async-scheduling (host work overlaps the GPU's)"
+    )
     parser.add_argument(
         "--against", type=Path, default=None, help="a loraserve checkout (git worktree add DIR COMMIT) to run in turns"
     )

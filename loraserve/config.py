@@ -68,6 +68,8 @@ class EngineConfig:
     Both non-default values exist to measure what the defaults buy (``benchmarks.many_adapters``).
     ``enforce_eager``: under the ``triton`` kernels, run decode steps eagerly as they come instead
     of padded to a captured size and replayed as CUDA graphs (``decode_graphs.py``).
+    ``async_scheduling``: schedule and launch each step before the last one's tokens reach the
+    host, so the host's work overlaps the GPU's (vLLM's ``--async-scheduling``; ``launched_step.py``).
     ``adapter_decode_path``: with decode graphs, how decode-only steps with adapters run:
     ``graph`` (replayed, adapters by slot), ``eager`` (adapters by segment) or ``auto`` (both
     timed on the first such steps of each batch size, the faster kept; ``decode_path.py``).
@@ -96,6 +98,7 @@ class EngineConfig:
     cpu_prefill_attention: str = "auto"
     cpu_decode_attention: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool = False
     adapter_decode_path: str = "auto"
     max_lora_rank: int = 512
     max_adapters: int = 10_000

@@ -55,10 +55,14 @@ class DecodePathChoice:
         graph, eager = (self._steps(size, path) for path in (DecodePath.GRAPH, DecodePath.EAGER))
         return DecodePath.GRAPH if graph <= eager else DecodePath.EAGER
 
+    def settled(self, size: int) -> bool:
+        """Whether steps at padded ``size`` no longer need timing (the path is fixed or chosen)."""
+        return self.fixed is not None or size in self.chosen
+
     def record(self, size: int, path: DecodePath, started: float, num_seqs: int) -> None:
         """A step of ``num_seqs`` sequences at ``size`` ran on ``path`` from ``started`` (``clock()``)
         until its sampled tokens reached the host."""
-        if self.fixed is not None or size in self.chosen:
+        if self.settled(size):
             return
         seconds = self.clock() - started
         key = (size, path)

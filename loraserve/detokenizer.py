@@ -45,7 +45,7 @@ class Detokenizer:
             return ""
         delta = full_text[len(prefix_text) :]
         seq.prefix_offset = seq.read_offset
-        seq.read_offset = seq.num_tokens
+        seq.read_offset = len(seq.token_ids)
         seq.output_text += delta
         return delta
 

@@ -28,6 +28,7 @@ class InputBatch:
         self, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, vocab_size: int, device: torch.device
     ) -> None:
         self.device = device
+        self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)  # [rows, max_model_len]
         # Per row, how many leading token ids equal its sequence's (-1: joined, not written yet):
@@ -81,7 +82,7 @@ class InputBatch:
         """
         get = self._rows.get
         fields = [
-            (s.num_computed_tokens, len(s.token_ids), get(s.seq_id, -1), len(s.block_ids), s.block_table_epoch)
+            (s.num_computed_tokens, s.num_tokens, get(s.seq_id, -1), len(s.block_ids), s.block_table_epoch)
             for s in seqs
         ]
         # fromiter over the flattened tuples: about half the time of np.array over the tuples
@@ -100,7 +101,9 @@ class InputBatch:
 
     def _update(self, seq: Sequence, row: int) -> None:
         num_tokens = len(seq.token_ids)
-        if self._num_token_ids[row] != num_tokens:  # joined, or a token the runner did not sample (a fork's)
+        if self._num_token_ids[row] != seq.num_tokens:  # joined, or a token the runner did not sample (a fork's)
+            if seq.num_pending_tokens:  # only the runner knows where a pending token comes from
+                raise RuntimeError(f"seq {seq.seq_id} needs its row rewritten while a step it samples in is in flight")
             if num_tokens > self.token_ids.shape[1]:
                 raise RuntimeError(f"seq {seq.seq_id} has {num_tokens} tokens; rows hold {self.token_ids.shape[1]}")
             self.token_ids[row, :num_tokens] = seq.token_ids
@@ -159,12 +162,20 @@ class InputBatch:
                 code = self._codes[adapter_id] = len(self._codes) + 1
         return code
 
-    def append_sampled(self, rows: np.ndarray, positions: np.ndarray, tokens: list[int]) -> None:
+    def append_sampled(self, rows: np.ndarray, positions: np.ndarray, tokens: list[int] | np.ndarray) -> None:
         """Write each sampled token at its position (the sequence's length when it was sampled) in
         its row, as the scheduler will append it: the next step reads its input ids from the rows."""
         self.token_ids[rows, positions] = tokens
         extends = self._num_token_ids[rows] == positions  # [n] bool: the token is the row's next
         self._num_token_ids[rows[extends]] = positions[extends] + 1
+
+    def fill_pending(self, seq_ids: list[int], rows: np.ndarray, positions: np.ndarray, tokens: list[int]) -> None:
+        """Async scheduling: write the tokens of a step that was in flight over the placeholders
+        ``append_sampled`` wrote, in the rows their sequences still hold (a row released and
+        taken by another sequence meanwhile is left alone)."""
+        get = self._rows.get
+        held = np.fromiter((get(seq_id, -1) for seq_id in seq_ids), np.int64, len(seq_ids)) == rows  # [n] bool
+        self.token_ids[rows[held], positions[held]] = np.asarray(tokens, np.int32)[held]
 
     def tokens_match(self, seq: Sequence) -> bool:
         """Whether the sequence's row holds its token ids (a check for tests)."""

@@ -180,12 +180,13 @@ class KVCacheManager:
         seq.num_cached_tokens = 0
 
     def cache_full_blocks(self, seqs: Iterable[Sequence]) -> None:
-        """Register the blocks each of ``seqs`` has filled since the last call (one call a step)."""
+        """Register the blocks each of ``seqs`` has filled since the last call (one call a step):
+        computed, and every token known on the host (a step in flight has not reported its own)."""
         if self.prefix_cache is None:
             return
         block_size = self.block_size
         for seq in seqs:
-            num_full = min(seq.num_computed_tokens // block_size, len(seq.block_ids))
+            num_full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // block_size, len(seq.block_ids))
             if num_full > seq.num_registered_blocks:
                 self._register(seq, num_full)
 

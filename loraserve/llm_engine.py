@@ -27,12 +27,14 @@ from loraserve.engine_kernels import EngineKernels
 from loraserve.host_memory import keep_freed_blocks
 from loraserve.input_processor import InputProcessor, RequestError
 from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, tokens_at_most
+from loraserve.launched_step import LaunchedStep
 from loraserve.lora.layout import max_rank_pages
 from loraserve.lora.residency import AdapterManager
 from loraserve.lora.tile_choice import LoRAKernelPolicy, lora_hook_factory
-from loraserve.model_runner import ModelRunner, PageLayout
+from loraserve.model_runner import ModelRunner
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
 from loraserve.outputs import RequestOutput
+from loraserve.page_layout import PageLayout
 from loraserve.page_pool import PagePool
 from loraserve.page_pools import PagePools
 from loraserve.request import Request, make_output
@@ -150,6 +152,8 @@ class LLMEngine:
         if self.runner.decode_graphs is not None:
             self.runner.decode_graphs.warm_up()  # CUDA: every padded decode size captured now
         self.requests: dict[str, Request] = {}
+        self._in_flight: LaunchedStep | None = None  # async scheduling: the step whose tokens are on their way
+        self._host_bound: set[str] = set()  # requests whose steps may not overlap (``needs_host_tokens``)
         self._seed_rng = random.Random(config.seed)  # sampling seeds of requests that give none
         logger.info(
             "engine ready: %s, %d pages of %d tokens (%.1f MiB)",
@@ -211,6 +215,8 @@ class LLMEngine:
         ]
         request = Request(request_id, prompt if isinstance(prompt, str) else None, seqs, adapter_name)
         self.requests[request_id] = request
+        if params.needs_host_tokens:
+            self._host_bound.add(request_id)
         for seq in seqs:
             self.detokenizer.start(seq)
         self.scheduler.add(seqs[0], forks=seqs[1:])  # waits for the adapter's files if they are on their way
@@ -241,7 +247,7 @@ class LLMEngine:
         return [self.adapters.info(name) for name in self.adapter_registry.names()]
 
     def abort_request(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
+        request = self._forget(request_id)
         if request is not None:
             for seq in request.seqs:  # the first sample also ends the others not forked yet
                 self.scheduler.finish(seq, FinishReason.ABORT)
@@ -266,35 +272,67 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the state of every request that changed.
 
-        With nothing to run while adapters load, it waits for the oldest load (at most
+        With ``async_scheduling`` it launches the step and then collects the one launched before
+        (whose GPU work ran while this step was scheduled and prepared); a request that needs
+        each step's tokens on the host first (``needs_host_tokens``) turns the overlap off while
+        it runs. With nothing to run while adapters load, it waits for the oldest load (at most
         ``LOAD_WAIT_S``) and returns.
         """
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self._host_bound:
+            outputs += self._collect_in_flight()
         batch = self.scheduler.schedule()
-        outputs = [self._aborted_output(seq, error) for seq, error in batch.aborted]
+        outputs += [self._aborted_output(seq, error) for seq, error in batch.aborted]
         if batch.is_empty:
-            if self.scheduler.loading:
+            if self._in_flight is not None:
+                outputs += self._collect_in_flight()
+            elif self.scheduler.loading:
                 self.scheduler.wait_for_adapter(LOAD_WAIT_S)
             elif self.scheduler.num_unfinished:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return outputs
-        sampled = self.runner.execute(batch)
+        launched = self.runner.launch(batch, self._in_flight)
+        if not self.config.async_scheduling:
+            return outputs + self._outputs(launched, in_flight=False)
+        self.scheduler.launched(batch)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            outputs += self._outputs(previous, in_flight=True)
+        if not self.scheduler.num_unfinished:  # its sequences all ended: nothing waits on its tokens
+            outputs += self._collect_in_flight()
+        return outputs
+
+    def _collect_in_flight(self) -> list[RequestOutput]:
+        assert self._in_flight is not None
+        launched, self._in_flight = self._in_flight, None
+        return self._outputs(launched, in_flight=True)
+
+    def _outputs(self, launched: LaunchedStep, in_flight: bool) -> list[RequestOutput]:
+        """Hand a step's tokens to the scheduler; the outputs of the requests that changed."""
+        sampled = self.runner.collect(launched)
         touched: dict[str, Request] = {}
-        for seq in self.scheduler.update_from_output(batch, sampled):
+        for seq in self.scheduler.update_from_output(launched.batch, sampled, launched=in_flight):
             cumulative = seq.params.output_kind == "cumulative"
             if not (cumulative or seq.is_finished):
                 continue  # final_only and still running: nothing to report (the common case)
             request = self.requests.get(seq.request_id)
             if request is not None and (cumulative or request.is_finished):
                 touched[seq.request_id] = request
+        outputs = []
         for request in touched.values():
             output = make_output(request)
             outputs.append(output)
             if output.finished:
-                del self.requests[request.request_id]
+                self._forget(request.request_id)
         return outputs
 
+    def _forget(self, request_id: str) -> Request | None:
+        self._host_bound.discard(request_id)
+        return self.requests.pop(request_id, None)
+
     def _aborted_output(self, seq: Sequence, error: str) -> RequestOutput:
-        request = self.requests.pop(seq.request_id)
+        request = self._forget(seq.request_id)
+        assert request is not None
         output = make_output(request)
         output.error = error
         output.error_code = self.adapters.error_code(seq.adapter_name)  # "registry_unavailable": retry later

@@ -19,41 +19,19 @@ from loraserve.decode_graphs import DecodeGraphs
 from loraserve.decode_path import DecodePath, DecodePathChoice
 from loraserve.forward_batch import ForwardBatch, PrefillBatch, attention_splits
 from loraserve.input_batch import InputBatch
+from loraserve.launched_step import LaunchedStep, SampledTokens, fill_placeholders, placeholder_codes
 from loraserve.logits_adjustments import LogitsAdjustments
 from loraserve.lora.apply_torch import PerBatchLoRAHook
 from loraserve.lora.batch import LoRABatch
 from loraserve.lora.slots import AdapterSlots
 from loraserve.lora.weights import write_adapter_load
 from loraserve.models.llama import LlamaForCausalLM
+from loraserve.page_layout import PageLayout
 from loraserve.sampler import Sampler, SamplingBatch, record_logprobs, record_prompt_logprobs
 from loraserve.scheduled_batch import ScheduledBatch
 from loraserve.sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PageLayout:
-    """Shape of a page; a page id addresses the same slot in every layer."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def page_elems(self) -> int:
-        """Elements of one page in one layer (one KV block: K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim
-
-    def page_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one page id across all layers."""
-        return self.num_layers * self.page_elems * torch.tensor([], dtype=dtype).element_size()
-
-    @classmethod
-    def for_model(cls, config: Any, block_size: int) -> PageLayout:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, head_dim)
 
 
 @dataclass(frozen=True)
@@ -128,6 +106,8 @@ class ModelRunner:
             )
         self.adapter_decode = adapter_decode or DecodePathChoice()
         self.num_downloads = 0  # device-to-host copies of sampled ids (one per step that samples)
+        self.num_launches = 0  # steps launched
+        self._downloads: list[torch.Tensor | None] = [None, None]  # pinned buffers of sampled ids (CUDA)
         self.eos_token_ids = eos_token_ids  # banned before a request's min_tokens
 
     def attention_splits(self, num_seqs: int, max_context: int, decode_only: bool = True) -> int:
@@ -290,17 +270,25 @@ class ModelRunner:
                 rows.append(token_starts[i] + np.arange(first, last) - starts[i])
         return tuple(spans), rows
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run the step; return the sampled token of each sequence (None mid-prefill)."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Start the step: page copies, inputs, forward, sampling, and the sampled ids' copy to the
+        host (``launched_step.py``). ``previous``: the step launched before, whose tokens are not
+        on the host yet; this step's input ids that are its tokens are taken from the device."""
+        self.num_launches += 1
         self.input_batch.release(batch.released_seq_ids)
         self.copy_pages(batch)
-        sampled: list[int | None] = [None] * len(batch.seqs)
         if not batch.seqs:
-            return sampled
+            return LaunchedStep(batch, self.num_launches)
         started = self.adapter_decode.clock()
         step = self.prepare(batch)
         forward_batch, sampling = step.forward, step.sampling
+        if previous is not None and previous.sampled is not None:
+            fill_placeholders(forward_batch.input_ids, previous.sampled.device_ids)
         logits = self.decode_graphs.run(forward_batch) if self.decode_graphs is not None else None
         if logits is None:  # not a decode step a graph takes: eager
             hook = self.lora_hook if forward_batch.lora is not None else None
@@ -309,17 +297,45 @@ class ModelRunner:
         if sampling.prompt_spans:  # rows past the sampled ones: prompt logprobs
             record_prompt_logprobs(logits[len(sampling_index) :], sampling.prompt_spans)
             logits = logits[: len(sampling_index)]
-        if sampling_index:
-            tokens = self.sampler(logits, sampling).tolist()  # the step's one device-to-host copy
-            self.num_downloads += 1
-            self.input_batch.append_sampled(step.sampled_rows, step.sampled_positions, tokens)
-            if self.input_batch.logprobs[step.sampled_rows].any():
-                record_logprobs(logits, [batch.seqs[i] for i in sampling_index], tokens)
-            for i, token in zip(sampling_index, tokens, strict=True):
-                sampled[i] = token
-        if step.decode_path is not None and sampling_index:  # tokens on the host: the step's GPU work is done
+        launched = LaunchedStep(batch, self.num_launches, sampling_index, step.sampled_rows, step.sampled_positions)
+        if not sampling_index:
+            return launched
+        self._downloads = self._downloads[::-1]  # the other buffer: the last step's may be unread
+        launched.sampled = SampledTokens(self.sampler(logits, sampling), self._download_buffer())
+        self.num_downloads += 1
+        codes = placeholder_codes(len(sampling_index))  # until the tokens are on the host
+        self.input_batch.append_sampled(step.sampled_rows, step.sampled_positions, codes)
+        if self.input_batch.logprobs[step.sampled_rows].any():
+            record_logprobs(logits, [batch.seqs[i] for i in sampling_index], launched.sampled.tokens())
+        if step.decode_path is not None and not self.adapter_decode.settled(step.decode_path[0]):
+            launched.sampled.tokens()  # timed until its tokens are on the host: its GPU work is done
             self.adapter_decode.record(*step.decode_path, started, len(batch.seqs))
+        return launched
+
+    def collect(self, launched: LaunchedStep) -> list[int | None]:
+        """The sampled token of each sequence of a launched step (None mid-prefill), waiting for
+        them if they are still on their way; written into the input rows over the placeholders."""
+        batch = launched.batch
+        sampled: list[int | None] = [None] * len(batch.seqs)
+        if launched.sampled is None:
+            return sampled
+        tokens = launched.sampled.tokens()
+        if launched.launch_index == self.num_launches:  # no launch since: its rows are still its sequences'
+            self.input_batch.append_sampled(launched.sampled_rows, launched.sampled_positions, tokens)
+        else:
+            seq_ids = [batch.seqs[i].seq_id for i in launched.sampling_index]
+            self.input_batch.fill_pending(seq_ids, launched.sampled_rows, launched.sampled_positions, tokens)
+        for i, token in zip(launched.sampling_index, tokens, strict=True):
+            sampled[i] = token
         return sampled
+
+    def _download_buffer(self) -> torch.Tensor | None:
+        """Pinned host memory for a step's sampled ids (CUDA); two, used in turn."""
+        if self.device.type != "cuda":
+            return None
+        if self._downloads[0] is None:
+            self._downloads[0] = torch.empty(self.input_batch.max_num_seqs, dtype=torch.long, pin_memory=True)
+        return self._downloads[0]
 
 
 def _pairs(mapping: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

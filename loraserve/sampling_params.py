@@ -125,6 +125,12 @@ class SamplingParams:
         )
 
     @property
+    def needs_host_tokens(self) -> bool:
+        """Whether each step of this request needs the one before's tokens on the host (penalties,
+        bias, ``min_tokens``, masks, logprobs, forks): async scheduling does not overlap its steps."""
+        return self.adjusts_logits or self.logprobs is not None or self.prompt_logprobs is not None or self.n > 1
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 

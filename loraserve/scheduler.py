@@ -20,6 +20,9 @@ After the runner's step, ``update_from_output`` is the one place where a sequenc
 changes: it accounts the computed tokens, appends the sampled ones, forks the other samples of
 an ``n > 1`` request off the first once its prompt is computed, applies the stop conditions and
 finishes (frees the pages and unpins the adapter of) the sequences that end.
+
+With async scheduling (docs/design.md) ``launched`` accounts a step when it is launched, its
+sampled tokens pending, and ``update_from_output(..., launched=True)`` appends them later.
 """
 
 from __future__ import annotations
@@ -175,6 +178,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.num_pending_tokens and seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
+                index += 1  # its last token is on its way: it ends when that arrives
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while (copies := self.kv_manager.allocate_slots(seq, num_new)) is None:
                 victim = self.running.pop()
@@ -193,6 +199,8 @@ class Scheduler:
     def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
+            if seq.num_pending_tokens:  # swapped out while in flight: back once its token arrives
+                break
             num_new = min(seq.num_uncomputed_tokens, budget)
             pages_after_swap_in = len(seq.block_ids) + self.kv_manager.num_pages_needed(seq, num_new)
             adapters = self.adapters
@@ -214,6 +222,8 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:  # preempted while in flight: its prefix hashes need that token
+                break
             fresh = not seq.block_ids and seq.num_computed_tokens == 0
             if fresh:
                 self.kv_manager.match_prefix(seq)
@@ -274,18 +284,32 @@ class Scheduler:
         self.waiting.appendleft(seq)
         logger.debug("preempted seq %d for recomputation", seq.seq_id)
 
-    def update_from_output(self, batch: ScheduledBatch, sampled: Seq[int | None]) -> list[Sequence]:
+    def launched(self, batch: ScheduledBatch) -> None:
+        """Async scheduling: the runner launched ``batch`` and its tokens are not known yet.
+        Account its computed tokens and count each sampling sequence's token as pending."""
+        for index, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            samples = batch.samples(index)
+            seq.num_computed_tokens += num_new
+            seq.num_pending_tokens += samples
+
+    def update_from_output(
+        self, batch: ScheduledBatch, sampled: Seq[int | None], launched: bool = False
+    ) -> list[Sequence]:
         """Apply a step's result: ``sampled[i]`` is the token of ``batch.seqs[i]`` (None mid-prefill).
+        ``launched``: ``launched(batch)`` already accounted the step (async scheduling).
 
         Returns the sequences that got a token (finished ones included).
         """
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += num_new
+        if not launched:
+            for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                seq.num_computed_tokens += num_new
         self.kv_manager.cache_full_blocks(batch.seqs)
         changed: list[Sequence] = []
         for seq, token in zip(batch.seqs, sampled, strict=True):
-            if token is None or seq.is_finished:
+            if token is None or seq.is_finished:  # finished: ended while this step was in flight
                 continue
+            if launched:
+                seq.num_pending_tokens -= 1
             seq.append_token(token)
             if self._forks and (forks := self._forks.pop(seq.seq_id, None)):
                 for child in reversed(forks):
@@ -323,5 +347,6 @@ class Scheduler:
     @staticmethod
     def _end(seq: Sequence, reason: FinishReason, stop_reason: str | int | None) -> None:
         seq.status = SequenceStatus.FINISHED
+        seq.num_pending_tokens = 0  # a step in flight computes its token, which is dropped
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

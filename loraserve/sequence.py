@@ -34,6 +34,10 @@ class Sequence:
     ``token_ids`` holds the prompt followed by every generated token. The KV cache
     holds the first ``num_computed_tokens`` of them; the rest are computed by the
     next steps (a prefill chunk, or the one token sampled last step).
+
+    With a step in flight (async scheduling), the tokens it will sample are counted in
+    ``num_pending_tokens`` before their values are known: ``num_tokens`` (what the scheduler and
+    the KV cache count) includes them, ``token_ids`` and ``num_output_tokens`` do not.
     """
 
     request_id: str
@@ -47,6 +51,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     num_prompt_tokens: int = -1
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0  # sampled by steps in flight, values not on the host yet (0, 1 or 2)
     block_ids: list[int] = field(default_factory=list)
     # Bumped by the KV cache manager whenever ``block_ids`` changes other than by appending.
     block_table_epoch: int = 0
@@ -79,10 +84,11 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens known on the host (those of steps in flight not counted)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property

@@ -55,6 +55,8 @@ def test_every_option(tmp_path: Path) -> None:
     assert settings.max_upload_bytes == 3 * 2**20
     assert (config.max_lora_rank, config.max_adapters, config.enforce_eager) == (32, 7, True)
     assert build_engine_config(parse("--adapter-decode-path", "eager")).adapter_decode_path == "eager"
+    assert build_engine_config(parse("--async-scheduling")).async_scheduling is True
+    assert config.async_scheduling is False  # off unless asked
     assert (settings.max_request_body_bytes, settings.max_n, settings.max_requests_per_key) == (2 * 2**20, 3, 9)
     assert (settings.max_prompt_tokens, settings.max_output_tokens, args.shutdown_timeout) == (100, 50, 5.0)
 

@@ -97,6 +97,18 @@ def test_graph_path_equals_eager_and_torch(
     assert len({tuple(tokens) for tokens in expected}) > 4  # adapters and prompts change the outputs
 
 
+def test_graph_path_with_async_scheduling(tiny_model_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """Steps launched before the last one's tokens are on the host: the padded decode path reads
+    those tokens on the device (into its static input buffer) and gives the same tokens."""
+    chunked = dict(max_num_batched_tokens=24)
+    expected, _ = _generate(tiny_model_dir, adapter_dirs, "torch", **chunked)
+    options = dict(adapter_decode_path="graph", async_scheduling=True, **chunked)
+    overlapped, llm = _generate(tiny_model_dir, adapter_dirs, "triton", **options)  # type: ignore[arg-type]
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs.num_steps >= 9
+    assert overlapped == expected
+
+
 def _decoding(model_dir: Path, adapters: dict[str, Path], count: int, offset: int) -> LLMEngine:
     llm = LLM(str(model_dir), kernels="triton", device=DEVICE, block_size=4, num_pages=300, max_num_seqs=8,
               adapter_decode_path="graph")  # fmt: skip

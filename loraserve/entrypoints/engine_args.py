@@ -99,9 +99,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Triton kernels: run decode steps eagerly, no CUDA graphs (default: graphs per padded batch size)",
     )
+    engine.add_argument(
+        "--async-scheduling",
+        dest="async_scheduling",
+        action="store_true",
+        default=None,
+        help="schedule each step before the last one's tokens reach the host, overlapping host and GPU work",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line (others keep their defaults)."""
-    fields = [field for _, field, _, _ in ENGINE_OPTIONS] + ["enable_prefix_caching", "enforce_eager"]
+    fields = [field for _, field, _, _ in ENGINE_OPTIONS] + [
+        "enable_prefix_caching",
+        "enforce_eager",
+        "async_scheduling",
+    ]
     return {field: getattr(args, field) for field in fields if getattr(args, field, None) is not None}
