@@ -38,9 +38,6 @@ class SampledTokens:
             self._host = device_ids.to("cpu")
         self._tokens: list[int] | None = None
 
-    def __len__(self) -> int:
-        return self.device_ids.numel()
-
     def tokens(self) -> list[int]:
         """The ids as Python ints (waits for the step's copy to the host the first time)."""
         if self._tokens is None:

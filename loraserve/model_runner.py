@@ -270,10 +270,6 @@ class ModelRunner:
                 rows.append(token_starts[i] + np.arange(first, last) - starts[i])
         return tuple(spans), rows
 
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Run the step; return the sampled token of each sequence (None mid-prefill)."""
-        return self.collect(self.launch(batch))
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Start the step: page copies, inputs, forward, sampling, and the sampled ids' copy to the
