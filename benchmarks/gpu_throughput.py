@@ -20,43 +20,15 @@ def triton_compilations() -> int | None:
     return compiled_variants()
 
 
-def timed_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] | None, steps: int) -> dict[str, float]:
-    """ms per step of a full decode batch: every prompt admitted and past its prefill first."""
+def fill_decode_batch(llm: Any, prompts: list[list[int]], names: list[str] | None, tag: str, max_tokens: int) -> None:
+    """Admit every prompt and step until all are past their prefills, and one decode step more."""
     from loraserve import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"decode-{i}", prompt, params, names[i] if names else None)
-    while engine.scheduler.num_waiting or any(
-        seq.num_computed_tokens < seq.num_prompt_tokens for r in engine.requests.values() for seq in r.seqs
-    ):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    synchronize()
-    wall = time.perf_counter() - start
-    while engine.has_unfinished_requests():
-        engine.step()
-    return {"ms_per_step": wall / steps * 1e3, "seqs": len(prompts)}
-
-
-def profiled_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] | None, steps: int) -> str:
-    """The device kernels of ``steps`` full decode steps (``torch.profiler``), by total device time:
-    which kernels a step's time goes to."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from loraserve import SamplingParams
-
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"profile-{i}", prompt, params, names[i] if names else None)
-    for _ in range(64):  # past every prefill
+        engine.add_request(f"{tag}-{i}", prompt, params, names[i] if names else None)
+    for _ in range(256):
         if not engine.scheduler.num_waiting and all(
             seq.num_computed_tokens >= seq.num_prompt_tokens for r in engine.requests.values() for seq in r.seqs
         ):
@@ -64,15 +36,58 @@ def profiled_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] |
         engine.step()
     engine.step()
     synchronize()
+
+
+def finish(llm: Any) -> None:
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+
+def timed_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] | None, steps: int) -> dict[str, float]:
+    """ms per step of a full decode batch, and the process's CPU seconds per second of wall meanwhile
+    (above 1: threads besides the step loop's are busy)."""
+    fill_decode_batch(llm, prompts, names, "decode", steps + 16)
+    for _ in range(2):
+        llm.engine.step()
+    synchronize()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        llm.engine.step()
+    synchronize()
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    finish(llm)
+    return {"ms_per_step": wall / steps * 1e3, "seqs": len(prompts), "cpu_per_wall": cpu / wall,
+            "torch_threads": torch.get_num_threads()}  # fmt: skip
+
+
+def profiled_decode_steps(llm: Any, prompts: list[list[int]], names: list[str] | None, steps: int) -> str:
+    """The device kernels of ``steps`` full decode steps (``torch.profiler``), by total device time:
+    which kernels a step's time goes to; then the host's functions over as many steps (cProfile, by
+    own time: it slows Python down, so only the split is meaningful)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fill_decode_batch(llm, prompts, names, "profile", 2 * steps + 8)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            engine.step()
+            llm.engine.step()
         synchronize()
-    while engine.has_unfinished_requests():
-        engine.step()
     sort = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    return str(prof.key_averages().table(sort_by=sort, row_limit=22, max_name_column_width=60))
+    device_table = str(prof.key_averages().table(sort_by=sort, row_limit=22, max_name_column_width=60))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        llm.engine.step()
+    synchronize()
+    profiler.disable()
+    finish(llm)
+    host = io.StringIO()
+    pstats.Stats(profiler, stream=host).sort_stats("tottime").print_stats(20)
+    return f"{device_table}\nhost, cProfile of {steps} steps:\n{host.getvalue()[-5000:]}"
 
 
 def timed_generate(llm: Any, prompts: list[list[int]], names: list[str] | None, new: int) -> dict[str, float]:
@@ -136,7 +151,7 @@ def part_throughput(args: argparse.Namespace) -> None:
                                               else 50)  # fmt: skip
             log(f"{key}: {results[key]}")
             record("throughput", results)
-        if extra.get("enforce_eager"):  # where a decode step's device time goes, kernel by kernel
+        if extra.get("enforce_eager"):  # where a decode step's device and host time go
             for label, request_adapters in runs:
                 table = profiled_decode_steps(llm, prompts[: args.max_num_seqs], request_adapters, 2 if args.smoke
                                               else 5)  # fmt: skip

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import shutil
-import tempfile
 import weakref
 from collections.abc import Mapping
 
@@ -14,29 +12,24 @@ import torch
 
 from loraserve.adapters import (
     AdapterInfo,
-    AdapterLimits,
     AdapterNotFoundError,
-    AdapterRegistry,
     BaseModelShapes,
-    make_store,
 )
 from loraserve.config import EngineConfig
 from loraserve.decode_path import DecodePathChoice
 from loraserve.detokenizer import Detokenizer
 from loraserve.engine_kernels import EngineKernels
+from loraserve.engine_memory import EngineMemory, close_adapters
 from loraserve.host_memory import keep_freed_blocks
 from loraserve.input_processor import InputProcessor, RequestError
-from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, tokens_at_most
 from loraserve.launched_step import LaunchedStep
 from loraserve.lora.layout import max_rank_pages
-from loraserve.lora.residency import AdapterManager
 from loraserve.lora.tile_choice import LoRAKernelPolicy, lora_hook_factory
 from loraserve.model_runner import ModelRunner
 from loraserve.models.loader import cache_root, load_hf_config, load_model, resolve_model_dir
 from loraserve.outputs import RequestOutput
 from loraserve.page_layout import PageLayout
 from loraserve.page_pool import PagePool
-from loraserve.page_pools import PagePools
 from loraserve.request import Request, make_output
 from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
@@ -73,8 +66,8 @@ class LLMEngine:
         self.kernel_fallbacks = chosen.fallbacks
         self.attention_plan = chosen.attention_plan
         self.decode_attention_plan = chosen.decode_attention_plan
-        # The CPU GEMM kernel of each linear layer shape and row bucket (empty off the cpu backend).
         self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
+        # The CPU GEMM kernel of each linear layer shape and row bucket (empty off the cpu backend).
         self.model, self.gemm_plan = load_model(
             self.model_dir,
             self.hf_config,
@@ -86,38 +79,14 @@ class LLMEngine:
         )
         self.inputs = InputProcessor(self.tokenizer, int(self.hf_config.vocab_size), self.max_model_len)
         self.layout = PageLayout.for_model(self.hf_config, config.block_size)
-        page_bytes = self.layout.page_bytes(config.torch_dtype)
-        num_pages = config.num_pages or max(2, config.memory_budget_mb * 2**20 // page_bytes)
         shapes = BaseModelShapes.from_hf_config(self.hf_config)
-        self.pools = PagePools.build(config, num_pages, shapes, self.layout.page_elems)
-        host_pool = PagePool(config.num_swap_pages) if config.num_swap_pages else None
-        num_watermark_pages = int(config.watermark * self.pool.num_pages)
-        kv_options = (num_watermark_pages, host_pool, config.enable_prefix_caching)
-        self.kv_manager: KVCacheManager
-        if config.kv_allocation == "reserve":
-            self.kv_manager = ReservingKVCacheManager(self.pool, config.block_size, tokens_at_most, *kv_options)
-        else:
-            self.kv_manager = KVCacheManager(self.pool, config.block_size, *kv_options)
-        private_registry = tempfile.mkdtemp(prefix="loraserve-adapters-") if config.registry is None else None
-        registry_spec = private_registry or config.registry
-        self.private_registry_dir = private_registry  # None when config.registry names one
-        self.adapter_registry = AdapterRegistry(
-            make_store(registry_spec),
-            shapes,
-            limits=AdapterLimits(max_rank=config.max_lora_rank, max_adapters=config.max_adapters),
-        )
-        self.adapters = AdapterManager(
-            self.adapter_registry,
-            self.adapter_pool,
-            self.layout.num_layers,
-            self.layout.page_elems,
-            config.host_adapter_cache_mb * 2**20,
-            num_watermark_pages if self.pools.unified else 0,
-            pages_per_adapter=self.pools.slot_pages,
-        )
+        memory = EngineMemory.build(config, self.layout, shapes)
+        self.pools, self.kv_manager = memory.pools, memory.kv_manager
+        self.adapter_registry, self.adapters = memory.adapter_registry, memory.adapters
+        self.private_registry_dir = memory.private_registry_dir  # None when config.registry names one
         # One finalizer for close() and for an engine dropped or alive at exit: the registry's
         # threads stop before a private registry directory is removed, so they never see it vanish.
-        self._finalizer = weakref.finalize(self, _close_adapters, self.adapters, private_registry)
+        self._finalizer = weakref.finalize(self, close_adapters, self.adapters, self.private_registry_dir)
         self.detokenizer = Detokenizer(self.tokenizer)
         eos_token_ids = model_eos_token_ids(self.model_dir, self.tokenizer)
         self.scheduler = Scheduler(
@@ -136,7 +105,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model,
             self.layout,
-            num_pages,
+            memory.num_pages,
             config.num_swap_pages,
             config.torch_dtype,
             self.device,
@@ -158,9 +127,9 @@ class LLMEngine:
         logger.info(
             "engine ready: %s, %d pages of %d tokens (%.1f MiB)",
             self.model_dir,
-            num_pages,
+            memory.num_pages,
             config.block_size,
-            num_pages * page_bytes / 2**20,
+            memory.num_pages * memory.page_bytes / 2**20,
         )
 
     @property
@@ -172,7 +141,7 @@ class LLMEngine:
     def max_seq_tokens(self) -> int:
         """The most tokens (prompt and output) one sequence's KV can take in the pool, alone (less
         its adapter's pages in a unified pool): a request past it is refused at arrival."""
-        return self.scheduler.max_seq_tokens
+        return self.scheduler.admission.max_seq_tokens
 
     @property
     def adapter_pool(self) -> PagePool:
@@ -196,7 +165,7 @@ class LLMEngine:
         self.inputs.check(len(token_ids), params)
         bad_words = self.inputs.bad_words_token_ids(params.bad_words)
         adapter_id = self._resolve_adapter(adapter_name)
-        error = self.scheduler.fit_error(len(token_ids), params.max_tokens, adapter_id)  # base model or adapter
+        error = self.scheduler.admission.fit_error(len(token_ids), params.max_tokens, adapter_id)  # with its adapter
         if error is not None:
             raise RequestError(error)
         seqs = [
@@ -337,9 +306,3 @@ class LLMEngine:
         output.error = error
         output.error_code = self.adapters.error_code(seq.adapter_name)  # "registry_unavailable": retry later
         return output
-
-
-def _close_adapters(adapters: AdapterManager, private_registry: str | None) -> None:
-    adapters.close()
-    if private_registry is not None:
-        shutil.rmtree(private_registry, ignore_errors=True)

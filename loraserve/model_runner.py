@@ -1,8 +1,6 @@
 """Runs one scheduled step: builds the flattened batch, runs the model, samples.
 
-Owns the pool's storage: one tensor ``[num_layers, num_pages, page_elems]`` whose
-page ``p`` in layer ``l`` holds, for a KV block, ``[2, block_size, num_kv_heads,
-head_dim]`` (K then V), and for an adapter, a slice of its flattened weights.
+Owns the pool's memory (``pool_storage.py``): its copies between pages run first in a step.
 """
 
 from __future__ import annotations
@@ -24,9 +22,9 @@ from loraserve.logits_adjustments import LogitsAdjustments
 from loraserve.lora.apply_torch import PerBatchLoRAHook
 from loraserve.lora.batch import LoRABatch
 from loraserve.lora.slots import AdapterSlots
-from loraserve.lora.weights import write_adapter_load
 from loraserve.models.llama import LlamaForCausalLM
 from loraserve.page_layout import PageLayout
+from loraserve.pool_storage import PoolStorage
 from loraserve.sampler import Sampler, SamplingBatch, record_logprobs, record_prompt_logprobs
 from loraserve.scheduled_batch import ScheduledBatch
 from loraserve.sequence import Sequence
@@ -72,18 +70,9 @@ class ModelRunner:
         self.layout = layout
         self.device = device
         self.vocab_size = int(model.config.vocab_size)
-        self.storage = torch.zeros(layout.num_layers, num_pages, layout.page_elems, dtype=dtype, device=device)
-        self.swap_storage = torch.zeros(
-            layout.num_layers,
-            num_swap_pages,
-            layout.page_elems,
-            dtype=dtype,
-            pin_memory=device.type == "cuda",
-        )
-        kv_shape = (num_pages, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self.kv_caches = [self.storage[layer].view(kv_shape) for layer in range(layout.num_layers)]
+        self.pool = PoolStorage(layout, num_pages, num_swap_pages, dtype, device)
         self.sampler = Sampler()
-        self.lora_hook = make_lora_hook(self.storage)
+        self.lora_hook = make_lora_hook(self.pool.storage)
         max_blocks = min(num_pages, -(-max_model_len // layout.block_size) + 1)
         self.input_batch = InputBatch(max_num_seqs, max_blocks, max_model_len, self.vocab_size, device)
         self.adapter_slots: AdapterSlots | None = None
@@ -95,7 +84,7 @@ class ModelRunner:
             self.adapter_slots = AdapterSlots(max_num_seqs, layout.num_layers, device, adapter_slot_pages)
             self.decode_graphs = DecodeGraphs(
                 model,
-                self.kv_caches,
+                self.pool.kv_caches,
                 self.lora_hook,
                 self.adapter_slots,
                 max_num_seqs,
@@ -116,20 +105,6 @@ class ModelRunner:
         if not self.split_kv or not decode_only:
             return 1
         return attention_splits(num_seqs * self.layout.num_kv_heads, max_context, self.num_sms)
-
-    def copy_pages(self, batch: ScheduledBatch) -> None:
-        """Swap-out, swap-in, copy-on-write copies and adapter loads, in that order, before the forward."""
-        if batch.swap_out:
-            src, dst = _pairs(batch.swap_out)
-            self.swap_storage[:, dst] = self.storage[:, src].to("cpu")
-        if batch.swap_in:
-            src, dst = _pairs(batch.swap_in)
-            self.storage[:, dst] = self.swap_storage[:, src].to(self.device)
-        if batch.copy_pages:
-            src, dst = _pairs(batch.copy_pages)
-            self.storage[:, dst] = self.storage[:, src]
-        for load in batch.adapter_loads:
-            write_adapter_load(self.storage, load)
 
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:
         """Flatten the batch: decode tokens first, and within each part grouped by adapter.
@@ -277,7 +252,7 @@ class ModelRunner:
         on the host yet; this step's input ids that are its tokens are taken from the device."""
         self.num_launches += 1
         self.input_batch.release(batch.released_seq_ids)
-        self.copy_pages(batch)
+        self.pool.copy_pages(batch)
         if not batch.seqs:
             return LaunchedStep(batch, self.num_launches)
         started = self.adapter_decode.clock()
@@ -288,7 +263,7 @@ class ModelRunner:
         logits = self.decode_graphs.run(forward_batch) if self.decode_graphs is not None else None
         if logits is None:  # not a decode step a graph takes: eager
             hook = self.lora_hook if forward_batch.lora is not None else None
-            logits = self.model(forward_batch, self.kv_caches, hook)  # [num_sampled, vocab]
+            logits = self.model(forward_batch, self.pool.kv_caches, hook)  # [num_sampled, vocab]
         sampling_index = step.sampling_index
         if sampling.prompt_spans:  # rows past the sampled ones: prompt logprobs
             record_prompt_logprobs(logits[len(sampling_index) :], sampling.prompt_spans)
@@ -332,9 +307,3 @@ class ModelRunner:
         if self._downloads[0] is None:
             self._downloads[0] = torch.empty(self.input_batch.max_num_seqs, dtype=torch.long, pin_memory=True)
         return self._downloads[0]
-
-
-def _pairs(mapping: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    src = torch.tensor([s for s, _ in mapping], dtype=torch.long)
-    dst = torch.tensor([d for _, d in mapping], dtype=torch.long)
-    return src, dst

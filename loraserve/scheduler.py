@@ -12,7 +12,8 @@ Policy, in order, each step (a token budget of ``max_num_batched_tokens``):
    move to host pages) until the request fits.
 2. Swapped sequences come back, oldest first, while pages allow (with the watermark).
 3. Waiting sequences are admitted first-come-first-served while there is budget,
-   a free sequence slot and enough pages above the watermark; admission stops at
+   a free sequence slot and enough pages above the watermark (``admission.py``: KV and
+   adapter pages counted together in the unified pool); admission stops at
    the first that does not fit (no overtaking). Nothing is admitted in a step that
    preempted, nor while swapped sequences wait to come back (so they never starve).
 
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from loraserve.adapters import AdapterError
+from loraserve.admission import PoolAdmission
 from loraserve.kv_cache_manager import KVCacheManager
 from loraserve.lora.residency import AdapterManager
 from loraserve.scheduled_batch import ScheduledBatch
@@ -69,8 +71,7 @@ class Scheduler:
         self._forks: dict[int, list[Sequence]] = {}
         self._released: list[int] = []  # seq ids finished or preempted since the last schedule
         self.num_preemptions = 0
-        pool = kv_manager.pool
-        self.max_seq_tokens = (pool.num_pages - kv_manager.num_watermark_pages) * kv_manager.block_size
+        self.admission = PoolAdmission(kv_manager, adapters)  # whether a sequence fits; pins its adapter
 
     @property
     def num_unfinished(self) -> int:
@@ -94,28 +95,13 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def fit_error(self, num_prompt_tokens: int, max_tokens: int, adapter_id: str | None) -> str | None:
-        """Why a request of this size cannot run even alone (None if it can)."""
-        adapter_pages = self.adapters.num_pages(adapter_id) if self.adapters and adapter_id else 0
-        if self.adapters is not None and self.adapters.pool is not self.kv_manager.pool:
-            adapter_pages = 0  # a fixed adapter region: its slots never take KV pages
-        if num_prompt_tokens + max_tokens + adapter_pages * self.kv_manager.block_size <= self.max_seq_tokens:
-            return None
-        return (
-            f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) plus the adapter's "
-            f"{adapter_pages} pages needs more pages than the pool holds ({self.max_seq_tokens} tokens); "
-            "raise num_pages"
-        )
-
     def wait_for_adapter(self, timeout: float) -> None:
         """Block until the oldest adapter read in flight is done, or ``timeout`` seconds."""
         if self.loading and self.adapters is not None and self.loading[0].adapter_name is not None:
             self.adapters.wait_for_load(self.loading[0].adapter_name, timeout=timeout)
 
     def _count_live(self, seq: Sequence) -> None:
-        if self.adapters is not None and seq.adapter_id is not None:
-            for _ in range(1 + len(self._forks.get(seq.seq_id, ()))):
-                self.adapters.add_live_seq(seq.adapter_id)
+        self.admission.count_live(seq, 1 + len(self._forks.get(seq.seq_id, ())))
 
     def _admit_loaded(self, batch: ScheduledBatch) -> None:
         """Move requests whose adapter is now in host memory to the waiting queue; abort the others."""
@@ -127,7 +113,7 @@ class Scheduler:
                 adapter_id = self.adapters.resolve_nowait(seq.adapter_name)
                 if adapter_id is None:
                     continue  # still being read
-                error = self.fit_error(seq.num_prompt_tokens, seq.params.max_tokens, adapter_id)
+                error = self.admission.fit_error(seq.num_prompt_tokens, seq.params.max_tokens, adapter_id)
             except AdapterError as failure:  # AdapterNotFoundError: removed meanwhile
                 error = str(failure)
             self.loading.remove(seq)
@@ -202,15 +188,9 @@ class Scheduler:
             if seq.num_pending_tokens:  # swapped out while in flight: back once its token arrives
                 break
             num_new = min(seq.num_uncomputed_tokens, budget)
-            pages_after_swap_in = len(seq.block_ids) + self.kv_manager.num_pages_needed(seq, num_new)
-            adapters = self.adapters
-            if adapters is None or adapters.pool is self.kv_manager.pool:  # unified: counted against KV's
-                pages_after_swap_in += self._adapter_pages_to_pin(seq)
-            elif seq.adapter_id is not None and not adapters.can_pin(seq.adapter_id):
+            if not self.admission.can_swap_in(seq, num_new):
                 break
-            if not self.kv_manager.pool.can_allocate(pages_after_swap_in, reserve=self.kv_manager.num_watermark_pages):
-                break
-            acquired = self._acquire_adapter(seq)
+            acquired = self.admission.acquire(seq)
             assert acquired, "swap-in checked the adapter's pages"
             self.swapped.popleft()
             batch.swap_in.extend(self.kv_manager.swap_in(seq))
@@ -230,11 +210,11 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             # Adapter and KV pages are checked together, so a request that cannot start
             # loads (and evicts) nothing.
-            if not self._can_admit(seq, num_new):
+            if not self.admission.can_admit(seq, num_new):
                 if fresh:
                     self.kv_manager.unmatch_prefix(seq)
                 break
-            acquired = self._acquire_adapter(seq)
+            acquired = self.admission.acquire(seq)
             assert acquired, "admission checked the adapter's pages"
             self.waiting.popleft()
             batch.copy_pages.extend(self.kv_manager.allocate_slots(seq, num_new) or [])
@@ -247,28 +227,8 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
 
-    def _adapter_pages_to_pin(self, seq: Sequence) -> int:
-        if self.adapters is None or seq.adapter_id is None:
-            return 0
-        return self.adapters.num_pages_to_pin(seq.adapter_id)
-
-    def _can_admit(self, seq: Sequence, num_new: int) -> bool:
-        if self.adapters is None or seq.adapter_id is None:
-            return self.kv_manager.can_admit(seq, num_new)
-        if self.adapters.pool is self.kv_manager.pool:  # unified: the adapter's pages count against KV's
-            return self.kv_manager.can_admit(seq, num_new, self.adapters.num_pages_to_pin(seq.adapter_id))
-        return self.kv_manager.can_admit(seq, num_new) and self.adapters.can_pin(seq.adapter_id)
-
-    def _acquire_adapter(self, seq: Sequence) -> bool:
-        """Pin the sequence's adapter in the pool (loading it); False if it does not fit."""
-        return self.adapters is None or seq.adapter_id is None or self.adapters.acquire(seq.adapter_id)
-
-    def _release_adapter(self, seq: Sequence) -> None:
-        if self.adapters is not None and seq.adapter_id is not None:
-            self.adapters.release(seq.adapter_id)
-
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self._release_adapter(seq)
+        self.admission.release(seq)
         self._released.append(seq.seq_id)
         self.num_preemptions += 1
         seq.num_preemptions += 1
@@ -330,7 +290,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.kv_manager.free(seq)
-            self._release_adapter(seq)
+            self.admission.release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
             self.kv_manager.free(seq)
@@ -340,8 +300,8 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING_FOR_ADAPTER:
             self.loading.remove(seq)
         for sample in (seq, *self._forks.pop(seq.seq_id, ())):
-            if counted and self.adapters is not None and sample.adapter_id is not None:
-                self.adapters.drop_live_seq(sample.adapter_id)
+            if counted:
+                self.admission.drop_live(sample)
             self._end(sample, reason, stop_reason if sample is seq else None)
 
     @staticmethod

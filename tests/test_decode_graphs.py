@@ -167,21 +167,21 @@ def test_padded_rows_change_no_real_row_and_no_page(tiny_model_dir: Path, adapte
     assert graphs is not None
     batch = engine.scheduler.schedule()
     runner.input_batch.release(batch.released_seq_ids)
-    runner.copy_pages(batch)
+    runner.pool.copy_pages(batch)
     with torch.inference_mode():
         forward_batch = runner.prepare(batch).forward
         assert forward_batch.num_decode_tokens == 3 and forward_batch.lora is not None
-        before = runner.storage.clone()
-        eager = runner.model(forward_batch, runner.kv_caches, runner.lora_hook)  # [3, vocab]
-        written = runner.storage.clone()
-        runner.storage.copy_(before)
+        before = runner.pool.storage.clone()
+        eager = runner.model(forward_batch, runner.pool.kv_caches, runner.lora_hook)  # [3, vocab]
+        written = runner.pool.storage.clone()
+        runner.pool.storage.copy_(before)
         padded = graphs.run(forward_batch)
         assert padded is not None and graphs.padded_size(3) == 4
         # (a leak of padded rows would differ by O(1); F.linear's kernels for 3 and 4 rows may sum in
         # different orders: 1.1e-5 seen on an AVX2 EPYC)
         torch.testing.assert_close(padded, eager, rtol=0, atol=1e-4)
-        assert torch.equal(runner.storage != before, written != before)  # padding wrote no other slot
-        torch.testing.assert_close(runner.storage, written, rtol=0, atol=1e-4)  # real rows wrote the same
+        assert torch.equal(runner.pool.storage != before, written != before)  # padding wrote no other slot
+        torch.testing.assert_close(runner.pool.storage, written, rtol=0, atol=1e-4)  # real rows wrote the same
         assert not torch.equal(written, before)
 
 

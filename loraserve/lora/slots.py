@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from loraserve.host_copies import upload
 from loraserve.kernels.lora import SegmentMeta
 from loraserve.lora.apply_cpu import layout_meta
 from loraserve.lora.batch import AdapterPages
@@ -109,7 +110,8 @@ class AdapterSlots:
             self.generation += 1
         row = torch.zeros(self.tables.page_tables.shape[1], dtype=torch.long)
         row[: len(pages.page_ids)] = torch.tensor(pages.page_ids, dtype=torch.long)
-        self.tables.page_tables[slot] = row.to(self.device)
-        self.tables.meta[:, :, slot] = meta.to(self.device)
-        self.tables.scales[:, :, slot] = scales.to(self.device)
+        # Copies queued on the stream: the step in flight (async scheduling) is not waited for.
+        self.tables.page_tables[slot] = upload(row, self.device)
+        self.tables.meta[:, :, slot] = upload(meta, self.device)
+        self.tables.scales[:, :, slot] = upload(scales, self.device)
         self.num_writes += 1

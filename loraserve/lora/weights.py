@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from loraserve.host_copies import host_buffer, upload
 from loraserve.kernels.lora import OutputSlice
 from loraserve.lora.batch import AdapterLoad, AdapterPages
 
@@ -17,15 +18,30 @@ GroupWeights = tuple[torch.Tensor, tuple[OutputSlice | None, ...]]
 
 
 def write_adapter_load(storage: torch.Tensor, load: AdapterLoad) -> None:
-    """Write ``load``'s weights into its pages of every layer (what the runner does before a forward)."""
+    """Write ``load``'s weights into its pages of every layer (what the runner does before a forward),
+    cast once to the pool's dtype. In host memory consecutive pages are written in place; otherwise
+    each layer is built in a host buffer and copied into its pages, on CUDA without waiting for the
+    device (``host_copies.py``)."""
     pages = load.pages
     num_layers, _, page_elems = storage.shape
-    page_ids = torch.tensor(pages.page_ids)
+    count = len(pages.page_ids)
+    first = pages.page_ids[0]
+    in_place = pages.is_contiguous and storage.device.type == "cpu"
+    ids = None if pages.is_contiguous else upload(torch.tensor(pages.page_ids), storage.device)  # [count]
     for layer in range(num_layers):
-        staging = torch.zeros(len(pages.page_ids) * page_elems, dtype=torch.float32)
-        pages.layout.write(load.weights, layer, staging)
-        rows = staging.view(len(pages.page_ids), page_elems)
-        storage[layer, page_ids] = rows.to(storage.dtype).to(storage.device)
+        if in_place:
+            buffer = storage[layer, first : first + count].view(-1)  # [count * page_elems]
+            buffer.zero_()
+        else:
+            buffer = host_buffer((count * page_elems,), storage.dtype, storage.device)
+        pages.layout.write(load.weights, layer, buffer)
+        if in_place:
+            continue
+        rows = upload(buffer.view(count, page_elems), storage.device)  # [count, page_elems]
+        if ids is None:
+            storage[layer, first : first + count].copy_(rows)
+        else:
+            storage[layer].index_copy_(0, ids, rows)
 
 
 def _layer_buffer(storage: torch.Tensor, pages: AdapterPages, layer: int) -> torch.Tensor:  # [pages * elems]
