@@ -7,9 +7,12 @@ Built once when the engine starts; the engine keeps the parts and closes the ada
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+
+import torch
 
 from loraserve.adapters import AdapterLimits, AdapterRegistry, BaseModelShapes, make_store
 from loraserve.config import EngineConfig
@@ -57,8 +60,18 @@ class EngineMemory:
             config.host_adapter_cache_mb * 2**20,
             num_watermark_pages if pools.unified else 0,
             pages_per_adapter=pools.slot_pages,
+            parse_in_background=host_cores_to_spare(config.device),
         )
         return cls(pools, num_pages, page_bytes, kv_manager, registry, adapters, private_registry)
+
+
+def host_cores_to_spare(device: str) -> bool:
+    """Whether the forward leaves host cores idle for other work (here, parsing adapters on the loader
+    thread): on a GPU, or on a CPU engine with fewer torch threads than the cores it may use."""
+    if torch.device(device).type != "cpu":
+        return True
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return torch.get_num_threads() < usable
 
 
 def close_adapters(adapters: AdapterManager, private_registry: str | None) -> None:

@@ -3,6 +3,7 @@ directory, a pool, its storage and the adapter manager over them; shared by the 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,23 +35,32 @@ class CountingRegistry(AdapterRegistry):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.loads: list[str] = []
+        self.parse_threads: list[str] = []  # the thread of each parse
 
     def parse(self, name: str, files: Any) -> Any:
         self.loads.append(name)
+        self.parse_threads.append(threading.current_thread().name)
         return super().parse(name, files)
 
 
 class Env:
     """A registry over a temporary directory, a pool, its storage and the manager over them."""
 
-    def __init__(self, root: Path, base: Any, num_pages: int, host_cache_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self, root: Path, base: Any, num_pages: int, host_cache_bytes: int = 1 << 30, parse_in_background: bool = False
+    ) -> None:
         self.root, self.base = root, base
         shapes = BaseModelShapes.from_hf_config(base.config)
         self.registry = CountingRegistry(LocalDirStore(root / "store"), shapes)
         self.pool = PagePool(num_pages)
         self.storage = torch.zeros(base.config.num_hidden_layers, num_pages, PAGE_ELEMS)
         self.manager = AdapterManager(
-            self.registry, self.pool, base.config.num_hidden_layers, PAGE_ELEMS, host_cache_bytes
+            self.registry,
+            self.pool,
+            base.config.num_hidden_layers,
+            PAGE_ELEMS,
+            host_cache_bytes,
+            parse_in_background=parse_in_background,
         )
         self.peft: dict[str, Any] = {}
 

@@ -1,19 +1,25 @@
 """Adapters load in the background: the engine keeps serving while one is read and parsed.
 
 The manager has one loader thread; the tests occupy it with a task that waits on an event,
-so a load is held back for exactly as long as a test needs.
+so a load is held back for exactly as long as a test needs. Where the forward leaves host cores
+idle, the loader thread parses the files too (the manager-level tests at the end).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from adapter_factory import make_peft_adapter
+from loraserve.adapters import AdapterError
+from residency_env import QV, Env, base_fixture  # noqa: F401 (pytest fixture: base)
 
 from loraserve import LLM, SamplingParams
+from loraserve.engine_memory import host_cores_to_spare
 from loraserve.outputs import RequestOutput
 from loraserve.sequence import SequenceStatus
 
@@ -135,3 +141,42 @@ def test_an_engine_alive_at_exit_stops_its_registry_before_removing_it(tiny_mode
     assert done.returncode == 0, done.stderr
     assert "unreachable" not in done.stderr, done.stderr
     assert not Path(done.stdout.strip().splitlines()[-1]).exists()
+
+
+def test_the_loader_thread_parses_where_the_forward_leaves_cores_spare(tmp_path: Path, base: Any) -> None:
+    """Parsed on either thread, an adapter has the same digest and lands in its pages the same."""
+    digests = {}
+    for background in (False, True):
+        env = Env(tmp_path / str(background), base, num_pages=64, parse_in_background=background)
+        try:
+            digests[background] = env.add("a", 4, QV)
+            engine_thread = threading.current_thread().name
+            assert env.registry.parse_threads == ["loraserve-adapter-load_0" if background else engine_thread]
+            assert env.manager.acquire(digests[background])
+            env.check_weights("a", digests[background])
+        finally:
+            env.manager.close()
+    assert digests[True] == digests[False]
+
+
+def test_a_parse_error_on_the_loader_thread_reaches_the_resolve(tmp_path: Path, base: Any) -> None:
+    env = Env(tmp_path, base, num_pages=64, parse_in_background=True)
+    try:
+        env.add("good", 2, QV)
+        env.manager.register_from_path("bad", str(tmp_path / "good"))
+        weights = (tmp_path / "store" / "bad").resolve() / "adapter_model.safetensors"
+        weights.write_bytes(b"not a safetensors file")
+        with pytest.raises(AdapterError, match="not a valid safetensors file"):
+            env.manager.resolve("bad")
+        assert env.registry.parse_threads == ["loraserve-adapter-load_0"] * 2
+    finally:
+        env.manager.close()
+
+
+def test_host_cores_are_spare_on_a_gpu_or_with_fewer_torch_threads_than_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert host_cores_to_spare("cuda")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    assert not host_cores_to_spare("cpu")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores - 1)
+    assert host_cores_to_spare("cpu") == (cores > 1)

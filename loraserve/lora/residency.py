@@ -15,9 +15,12 @@
   unfinished request still needs are never dropped from it.
 * Reading an adapter that is not in host memory from the store runs on a background thread
   (``resolve_nowait``), so the engine keeps stepping while the files arrive (S-LoRA's
-  asynchronous adapter loading); the engine holds the request back until then. Parsing stays
-  on the engine's thread: torch ops on a second thread start a second OpenMP team, which on
-  a machine whose cores the engine already fills slowed the steps by a quarter.
+  asynchronous adapter loading); the engine holds the request back until then. Parsing (the
+  safetensors copy, the finiteness check, the content digest) runs there too when
+  ``parse_in_background``: where the forward leaves host cores idle (a GPU engine, or a CPU engine
+  with fewer torch threads than cores). Otherwise it stays on the engine's thread: torch ops on a
+  second thread start a second OpenMP team, which on a machine whose cores the engine already
+  fills slowed the steps by a quarter.
 * No registry call runs on the engine thread. Names resolve through the store's catalog
   (``adapters/catalog.py``): an in-memory name -> content key map that a background thread keeps
   current (Redis: pub/sub), so a delete or re-registration anywhere reaches every replica
@@ -58,7 +61,7 @@ class _Read:
     key actually read (the name may have moved on meanwhile) and the files."""
 
     key: str
-    future: Future[tuple[str, Mapping[str, bytes]]]
+    future: Future[tuple[str, Mapping[str, bytes] | LoRAAdapter]]  # files, or parsed in the background
 
 
 @dataclass
@@ -89,16 +92,19 @@ class AdapterManager:
         host_cache_bytes: int,
         num_watermark_pages: int = 0,
         pages_per_adapter: int | None = None,
+        parse_in_background: bool = False,
     ) -> None:
         """``pages_per_adapter``: every adapter takes that many pages, whatever its ranks (the
         slots of a fixed adapter region, ``pool`` then being that region); None: as many as
-        its layout needs (the unified pool)."""
+        its layout needs (the unified pool). ``parse_in_background``: parse read files on the
+        loader thread too (see the module's docstring), not on the engine's."""
         self.registry = registry
         self.pool = pool
         self.pages_per_adapter = pages_per_adapter
         self.num_layers, self.page_elems = num_layers, page_elems
         self.host_cache_bytes = host_cache_bytes
         self.num_watermark_pages = num_watermark_pages
+        self.parse_in_background = parse_in_background
         self.source = AdapterSource(registry)  # its catalog thread starts now; close() stops it
         self._key_digests: dict[str, str] = {}  # content key -> parsed digest, while in host memory
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
@@ -195,11 +201,17 @@ class AdapterManager:
             return digest
         if not self.source.up:
             raise self.source.unavailable_error(f"adapter {name!r} is not loaded on this replica")
-        self._loads[name] = _Read(key, self._loader.submit(self.source.read, name, key))
+        work = self._read_and_parse if self.parse_in_background else self.source.read
+        self._loads[name] = _Read(key, self._loader.submit(work, name, key))
         return None
 
-    def _take_in(self, name: str, key: str, files: Mapping[str, bytes]) -> str:
-        adapter = self.registry.parse(name, files)
+    def _read_and_parse(self, name: str, key: str) -> tuple[str, LoRAAdapter]:
+        """The loader thread's work when parsing in the background."""
+        key, files = self.source.read(name, key)
+        return key, self.registry.parse(name, files)
+
+    def _take_in(self, name: str, key: str, read: Mapping[str, bytes] | LoRAAdapter) -> str:
+        adapter = read if isinstance(read, LoRAAdapter) else self.registry.parse(name, read)
         self._key_digests[key] = adapter.digest
         self._put_host(adapter)
         return adapter.digest
