@@ -56,7 +56,7 @@ def part_tests(args: argparse.Namespace) -> None:
         raise RuntimeError("no default model directory for the test fixtures (see LORASERVE_GPU_TOKENIZER)")
     files = ["tests/test_triton_kernels.py", "tests/test_triton_unified_attention.py", "tests/test_triton_fused.py",
              "tests/test_triton_lora_slots.py", "tests/test_triton_engine.py",
-             "tests/test_decode_graphs.py", "tests/test_decode_path.py"]  # fmt: skip
+             "tests/test_decode_graphs.py", "tests/test_decode_path.py", "tests/test_pool_storage.py"]  # fmt: skip
     import importlib.util
 
     workers = ["-n", str(args.test_workers)] if args.test_workers > 1 and importlib.util.find_spec("xdist") else []
@@ -155,7 +155,7 @@ def part_profile(args: argparse.Namespace) -> None:
     from loraserve import LLM, SamplingParams
 
     shape = "tiny" if args.smoke else "llama-1b"
-    model_dir = args.work / f"{shape}-bf16"
+    model_dir = make_model(shape, args.tokenizer, args.work / f"{shape}-bf16", torch.bfloat16, args.device)
     adapters = make_adapters(model_dir, args.work / f"{shape}-adapters", [[8, 16, 32, 64][i % 4] for i in range(8)])
     llm = LLM(str(model_dir), device=args.device, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
               memory_budget_mb=args.pool_mb)  # fmt: skip

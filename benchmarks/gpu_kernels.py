@@ -32,6 +32,14 @@ def part_kernels(args: argparse.Namespace) -> None:
             return 0.0
         return float(triton.testing.do_bench(fn))
 
+    def sweep_bench(fn: Callable[[], Any]) -> float | str:
+        """One setting of a tile sweep: its error instead of its time, so that a setting no GPU has
+        compiled yet (e.g. out of shared memory) costs only its own figure."""
+        try:
+            return bench(fn)
+        except Exception as error:  # a setting may fail in any way Triton can
+            return f"{type(error).__name__}: {error}"[:200]
+
     cases = (
         [(4, 40, 1)]
         if args.smoke
@@ -68,6 +76,7 @@ def part_kernels(args: argparse.Namespace) -> None:
     mixed = (query, kv, starts, torch.tensor(mixed_lens, device=dev), tables, 0.125)
     rows["mixed step"] = {"unified_ms": bench(partial(triton_unified_attention.unified_attention, *mixed))}
     log(f"attention mixed step ({num_decode} decode + {chunks} x {chunk} prefill): {rows['mixed step']}")
+    record("kernels", rows)  # kept if a LoRA part below fails
 
     # LoRA by slot: 256 tokens, 32 adapters of ranks 8-64 (q/k/v-like group of 2048 -> 2048/512/512).
     tokens, hidden, outs, page_elems = (
@@ -101,7 +110,7 @@ def part_kernels(args: argparse.Namespace) -> None:
     # Tile shapes of both LoRA paths, for the next choice of their constants (slot kernels: input
     # columns per step of the shrink, stacked rows per shrink program, input columns per shrink
     # program; segment shrink: input columns and rank rows per step); each compiles once, here.
-    tile_sweep: dict[str, float] = {}
+    tile_sweep: dict[str, float | str] = {}
     saved = triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.SHRINK_BLOCK_R
     wides = [triton_lora.WIDE_SHRINK_WIDTHS, (128, 64), (64,)]
     k_chunks = (256, 512, 1024)
@@ -111,7 +120,7 @@ def part_kernels(args: argparse.Namespace) -> None:
     try:
         for widths, block_r, k_chunk in tiles:
             triton_lora_slots.SHRINK_WIDTHS, triton_lora_slots.SHRINK_BLOCK_R = widths, block_r
-            tile_sweep[f"BLOCK_K={widths[0]} BLOCK_R={block_r} K_CHUNK={k_chunk}"] = bench(
+            tile_sweep[f"BLOCK_K={widths[0]} BLOCK_R={block_r} K_CHUNK={k_chunk}"] = sweep_bench(
                 partial(triton_lora_slots.lora_slots, *slot_args, k_chunk=k_chunk)
             )
     finally:
@@ -129,13 +138,13 @@ def part_kernels(args: argparse.Namespace) -> None:
     bounds = torch.tensor([[a * per, (a + 1) * per, 0, 0] for a in range(used)], device=dev)
     segment_args = (x, outputs, weights, bounds, page_tables[:used].to(dev), meta[:used].to(dev), scales[:used])
     t_segments = bench(partial(triton_lora.lora_segments, *segment_args, per, 3 * max(ranks[:used])))
-    segment_sweep: dict[str, float] = {}
+    segment_sweep: dict[str, float | str] = {}
     saved_segments = triton_lora.SHRINK_WIDTHS, triton_lora.SHRINK_BLOCK_R
     try:
         for widths in [(64,)] if args.smoke else wides:
             for block_r in (32,) if args.smoke else (16, 32, 64):
                 triton_lora.SHRINK_WIDTHS, triton_lora.SHRINK_BLOCK_R = widths, block_r
-                segment_sweep[f"SHRINK BLOCK_K={widths[0]} BLOCK_R={block_r}"] = bench(
+                segment_sweep[f"SHRINK BLOCK_K={widths[0]} BLOCK_R={block_r}"] = sweep_bench(
                     partial(triton_lora.lora_segments, *segment_args, per, 3 * max(ranks[:used]))
                 )
     finally:

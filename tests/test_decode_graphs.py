@@ -143,6 +143,15 @@ def _trace_padded_forward(engine: LLMEngine) -> tuple[list[str], int]:
     return traces[0]
 
 
+def test_the_padded_forward_records_no_autograd_graph(tiny_model_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """The start-up capture runs outside inference mode: with weights that need no gradient, the
+    forward keeps no autograd state alive in the graphs' memory pool."""
+    graphs = _decoding(tiny_model_dir, adapter_dirs, 3, 0).runner.decode_graphs
+    assert graphs is not None and not torch.is_inference_mode_enabled()
+    logits = graphs.forward(4, True)
+    assert not logits.requires_grad and logits.grad_fn is None
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the decode forward is replayed, not run (the capture proves it)")
 def test_same_ops_whatever_the_content_and_no_host_traffic(tiny_model_dir: Path, adapter_dirs: dict[str, Path]) -> None:
     """Two decode steps of different sequences, adapters, lengths and batch sizes (3 and 4) at the

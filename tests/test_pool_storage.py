@@ -1,7 +1,8 @@
 """The pool's copies before a step's forward (``PoolStorage.copy_pages``): an adapter load, a
 swap-out and swap-in, a copy-on-write copy. Each puts exactly the right values in exactly its
 pages, reads no value back from the device, and a swap-in or page copy is one write into the pool
-over every layer.
+over every layer. On a CUDA machine (``benchmarks.gpu``'s tests part) the pool is on the GPU: its
+copies are then the pinned, non-blocking uploads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from loraserve.scheduled_batch import ScheduledBatch
 LAYOUT = PageLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)  # 128 elements a page
 SHAPES = {"q_proj": (32, 32), "v_proj": (32, 16), "down_proj": (64, 32)}  # (in, out)
 NUM_PAGES = 24
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 WRITES = {"aten.copy_.default", "aten.index_copy_.default", "aten.index_put_.default"}
 
 
@@ -58,7 +60,7 @@ def random_adapter(rank: int, seed: int) -> LoRAAdapter:
 
 
 def pool(dtype: torch.dtype = torch.float32) -> PoolStorage:
-    return PoolStorage(LAYOUT, num_pages=NUM_PAGES, num_swap_pages=4, dtype=dtype, device=torch.device("cpu"))
+    return PoolStorage(LAYOUT, num_pages=NUM_PAGES, num_swap_pages=4, dtype=dtype, device=DEVICE)
 
 
 def copied(target: PoolStorage, batch: ScheduledBatch) -> collections.Counter[str]:
@@ -85,13 +87,14 @@ def test_an_adapter_load_writes_exactly_its_pages(dtype: torch.dtype, scattered:
         views = group_weights(target.storage, pages, layer)
         a, (q, _, v) = views["qkv"]
         expected_a = torch.cat([adapter.weights[(layer, m)].lora_a for m in ("q_proj", "v_proj")])  # [10, 32]
-        assert torch.equal(a, expected_a.to(dtype))  # cast once, as the weights are read in float32
+        assert torch.equal(a, expected_a.to(DEVICE, dtype))  # cast once, as the weights are read in float32
         for out, module in ((q, "q_proj"), (v, "v_proj")):
             assert out is not None and out.scale == 0.5
-            assert torch.equal(out.b_t, adapter.weights[(layer, module)].lora_b.T.to(dtype))
+            assert torch.equal(out.b_t, adapter.weights[(layer, module)].lora_b.T.to(DEVICE, dtype))
         down_a, (down,) = views["down"]
-        assert torch.equal(down_a, adapter.weights[(layer, "down_proj")].lora_a.to(dtype))
-        assert down is not None and torch.equal(down.b_t, adapter.weights[(layer, "down_proj")].lora_b.T.to(dtype))
+        down_b_t = adapter.weights[(layer, "down_proj")].lora_b.T.to(DEVICE, dtype)
+        assert torch.equal(down_a, adapter.weights[(layer, "down_proj")].lora_a.to(DEVICE, dtype))
+        assert down is not None and torch.equal(down.b_t, down_b_t)
 
 
 def test_swaps_and_copies_move_exactly_their_pages_in_one_write_each() -> None:
@@ -101,7 +104,7 @@ def test_swaps_and_copies_move_exactly_their_pages_in_one_write_each() -> None:
     assert (
         copied(target, ScheduledBatch(seqs=[], num_new_tokens=[], swap_out=[(5, 2), (11, 0)])) == {}
     )  # host-side writes only
-    assert torch.equal(target.swap[:, [2, 0]], original[:, [5, 11]])
+    assert torch.equal(target.swap[:, [2, 0]], original[:, [5, 11]].cpu())
     target.storage[:, [5, 11]] = 0.0  # the pages are free and reused meanwhile
     ops = copied(target, ScheduledBatch(seqs=[], num_new_tokens=[], swap_in=[(0, 8), (2, 1)]))
     assert ops == {"pool writes": 1}

@@ -141,7 +141,10 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = type(model.model.rotary_emb)(config, max_positions)
-    model = model.to(device=device, dtype=dtype).eval()
+    # Serving never needs gradients; without this, the weights loaded with ``assign=True`` keep
+    # ``requires_grad`` and any forward outside inference mode (the decode graphs' start-up capture)
+    # would keep autograd state alive.
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     for module in model.modules():
         if isinstance(module, ConcatLinear):
             module.refresh()  # concatenate the fused projections' weights now, not in the first step
