@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
@@ -214,3 +215,35 @@ def test_allocate_contiguous_finds_run_and_returns_none_when_fragmented() -> Non
     assert events == []
     assert pool.allocate_contiguous(1) == [3]
     assert pool.allocate_contiguous(4) is None
+
+
+def _first_run_reference(free: list[int], num_pages: int) -> list[int] | None:
+    """The lowest run of ``num_pages`` consecutive free ids, by a plain scan of the sorted list."""
+    ordered = sorted(free)
+    run_start = 0
+    for index in range(1, len(ordered) + 1):
+        if index < len(ordered) and ordered[index] != ordered[index - 1] + 1:
+            if index - run_start >= num_pages:
+                break
+            run_start = index
+    else:
+        if len(ordered) - run_start < num_pages:
+            return None
+    return ordered[run_start : run_start + num_pages]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocate_contiguous_takes_the_lowest_run_that_fits_and_keeps_the_free_order(seed: int) -> None:
+    rng = random.Random(seed)
+    pool = PagePool(300)
+    pool.allocate(300)
+    freed = rng.sample(range(300), rng.randrange(0, 300))  # the free list in this (random) order
+    pool.release(freed)
+    free = list(freed)
+    for num_pages in (rng.randrange(1, 12) for _ in range(20)):
+        expected = _first_run_reference(free, num_pages)
+        assert pool.allocate_contiguous(num_pages) == expected
+        if expected is not None:
+            free = [p for p in free if p not in expected]
+        assert pool.allocate(0) == [] and pool.num_free_pages == len(free)
+    assert pool.allocate(len(free)) == free  # the pages left, in their free-list order
