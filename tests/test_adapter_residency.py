@@ -133,10 +133,10 @@ def test_host_tier_trims_lru_but_keeps_adapters_with_live_sequences(tmp_path: Pa
     env = Env(tmp_path, base, num_pages=8)
     manager = env.manager
     ids = {name: env.add(name, 1, QV) for name in "abcd"}
-    host = lambda: [name for name in "abcd" if ids[name] in manager._host]  # noqa: E731
+    host = lambda: [name for name in "abcd" if ids[name] in manager.host]  # noqa: E731
     for name in "abcd":
         manager.add_live_seq(ids[name])
-    manager.host_cache_bytes = 2 * manager._host[ids["a"]].num_bytes  # room for two
+    manager.host.capacity_bytes = manager.host.num_bytes // 2  # room for two of the four (equal sizes)
     manager.add_live_seq(ids["a"])
     manager.drop_live_seq(ids["a"])
     assert host() == list("abcd")  # over budget, but every adapter has a live sequence

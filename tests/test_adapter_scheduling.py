@@ -40,7 +40,7 @@ def run_to_completion(env: Env, sched: Scheduler) -> None:
         if not sched.num_unfinished:
             break
         assert step(sched)
-    assert sched.num_unfinished == 0 and env.manager._num_live_seqs == {}
+    assert sched.num_unfinished == 0 and env.manager.host.live_seqs == {}
     assert env.pool.num_free_pages + env.pool.num_evictable_pages == env.pool.num_pages
     assert all(r.num_pins == 0 for r in env.manager.resident.values())
 
@@ -119,7 +119,7 @@ def test_update_from_output_forks_samples_and_is_the_one_owner_of_their_end(tmp_
     sched = make_scheduler(env)
     first, *forks = (Sequence("r", [1, 2, 3, 4, 5], SamplingParams(n=3, max_tokens=2), i, "a", a) for i in range(3))
     sched.add(first, forks=forks)
-    assert env.manager._num_live_seqs == {a: 3} and list(sched.waiting) == [first]
+    assert env.manager.host.live_seqs == {a: 3} and list(sched.waiting) == [first]
     assert step(sched) == [("r", 5)]  # the prompt; its token forks the others, first in line
     assert list(sched.waiting) == forks and all(f.block_ids[:1] == first.block_ids[:1] for f in forks)
     run_to_completion(env, sched)
@@ -129,7 +129,7 @@ def test_update_from_output_forks_samples_and_is_the_one_owner_of_their_end(tmp_
     sched.add(second, forks=others)
     sched.finish(second, FinishReason.ABORT)  # before its first token: the others end with it
     assert [s.finish_reason for s in (second, *others)] == [FinishReason.ABORT] * 3
-    assert sched.num_unfinished == 0 and env.manager._num_live_seqs == {}
+    assert sched.num_unfinished == 0 and env.manager.host.live_seqs == {}
 
 
 def test_a_request_waits_for_its_adapter_inside_the_scheduler(tmp_path: Path, base: Any) -> None:

@@ -11,8 +11,8 @@
   When the last pin goes, its pages join the pool's single LRU of idle contents and
   are reclaimed when KV (or another adapter) needs them; using it again before that
   revives it without a copy.
-* Parsed adapters are kept in a host-memory LRU bounded in bytes; adapters some
-  unfinished request still needs are never dropped from it.
+* Parsed adapters are kept in host memory (``host_tier.py``): an LRU bounded in bytes that
+  never drops adapters some unfinished request still needs.
 * Reading an adapter that is not in host memory from the store runs on a background thread
   (``resolve_nowait``), so the engine keeps stepping while the files arrive (S-LoRA's
   asynchronous adapter loading); the engine holds the request back until then. Parsing (the
@@ -34,7 +34,6 @@
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from loraserve.adapters import (
 )
 from loraserve.lora.adapter_source import AdapterSource
 from loraserve.lora.batch import AdapterLoad, AdapterPages
+from loraserve.lora.host_tier import HostTier
 from loraserve.lora.layout import AdapterLayout
 from loraserve.page_pool import PageKind, PagePool
 
@@ -102,14 +102,11 @@ class AdapterManager:
         self.pool = pool
         self.pages_per_adapter = pages_per_adapter
         self.num_layers, self.page_elems = num_layers, page_elems
-        self.host_cache_bytes = host_cache_bytes
         self.num_watermark_pages = num_watermark_pages
         self.parse_in_background = parse_in_background
         self.source = AdapterSource(registry)  # its catalog thread starts now; close() stops it
-        self._key_digests: dict[str, str] = {}  # content key -> parsed digest, while in host memory
-        self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
-        self._layouts: dict[str, AdapterLayout] = {}
-        self._num_live_seqs: dict[str, int] = {}
+        self.host = HostTier(host_cache_bytes)
+        self._layouts: dict[str, AdapterLayout] = {}  # of adapters in host memory or resident
         self.resident: dict[str, ResidentAdapter] = {}
         self._loads_to_write: list[AdapterLoad] = []  # taken by the scheduler into its batch
         self._loads: dict[str, _Read] = {}  # name -> the read of its files in flight on the loader thread
@@ -195,9 +192,8 @@ class AdapterManager:
             if not self.source.up:
                 raise self.source.unavailable_error(f"adapter {name!r} cannot be looked up")
             raise AdapterNotFoundError(f"adapter {name!r} not found")
-        digest = self._key_digests.get(key)
-        if digest is not None and digest in self._host:
-            self._host.move_to_end(digest)
+        digest = self.host.digest_of_key(key)
+        if digest is not None:
             return digest
         if not self.source.up:
             raise self.source.unavailable_error(f"adapter {name!r} is not loaded on this replica")
@@ -212,8 +208,9 @@ class AdapterManager:
 
     def _take_in(self, name: str, key: str, read: Mapping[str, bytes] | LoRAAdapter) -> str:
         adapter = read if isinstance(read, LoRAAdapter) else self.registry.parse(name, read)
-        self._key_digests[key] = adapter.digest
-        self._put_host(adapter)
+        self.host.put(key, adapter)
+        if adapter.digest not in self._layouts:
+            self._layouts[adapter.digest] = AdapterLayout.for_adapter(adapter, self.num_layers)
         return adapter.digest
 
     def wait_for_load(self, name: str, timeout: float | None = None) -> None:
@@ -224,16 +221,15 @@ class AdapterManager:
 
     def add_live_seq(self, adapter_id: str) -> None:
         """Count an unfinished sequence on the adapter (its host copy is kept meanwhile)."""
-        self._num_live_seqs[adapter_id] = self._num_live_seqs.get(adapter_id, 0) + 1
-        self._trim_host()
+        self._forget_layouts(self.host.add_live_seq(adapter_id))
 
     def drop_live_seq(self, adapter_id: str) -> None:
-        remaining = self._num_live_seqs[adapter_id] - 1
-        if remaining:
-            self._num_live_seqs[adapter_id] = remaining
-        else:
-            del self._num_live_seqs[adapter_id]
-            self._trim_host()
+        self._forget_layouts(self.host.drop_live_seq(adapter_id))
+
+    def _forget_layouts(self, trimmed: list[str]) -> None:
+        for adapter_id in trimmed:  # gone from host memory; a resident one keeps its layout until evicted
+            if adapter_id not in self.resident:
+                self._layouts.pop(adapter_id, None)
 
     def layout(self, adapter_id: str) -> AdapterLayout:
         return self._layouts[adapter_id]
@@ -246,28 +242,6 @@ class AdapterManager:
     def can_pin(self, adapter_id: str) -> bool:
         """Whether pinning the adapter fits its pool now (keeping the watermark free)."""
         return self.pool.can_allocate(self.num_pages_to_pin(adapter_id), reserve=self.num_watermark_pages)
-
-    # ---- host tier ------------------------------------------------------------------
-    def _put_host(self, adapter: LoRAAdapter) -> None:
-        self._host[adapter.digest] = adapter
-        self._host.move_to_end(adapter.digest)
-        if adapter.digest not in self._layouts:
-            self._layouts[adapter.digest] = AdapterLayout.for_adapter(adapter, self.num_layers)
-
-    def _trim_host(self) -> None:
-        total = sum(a.num_bytes for a in self._host.values())
-        trimmed = False
-        for adapter_id in list(self._host):
-            if total <= self.host_cache_bytes:
-                break
-            if adapter_id in self._num_live_seqs:
-                continue
-            total -= self._host.pop(adapter_id).num_bytes
-            trimmed = True
-            if adapter_id not in self.resident:
-                self._layouts.pop(adapter_id, None)
-        if trimmed:  # keys of content no longer in host memory would only be looked up to miss
-            self._key_digests = {key: digest for key, digest in self._key_digests.items() if digest in self._host}
 
     # ---- the pool tier --------------------------------------------------------------
     def num_pages_to_pin(self, adapter_id: str) -> int:
@@ -321,14 +295,13 @@ class AdapterManager:
     def _evicted(self, adapter_id: str) -> None:
         self.resident.pop(adapter_id)
         self.num_evictions += 1
-        if adapter_id not in self._host:
+        if adapter_id not in self.host:
             self._layouts.pop(adapter_id, None)
 
     def _adapter_weights(self, adapter_id: str) -> LoRAAdapter:
-        adapter = self._host.get(adapter_id)
+        adapter = self.host.get(adapter_id)
         if adapter is None:
             raise RuntimeError(f"adapter {adapter_id[:12]} is neither resident nor in host memory")
-        self._host.move_to_end(adapter_id)
         return adapter
 
     def take_loads(self) -> list[AdapterLoad]:
