@@ -6,7 +6,7 @@ import math
 
 from loraserve.outputs import CompletionOutput, RequestOutput
 
-from .openai_protocol import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs
+from .openai_responses import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs
 from .serving import ServerState
 
 _FLOOR = -9999.0  # JSON has no -inf

@@ -27,7 +27,7 @@ from loraserve.adapters import (
 from .adapter_protocol import AdapterCard, AdapterDeleted, AdapterList, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from .auth import require_admin_key, require_api_key
 from .errors import APIError, registry_unavailable
-from .openai_protocol import ErrorResponse
+from .openai_responses import ErrorResponse
 from .routes_models import list_adapter_infos
 from .serving import ServerState, UnknownAdapterError, get_state, registry_call
 from .uploads import read_adapter_upload, read_confined_adapter_dir

@@ -20,17 +20,15 @@ from .auth import require_api_key
 from .errors import APIError
 from .limits import InFlightLimiter
 from .logprobs import chat_logprobs, prompt_logprobs
-from .openai_protocol import (
+from .openai_protocol import ChatCompletionRequest, ChatMessage, ToolCall
+from .openai_responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
-    ToolCall,
 )
 from .routes_completions import ERROR_RESPONSES, usage_for
 from .serving import (

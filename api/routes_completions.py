@@ -17,14 +17,8 @@ from .auth import require_api_key
 from .errors import APIError
 from .limits import InFlightLimiter
 from .logprobs import completion_logprobs, prompt_logprobs
-from .openai_protocol import (
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    ErrorResponse,
-    PromptTokensDetails,
-    UsageInfo,
-)
+from .openai_protocol import CompletionRequest
+from .openai_responses import CompletionChoice, CompletionResponse, ErrorResponse, PromptTokensDetails, UsageInfo
 from .serving import (
     ServerState,
     check_request_limits,

@@ -12,7 +12,7 @@ from loraserve.llm_engine import LLMEngine
 
 from .async_engine import EngineDeadError
 from .auth import require_api_key
-from .openai_protocol import ErrorResponse, ModelCard, ModelList
+from .openai_responses import ErrorResponse, ModelCard, ModelList
 from .serving import ServerState, get_state, registry_call
 
 router = APIRouter()
