@@ -10,12 +10,13 @@ from .errors import (
     InvalidAdapterNameError,
     RegistryUnavailableError,
 )
+from .local_store import LocalDirStore
 from .lora_weights import PROJECTION_NAMES, BaseModelShapes, LoRAAdapter, LoRAModuleWeights
 from .peft_format import CONFIG_FILE, WEIGHTS_FILE, load_adapter, parse_adapter_files, read_adapter_dir
 from .redis_catalog import RedisCatalog
 from .redis_store import RedisStore
 from .registry import AdapterInfo, AdapterLimits, AdapterRegistry
-from .store import AdapterStore, LocalDirStore, content_digest, validate_adapter_name
+from .store import AdapterStore, content_digest, validate_adapter_name
 from .store_factory import make_store, register_store_scheme
 
 __all__ = [

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .local_store import LocalDirStore
 from .redis_store import RedisStore
-from .store import AdapterStore, LocalDirStore
+from .store import AdapterStore
 
 
 def _make_dir_store(spec: str) -> AdapterStore:

@@ -1,0 +1,212 @@
+"""The local directory store: adapters as directories under a root, each version published atomically
+(the shared store for several replicas: :mod:`.redis_store`)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Hashable, Mapping
+from pathlib import Path
+
+from .catalog import AdapterCatalog, PollingCatalog
+from .errors import AdapterExistsError, AdapterNotFoundError
+from .store import ADAPTER_NAME_PATTERN, AdapterStore, validate_adapter_name, validate_file_names
+
+logger = logging.getLogger(__name__)
+
+
+class LocalDirStore(AdapterStore):
+    """Adapters as directories under ``root``, published atomically.
+
+    Layout: ``root/.versions/<name>.<id>/<file>`` holds one immutable version; ``root/<name>`` is a
+    relative symlink to the current version. A put writes and fsyncs a new version directory, then
+    creates (or atomically replaces) the symlink, so a crash leaves at worst an unreferenced
+    version directory and readers always see a complete adapter.
+    """
+
+    _VERSIONS = ".versions"
+    _NUM_READ_ATTEMPTS = 5
+    # Unreferenced versions older than this are left by crashed writers and are removed on start-up;
+    # younger ones may belong to a put still in progress in another process.
+    _ORPHAN_AGE_S = 3600.0
+
+    # Directory mtimes are as coarse as the kernel's clock tick (and NFS caches them): a change this
+    # recent may share its mtime with a later one, so the change token says "cannot tell".
+    _RACY_MTIME_S = 2.0
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._versions = self.root / self._VERSIONS
+        self._versions.mkdir(parents=True, exist_ok=True)
+        self._remove_orphans()
+
+    def __repr__(self) -> str:
+        return f"LocalDirStore({str(self.root)!r})"
+
+    def put(self, name: str, files: Mapping[str, bytes], *, overwrite: bool = False) -> None:
+        link = self.root / validate_adapter_name(name)
+        validate_file_names(files)
+        version = self._write_version(name, files)
+        target = os.path.join(self._VERSIONS, version.name)
+        if not overwrite:
+            try:
+                os.symlink(target, link)  # atomic create-if-absent
+            except FileExistsError:
+                shutil.rmtree(version, ignore_errors=True)
+                raise AdapterExistsError(f"adapter {name!r} already exists") from None
+            _fsync_dir(self.root)
+            self._notify(name, version.name)
+            return
+        previous = self._current_version(name)
+        temp_link = self.root / f".link-{name}.{uuid.uuid4().hex}"
+        os.symlink(target, temp_link)
+        os.replace(temp_link, link)  # atomic swap: readers see the old or the new version
+        _fsync_dir(self.root)
+        self._notify(name, version.name)
+        if previous is not None and previous != version:
+            shutil.rmtree(previous, ignore_errors=True)
+
+    def get(self, name: str) -> dict[str, bytes]:
+        validate_adapter_name(name)
+        # A concurrent overwrite or delete may remove the version being read; then re-resolve and retry.
+        for _ in range(self._NUM_READ_ATTEMPTS):
+            version = self._current_version(name)
+            if version is None:
+                break
+            try:
+                files = {path.name: path.read_bytes() for path in sorted(version.iterdir())}
+            except FileNotFoundError:
+                continue
+            # Writers repoint the link before removing a version, so if it still points here, no
+            # removal had started while we read: the files are complete.
+            if self._current_version(name) == version:
+                return files
+        raise AdapterNotFoundError(f"adapter {name!r} not found")
+
+    def delete(self, name: str) -> None:
+        version = self._current_version(validate_adapter_name(name))
+        try:
+            os.unlink(self.root / name)
+        except FileNotFoundError:
+            raise AdapterNotFoundError(f"adapter {name!r} not found") from None
+        _fsync_dir(self.root)
+        self._notify(name, None)
+        if version is not None:
+            shutil.rmtree(version, ignore_errors=True)
+
+    def names(self) -> list[str]:
+        return sorted(
+            entry.name
+            for entry in self.root.iterdir()
+            if entry.is_symlink() and ADAPTER_NAME_PATTERN.fullmatch(entry.name)
+        )
+
+    def contains(self, name: str) -> bool:
+        return (self.root / validate_adapter_name(name)).is_symlink()
+
+    def content_key(self, name: str) -> str:
+        """The version directory's name (``<name>.<random hex>``)."""
+        version = self._current_version(validate_adapter_name(name))
+        if version is None:
+            raise AdapterNotFoundError(f"adapter {name!r} not found")
+        return version.name
+
+    def get_content(self, key: str) -> dict[str, bytes]:
+        match = _VERSION_PATTERN.fullmatch(key) if isinstance(key, str) else None
+        if match is None:
+            raise AdapterNotFoundError(f"no adapter content {key!r} in {self!r}")
+        version = self._versions / key
+        try:
+            files = {path.name: path.read_bytes() for path in sorted(version.iterdir())}
+        except FileNotFoundError:
+            raise AdapterNotFoundError(f"adapter content {key!r} is no longer stored") from None
+        # As in get: writers repoint the link before removing a version, so if the name still points
+        # here, no removal had started while we read and the files are complete.
+        if self._current_version(match["name"]) != version:
+            raise AdapterNotFoundError(f"adapter content {key!r} is no longer stored")
+        return files
+
+    def index(self) -> dict[str, str]:
+        keys: dict[str, str] = {}
+        for entry in self.root.iterdir():
+            if ADAPTER_NAME_PATTERN.fullmatch(entry.name):
+                version = self._current_version(entry.name)
+                if version is not None:
+                    keys[entry.name] = version.name
+        return keys
+
+    def open_catalog(self) -> AdapterCatalog:
+        """A polling catalog whose lookups read the name's link (one ``readlink``, no file contents):
+        a change made by another process is seen at once. The poll keeps the names count and
+        whether the directory is reachable."""
+        catalog = PollingCatalog(self.index, self.change_token, repr(self), probe=self._probe)
+        return self._track(catalog).start()
+
+    def _probe(self, name: str) -> str | None:
+        """The content key of ``name`` now, None if it is not stored; raises OSError if the
+        directory cannot be read (unlike ``_current_version``, which would call that absent)."""
+        if not isinstance(name, str) or ADAPTER_NAME_PATTERN.fullmatch(name) is None:
+            return None  # never a path outside root
+        try:
+            return os.path.basename(os.readlink(self.root / name))
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            if error.errno == errno.EINVAL:  # not a link: not an adapter
+                return None
+            raise
+
+    def change_token(self) -> Hashable | None:
+        """The root directory's inode and mtime (every put and delete changes an entry there)."""
+        stat = os.stat(self.root)
+        if time.time_ns() - stat.st_mtime_ns < self._RACY_MTIME_S * 1e9:
+            return None
+        return (stat.st_ino, stat.st_mtime_ns)
+
+    def _current_version(self, name: str) -> Path | None:
+        try:
+            target = os.readlink(self.root / name)
+        except OSError:  # absent, or not a link
+            return None
+        return self.root / target
+
+    def _write_version(self, name: str, files: Mapping[str, bytes]) -> Path:
+        version = self._versions / f"{name}.{uuid.uuid4().hex}"
+        version.mkdir()
+        try:
+            for file_name, content in files.items():
+                with open(version / file_name, "wb") as handle:
+                    handle.write(content)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            _fsync_dir(version)
+        except BaseException:
+            shutil.rmtree(version, ignore_errors=True)
+            raise
+        return version
+
+    def _remove_orphans(self) -> None:
+        referenced = {self._current_version(name) for name in self.names()}
+        cutoff = time.time() - self._ORPHAN_AGE_S
+        for version in self._versions.iterdir():
+            if version not in referenced and version.stat().st_mtime < cutoff:
+                logger.info("removing unreferenced adapter version %s", version)
+                shutil.rmtree(version, ignore_errors=True)
+
+
+# A version directory's name: the adapter's name, a dot, 32 hex digits (see _write_version).
+_VERSION_PATTERN = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,127})\.[0-9a-f]{32}")
+
+
+def _fsync_dir(path: Path) -> None:
+    """Persist a directory entry change (new file, rename) across a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
