@@ -68,7 +68,15 @@ class PagePool:
             raise ValueError(f"num_pages must be positive and page_ids a range of that many ids, got {num_pages}")
         self.num_pages = num_pages
         self.page_ids = page_ids
+        # Free page ids in allocation order. A run taken by ``allocate_contiguous`` stays in the list
+        # as stale entries (``_stale``), skipped when they come to the front, so a run costs no
+        # rebuild of the list. A stale entry is always older than the page's valid one (a page
+        # re-enters the list only when freed after the run took it), so order is kept exactly.
         self._free_page_ids: deque[int] = deque(page_ids)
+        self._stale: dict[int, int] = {}  # page id -> its stale entries in the free list
+        self._num_stale = 0
+        self._is_free = np.zeros(page_ids.stop, dtype=np.bool_)  # [page_ids.stop], by page id
+        self._is_free[page_ids.start :] = True
         self._ref_counts = [0] * page_ids.stop  # indexed by page id: ids below the range stay unused
         self._kinds: list[PageKind | None] = [None] * page_ids.stop
         self._evictable: OrderedDict[Hashable, EvictableEntry] = OrderedDict()
@@ -79,7 +87,7 @@ class PagePool:
     # ---- counts -------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_page_ids)
+        return len(self._free_page_ids) - self._num_stale
 
     @property
     def num_evictable_pages(self) -> int:
@@ -88,7 +96,7 @@ class PagePool:
     @property
     def num_available_pages(self) -> int:
         """Pages an allocation can get: free ones plus evictable ones."""
-        return len(self._free_page_ids) + self._num_evictable_pages
+        return self.num_free_pages + self._num_evictable_pages
 
     def num_pages_by_kind(self) -> dict[PageKind, int]:
         """Pages of every kind (they add up to ``num_pages``)."""
@@ -114,12 +122,18 @@ class PagePool:
             raise OutOfPagesError(
                 f"need {num_pages} pages, only {self.num_available_pages} free or evictable of {self.num_pages}"
             )
-        while len(self._free_page_ids) < num_pages:
+        while self.num_free_pages < num_pages:
             self.evict_oldest()
-        page_ids = [self._free_page_ids.popleft() for _ in range(num_pages)]
-        for page_id in page_ids:
+        page_ids: list[int] = []
+        while len(page_ids) < num_pages:
+            page_id = self._free_page_ids.popleft()
+            if self._stale and page_id in self._stale:
+                self._drop_stale(page_id)
+                continue
+            page_ids.append(page_id)
             self._ref_counts[page_id] = 1
             self._kinds[page_id] = kind
+            self._is_free[page_id] = False
         return page_ids
 
     def allocate_contiguous(self, num_pages: int, kind: PageKind = PageKind.ADAPTER) -> list[int] | None:
@@ -130,22 +144,45 @@ class PagePool:
         """
         if num_pages == 0:
             return []
-        # Vectorised: the free list may hold ~10^5 pages on a GPU, and this runs per adapter load.
-        free = np.fromiter(self._free_page_ids, dtype=np.int64, count=len(self._free_page_ids))  # [F], list order
-        ordered = np.sort(free)  # [F]
-        breaks = np.flatnonzero(np.diff(ordered) != 1) + 1  # where a run of consecutive ids starts
-        starts = np.concatenate(([0], breaks))
-        lengths = np.concatenate((breaks, [len(ordered)])) - starts
-        long_enough = np.flatnonzero(lengths >= num_pages)
-        if not long_enough.size:
+        if num_pages > self.num_free_pages:
             return None
-        first = int(ordered[starts[long_enough[0]]])  # the lowest run that fits
+        # Vectorised over the pool's pages: a pool may hold ~10^5 of them on a GPU, and this runs
+        # per adapter load.
+        edges = np.diff(self._is_free.view(np.int8), prepend=0, append=0)  # [stop + 1]: +1 at a run, -1 past it
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # [runs] each
+        fits = np.flatnonzero(ends - starts >= num_pages)
+        if not fits.size:
+            return None
+        first = int(starts[fits[0]])  # the lowest run that fits
         page_ids = list(range(first, first + num_pages))
-        self._free_page_ids = deque(free[(free < first) | (free >= first + num_pages)].tolist())
+        self._is_free[first : first + num_pages] = False
         for page_id in page_ids:
             self._ref_counts[page_id] = 1
             self._kinds[page_id] = kind
+            self._stale[page_id] = self._stale.get(page_id, 0) + 1
+        self._num_stale += num_pages
+        if self._num_stale > max(64, len(self._free_page_ids) // 2):
+            self._compact_free_list()
         return page_ids
+
+    def _drop_stale(self, page_id: int) -> None:
+        """Forget one stale free-list entry of ``page_id`` (just removed from the list)."""
+        remaining = self._stale[page_id] - 1
+        if remaining:
+            self._stale[page_id] = remaining
+        else:
+            del self._stale[page_id]
+        self._num_stale -= 1
+
+    def _compact_free_list(self) -> None:
+        """Drop every stale entry (amortised: runs only once they are half the list)."""
+        kept: deque[int] = deque()
+        for page_id in self._free_page_ids:
+            if self._stale and page_id in self._stale:
+                self._drop_stale(page_id)
+            else:
+                kept.append(page_id)
+        self._free_page_ids = kept
 
     def incref(self, page_ids: Iterable[int]) -> None:
         for page_id in page_ids:
@@ -177,6 +214,7 @@ class PagePool:
             if page_id in self._evictable_page_ids:
                 raise RuntimeError(f"free of page {page_id} that belongs to an evictable entry")
             self._kinds[page_id] = None
+            self._is_free[page_id] = True
             self._free_page_ids.append(page_id)
 
     def release(self, page_ids: Iterable[int]) -> None:

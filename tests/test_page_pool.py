@@ -247,3 +247,40 @@ def test_allocate_contiguous_takes_the_lowest_run_that_fits_and_keeps_the_free_o
             free = [p for p in free if p not in expected]
         assert pool.allocate(0) == [] and pool.num_free_pages == len(free)
     assert pool.allocate(len(free)) == free  # the pages left, in their free-list order
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_free_list_order_survives_runs_taken_and_freed_again(seed: int) -> None:
+    """Mixed allocations, runs and releases against a plain list: runs leave stale entries in the
+    free list (skipped later, compacted in bulk), so a page freed again after a run took it must
+    come back once, at the back, and never twice."""
+    rng = random.Random(seed)
+    pool = PagePool(200)
+    free = list(range(200))  # the reference free list
+    held: list[int] = []
+    compactions: list[int] = []
+    compact = pool._compact_free_list
+    pool._compact_free_list = lambda: (compactions.append(pool.num_free_pages), compact())[1]  # type: ignore[method-assign]
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.35:
+            num_pages = rng.randrange(1, 10)
+            expected = _first_run_reference(free, num_pages)
+            assert pool.allocate_contiguous(num_pages) == expected
+            if expected is not None:
+                free = [p for p in free if p not in expected]
+                held += expected
+        elif op < 0.6 and free:
+            num_pages = rng.randrange(1, min(len(free), 8) + 1)
+            assert pool.allocate(num_pages) == free[:num_pages]
+            held += free[:num_pages]
+            free = free[num_pages:]
+        elif held:
+            released = rng.sample(held, rng.randrange(1, len(held) + 1))
+            pool.release(released)
+            held = [p for p in held if p not in released]
+            free += released
+        assert pool.num_free_pages == len(free) and pool.num_available_pages == len(free)
+    assert compactions  # the bulk removal of stale entries ran too
+    assert pool.allocate(len(free)) == free
+    assert pool.allocate_contiguous(1) is None and pool.num_free_pages == 0
