@@ -17,7 +17,9 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Generate completions with the base model or LoRA adapters and print them.",
     )
     parser.add_argument("prompts", nargs="+", help="prompt texts; each is one request")
-    parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: SmolLM2-135M)")
+    parser.add_argument(
+        "--model", default=None, help="local Hugging Face model directory (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
