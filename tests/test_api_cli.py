@@ -56,6 +56,17 @@ def test_every_option(tmp_path: Path) -> None:
     assert (config.max_lora_rank, config.max_adapters, config.enforce_eager) == (32, 7, True)
     assert build_engine_config(parse("--adapter-decode-path", "eager")).adapter_decode_path == "eager"
     assert build_engine_config(parse("--async-scheduling")).async_scheduling is True
+    swap = build_engine_config(
+        parse(
+            "--watermark", "0.05", "--preemption-mode", "swap", "--num-swap-pages", "12", "--host-adapter-cache-mb", "9"
+        )
+    )
+    assert (swap.watermark, swap.preemption_mode, swap.num_swap_pages, swap.host_adapter_cache_mb) == (
+        0.05,
+        "swap",
+        12,
+        9,
+    )
     assert config.async_scheduling is False  # off unless asked
     assert (settings.max_request_body_bytes, settings.max_n, settings.max_requests_per_key) == (2 * 2**20, 3, 9)
     assert (settings.max_prompt_tokens, settings.max_output_tokens, args.shutdown_timeout) == (100, 50, 5.0)
@@ -83,6 +94,10 @@ def test_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_engine_options_name_the_option() -> None:
     with pytest.raises(ConfigError, match="block_size"):
         build_engine_config(parse("--block-size", "3"))
+    with pytest.raises(ConfigError, match="preemption_mode='swap' needs num_swap_pages"):
+        build_engine_config(parse("--preemption-mode", "swap"))
+    with pytest.raises(ConfigError, match="watermark must be in"):
+        build_engine_config(parse("--watermark", "1.5"))
 
 
 def test_bad_options_end_serve_with_a_message_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from loraserve.config import CPU_DECODE_ATTENTION_CHOICES, CPU_GEMM_CHOICES, CPU_TILE_CHOICES, DTYPES, KERNEL_CHOICES
+from loraserve.config import (
+    CPU_DECODE_ATTENTION_CHOICES,
+    CPU_GEMM_CHOICES,
+    CPU_TILE_CHOICES,
+    DTYPES,
+    KERNEL_CHOICES,
+    PREEMPTION_MODES,
+)
 from loraserve.decode_path import ADAPTER_DECODE_PATHS
 
 # Engine options: (flag, EngineConfig field, type, help).
@@ -17,6 +24,26 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--max-num-seqs", "max_num_seqs", int, "most sequences running at once (default 64)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens a step (default 2048; 1024 in float32 on CPU)"),
     ("--max-model-len", "max_model_len", int, "context length limit (default: the model's)"),
+    (
+        "--watermark",
+        "watermark",
+        float,
+        "share of the pool's pages kept free when admitting a request, in [0, 1) (default 0.01)",
+    ),
+    (
+        "--preemption-mode",
+        "preemption_mode",
+        str,
+        f"what a preempted sequence's KV becomes, one of {PREEMPTION_MODES}: recompute (freed, recomputed "
+        "on resumption; default) or swap (copied to --num-swap-pages host pages)",
+    ),
+    ("--num-swap-pages", "num_swap_pages", int, "host pages for --preemption-mode swap (default 0)"),
+    (
+        "--host-adapter-cache-mb",
+        "host_adapter_cache_mb",
+        int,
+        "MiB of parsed adapters kept in host memory, ready to load into the pool (default 2048)",
+    ),
     ("--device", "device", str, "torch device, e.g. cpu or cuda:0 (default cpu)"),
     ("--dtype", "dtype", str, f"weights and pool dtype, one of {sorted(DTYPES)} (default float32)"),
     ("--seed", "seed", int, "seed of unseeded sampling (default 0)"),
