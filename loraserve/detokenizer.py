@@ -27,9 +27,11 @@ class Detokenizer:
         seq.read_offset = seq.num_prompt_tokens
         seq.prefix_offset = max(0, seq.num_prompt_tokens - _NUM_PROMPT_CONTEXT_TOKENS)
 
-    def update(self, seq: Sequence) -> str:
-        """Decode tokens past ``read_offset``; return the new text (may be empty)."""
-        ids = seq.token_ids[seq.prefix_offset :]
+    def update(self, seq: Sequence, end: int | None = None) -> str:
+        """Decode tokens past ``read_offset`` (up to ``end``, exclusive; None: all); return the new
+        text (may be empty)."""
+        end = len(seq.token_ids) if end is None else end
+        ids = seq.token_ids[seq.prefix_offset : end]
         num_prefix = seq.read_offset - seq.prefix_offset
         if seq.params.skip_special_tokens and not self.special_ids.isdisjoint(ids):
             special = self.special_ids
@@ -45,7 +47,7 @@ class Detokenizer:
             return ""
         delta = full_text[len(prefix_text) :]
         seq.prefix_offset = seq.read_offset
-        seq.read_offset = len(seq.token_ids)
+        seq.read_offset = end
         seq.output_text += delta
         return delta
 

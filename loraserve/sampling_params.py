@@ -19,7 +19,9 @@ class SamplingParams:
     request, independent of what else shares the batch; with ``n > 1`` sample
     ``i`` uses seed ``seed + i``. Stop strings are not included in the output
     text; stop token ids and EOS end generation and are included in
-    ``token_ids`` (not in ``text``). ``output_kind`` is vLLM's: ``cumulative`` reports the
+    ``token_ids``, their text not in ``text`` (both unless ``include_stop_str_in_output``, as
+    vLLM's v1 engine). ``min_tokens``: no EOS or stop token id ends the output before that many
+    tokens, nor a stop string before more than that many. ``output_kind`` is vLLM's: ``cumulative`` reports the
     request at every step that changes it; ``final_only`` only when it finishes, which also lets
     the engine detokenize it once at the end when it has no stop strings (``LLM.generate``
     uses it).

@@ -25,20 +25,33 @@ class StopChecker:
         self.max_model_len = max_model_len
 
     def __call__(self, seq: Sequence, token: int) -> Stop | None:
+        """As vLLM's v1 engine: EOS and stop token ids end a sequence from ``min_tokens`` output
+        tokens on, and the text of the token that ended it is left out of ``output_text`` unless
+        ``include_stop_str_in_output`` (its id stays in ``token_ids``); stop strings count once
+        the output is longer than ``min_tokens`` tokens."""
         params = seq.params
+        num_tokens = len(seq.token_ids)
+        num_output_tokens = num_tokens - seq.num_prompt_tokens
+        if num_output_tokens >= params.min_tokens:
+            by_token: Stop | None = None
+            if not params.ignore_eos and token in self.eos_token_ids:
+                by_token = (FinishReason.STOP, None)
+            elif token in params.stop_token_ids:
+                by_token = (FinishReason.STOP, token)
+            if by_token is not None:
+                self.detokenizer.update(seq, None if params.include_stop_str_in_output else num_tokens - 1)
+                return by_token
         decode_at_end = params.output_kind == "final_only" and not params.stop
         num_new_chars = 0 if decode_at_end else len(self.detokenizer.update(seq))
         stop: Stop | None = None
-        num_tokens = len(seq.token_ids)
-        num_output_tokens = num_tokens - seq.num_prompt_tokens
         if num_output_tokens < params.min_tokens:  # only the lengths end it before min_tokens
             if num_tokens >= self.max_model_len:
                 stop = (FinishReason.LENGTH, None)
-        elif not params.ignore_eos and token in self.eos_token_ids:
-            stop = (FinishReason.STOP, None)
-        elif token in params.stop_token_ids:
-            stop = (FinishReason.STOP, token)
-        elif params.stop and (found := find_stop_string(seq.output_text, num_new_chars, params.stop)):
+        elif (
+            params.stop
+            and num_output_tokens > params.min_tokens
+            and (found := find_stop_string(seq.output_text, num_new_chars, params.stop))
+        ):
             index, stop_string = found
             end = index + len(stop_string) if params.include_stop_str_in_output else index
             seq.output_text = seq.output_text[:end]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParamsError
 
 PROMPTS = ["The weather today is", "In a galaxy far away", "Numbers: 1 2 3"]
+_REQUEST_IDS = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,20 @@ def test_top_k_one_is_greedy(llm: LLM) -> None:
     assert greedy == tiny_p
 
 
+def _run_engine(llm: LLM, prompt: str, params: SamplingParams) -> RequestOutput:
+    """One request through the engine's own steps (``LLM.generate`` would make it ``final_only``)."""
+    engine = llm.engine
+    request_id = f"direct-{next(_REQUEST_IDS)}"
+    engine.add_request(request_id, prompt, params)
+    last: RequestOutput | None = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id:
+                last = output
+    assert last is not None and last.finished
+    return last
+
+
 def test_max_tokens_stop_token_ids_and_stop_strings(llm: LLM) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     full = llm.generate([PROMPTS[1]], greedy, use_tqdm=False)[0]
@@ -55,6 +71,19 @@ def test_max_tokens_stop_token_ids_and_stop_strings(llm: LLM) -> None:
     )[0]
     assert by_id.token_ids == full.token_ids[: first + 1]
     assert by_id.finish_reason == "stop" and by_id.outputs[0].stop_reason == stop_id
+    without_stop = llm.tokenizer.decode(full.token_ids[:first], skip_special_tokens=True)
+    assert by_id.text == without_stop  # the stop token's text is left out, as vLLM's v1 engine does
+    with_stop = llm.tokenizer.decode(full.token_ids[: first + 1], skip_special_tokens=True)
+    for kind in ("cumulative", "final_only"):  # detokenized token by token, or once at the end
+        for keep, expected in ((False, without_stop), (True, with_stop)):
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=12,
+                stop_token_ids=(stop_id,),
+                include_stop_str_in_output=keep,
+                output_kind=kind,
+            )
+            assert _run_engine(llm, PROMPTS[1], params).text == expected, (kind, keep)
     text = full.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip()
@@ -67,6 +96,22 @@ def test_max_tokens_stop_token_ids_and_stop_strings(llm: LLM) -> None:
         temperature=0.0, max_tokens=12, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True
     )
     assert llm.generate([PROMPTS[1]], kept, use_tqdm=False)[0].text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_strings_count_once_the_output_is_longer_than_min_tokens(llm: LLM) -> None:
+    """As vLLM's v1 engine: a stop string is looked for only in text that arrives after the first
+    ``min_tokens`` output tokens (``len(output) > min_tokens``), while EOS and stop token ids end it
+    from ``min_tokens`` tokens on."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    full = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0]
+    first, rest = llm.tokenizer.decode(full.token_ids[:1]).strip(), llm.tokenizer.decode(full.token_ids[1:])
+    pieces = [first[i:j] for i in range(len(first)) for j in range(i + 1, len(first) + 1)]
+    stop = next(piece for piece in pieces if piece not in rest)  # in the first token's text only
+    at_once = dataclasses.replace(greedy, stop=(stop,))
+    assert len(llm.generate([PROMPTS[0]], at_once, use_tqdm=False)[0].token_ids) == 1
+    after_one = dataclasses.replace(at_once, min_tokens=1)
+    late = llm.generate([PROMPTS[0]], after_one, use_tqdm=False)[0]
+    assert late.token_ids == full.token_ids and late.finish_reason == "length"
 
 
 def test_eos_ends_generation_unless_ignored(llm: LLM) -> None:
