@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from loraserve.adapters import RegistryUnavailableError
 
-from loraserve.outputs import RequestOutput
+from loraserve.outputs import REQUEST_TOO_LARGE, RequestOutput
 
 
 class EngineDeadError(RuntimeError):
@@ -41,7 +41,10 @@ class RequestFailedError(RuntimeError):
 
     @property
     def status_code(self) -> int:
-        """The HTTP status it answers: 503 when the adapter registry was unreachable, else 500."""
+        """The HTTP status it answers: 503 when the adapter registry was unreachable, 400 when the
+        request cannot fit the pool with its adapter (known only once the adapter loaded), else 500."""
+        if self.code == REQUEST_TOO_LARGE:
+            return 400
         return 503 if self.code == RegistryUnavailableError.code else 500
 
 

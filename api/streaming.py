@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from loraserve.outputs import CompletionOutput, RequestOutput
 
 from .async_engine import EngineDeadError, EngineStepError, RequestAbortedError, RequestFailedError, RequestStream
-from .errors import APIError, error_body
+from .errors import APIError, error_body, error_type_for
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def sse_error(error: BaseException) -> str:
         if isinstance(error, EngineStepError | RequestAbortedError | EngineDeadError | RequestFailedError)
         else (f"internal error: {type(error).__name__}")
     )
-    return sse_event(error_body(message, "server_error", code=str(status)))
+    return sse_event(error_body(message, error_type_for(status), code=str(status)))
 
 
 class SSEResponse(StreamingResponse):

@@ -251,7 +251,7 @@ class LLMEngine:
         if self._in_flight is not None and self._host_bound:
             outputs += self._collect_in_flight()
         batch = self.scheduler.schedule()
-        outputs += [self._aborted_output(seq, error) for seq, error in batch.aborted]
+        outputs += [self._aborted_output(seq, error, code) for seq, error, code in batch.aborted]
         if batch.is_empty:
             if self._in_flight is not None:
                 outputs += self._collect_in_flight()
@@ -299,10 +299,10 @@ class LLMEngine:
         self._host_bound.discard(request_id)
         return self.requests.pop(request_id, None)
 
-    def _aborted_output(self, seq: Sequence, error: str) -> RequestOutput:
+    def _aborted_output(self, seq: Sequence, error: str, code: str | None) -> RequestOutput:
         request = self._forget(seq.request_id)
         assert request is not None
         output = make_output(request)
         output.error = error
-        output.error_code = self.adapters.error_code(seq.adapter_name)  # "registry_unavailable": retry later
+        output.error_code = code or self.adapters.error_code(seq.adapter_name)  # "registry_unavailable": retry later
         return output

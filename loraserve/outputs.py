@@ -15,6 +15,9 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
 
 
+REQUEST_TOO_LARGE = "request_too_large"  # RequestOutput.error_code: the request cannot fit the pool
+
+
 @dataclass
 class RequestOutput:
     """One request's state after a step; ``finished`` once every sample is done.
@@ -23,7 +26,8 @@ class RequestOutput:
     why the engine could not run the request at all (its adapter failed to load); it then
     comes finished, with finish reason ``abort`` and no tokens. ``error_code`` classifies it
     where a caller should act on the kind: ``"registry_unavailable"`` (the adapter registry
-    could not be reached: retry later), else None.
+    could not be reached: retry later), ``"request_too_large"`` (``REQUEST_TOO_LARGE``: with its
+    adapter, now loaded, the request can never fit the pool: the client's to change), else None.
     """
 
     request_id: str

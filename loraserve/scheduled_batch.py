@@ -26,8 +26,9 @@ class ScheduledBatch:
     adapters: dict[str, AdapterPages] = field(default_factory=dict)
     # Sequences finished or preempted since the last step: the runner drops their rows.
     released_seq_ids: list[int] = field(default_factory=list)
-    # Not for the runner: requests ended while scheduling (their adapter could not be loaded), with why.
-    aborted: list[tuple[Sequence, str]] = field(default_factory=list)
+    # Not for the runner: requests ended while scheduling (their adapter could not be loaded, or
+    # with it they cannot fit the pool): (sequence, why, RequestOutput.error_code or None).
+    aborted: list[tuple[Sequence, str, str | None]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

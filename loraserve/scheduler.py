@@ -37,6 +37,7 @@ from loraserve.adapters import AdapterError
 from loraserve.admission import PoolAdmission
 from loraserve.kv_cache_manager import KVCacheManager
 from loraserve.lora.residency import AdapterManager
+from loraserve.outputs import REQUEST_TOO_LARGE
 from loraserve.scheduled_batch import ScheduledBatch
 from loraserve.sequence import FinishReason, Sequence, SequenceStatus
 from loraserve.stop_checker import Stop, never_stops_early
@@ -109,19 +110,21 @@ class Scheduler:
         for seq in list(self.loading):
             assert seq.adapter_name is not None
             error: str | None
+            code: str | None = None
             try:
                 adapter_id = self.adapters.resolve_nowait(seq.adapter_name)
                 if adapter_id is None:
                     continue  # still being read
                 error = self.admission.fit_error(seq.num_prompt_tokens, seq.params.max_tokens, adapter_id)
+                code = REQUEST_TOO_LARGE if error is not None else None
             except AdapterError as failure:  # AdapterNotFoundError: removed meanwhile
-                error = str(failure)
+                error = f"adapter {seq.adapter_name!r} could not be loaded: {failure}"
             self.loading.remove(seq)
             if error is not None:
                 logger.error("request %s: adapter %r: %s", seq.request_id, seq.adapter_name, error)
                 for sample in (seq, *self._forks.pop(seq.seq_id, ())):  # counted nowhere yet
                     self._end(sample, FinishReason.ABORT, None)
-                batch.aborted.append((seq, f"adapter {seq.adapter_name!r} could not be loaded: {error}"))
+                batch.aborted.append((seq, error, code))
                 continue
             for sample in (seq, *self._forks.get(seq.seq_id, ())):
                 sample.adapter_id = adapter_id

@@ -18,9 +18,11 @@ from adapter_factory import make_peft_adapter
 from loraserve.adapters import AdapterError
 from residency_env import QV, Env, base_fixture  # noqa: F401 (pytest fixture: base)
 
+from api.request_stream import RequestFailedError
 from loraserve import LLM, SamplingParams
 from loraserve.engine_memory import host_cores_to_spare
-from loraserve.outputs import RequestOutput
+from loraserve.input_processor import RequestError
+from loraserve.outputs import REQUEST_TOO_LARGE, RequestOutput
 from loraserve.sequence import SequenceStatus
 
 PROMPT = "The weather today is"
@@ -103,6 +105,36 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(llm: LLM, adapter_
     assert outputs[1].error is None
     assert outputs[1].outputs[0].finish_reason == "length" and len(outputs[1].token_ids) == 6
     assert not engine.scheduler.loading and not engine.requests
+
+
+def test_a_request_too_large_with_its_adapter_ends_with_a_request_error(
+    tiny_model_dir: Path, adapter_dir: Path
+) -> None:
+    """A request that fits the pool without its adapter's pages but not with them: known only once
+    the adapter is read, it ends with ``abort``, ``error_code`` ``request_too_large`` (a 400 over
+    HTTP, not a server failure), and the same request on the base model runs."""
+    llm = LLM(str(tiny_model_dir), num_pages=64)  # 1,024 tokens: the pool binds, not the context
+    engine = llm.engine
+    llm.add_adapter("roomy", adapter_dir, overwrite=True)
+    prompt_len = len(engine.tokenizer.encode(PROMPT))
+    assert engine.max_seq_tokens < engine.max_model_len  # the pool is the binding limit
+    too_large = SamplingParams(temperature=0.0, max_tokens=engine.max_seq_tokens - prompt_len, ignore_eos=True)
+    release = hold_loader(llm)
+    try:
+        engine.add_request("big", PROMPT, too_large, "roomy")  # the adapter's size is not known yet
+    finally:
+        release.set()
+    finished = run(llm)
+    assert finished["big"].error_code == REQUEST_TOO_LARGE and finished["big"].outputs[0].finish_reason == "abort"
+    assert finished["big"].error is not None and "needs more pages than the pool holds" in finished["big"].error
+    assert not engine.scheduler.loading and not engine.requests
+    assert RequestFailedError(finished["big"].error, finished["big"].error_code).status_code == 400
+    with pytest.raises(RequestError, match="needs more pages"):  # once the adapter is known: refused at once
+        engine.add_request("big-again", PROMPT, too_large, "roomy")
+    engine.add_request("base", PROMPT, too_large)  # the same size fits without the adapter's pages
+    engine.abort_request("base")
+    assert not engine.requests
+    engine.close()
 
 
 def test_close_stops_the_engines_background_threads(tiny_model_dir: Path) -> None:

@@ -144,7 +144,7 @@ def test_a_request_waits_for_its_adapter_inside_the_scheduler(tmp_path: Path, ba
     gone = Sequence("g", [1, 2, 3], SamplingParams(max_tokens=1), adapter_name="missing")
     sched.add(gone)
     batch = sched.schedule()
-    assert [(s.request_id, "not registered" in error or "not found" in error) for s, error in batch.aborted] == [
+    assert [(s.request_id, "not registered" in error or "not found" in error) for s, error, _ in batch.aborted] == [
         ("g", True)
     ]
     assert gone.finish_reason is FinishReason.ABORT and sched.num_unfinished == 0
