@@ -30,7 +30,7 @@ from .openai_responses import (
     ChatLogprobs,
     ChatResponseMessage,
 )
-from .routes_completions import ERROR_RESPONSES, usage_for
+from .routes_completions import ERROR_RESPONSES, choice_usage, usage_for
 from .serving import (
     ServerState,
     check_request_limits,
@@ -261,7 +261,7 @@ async def _stream(
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason if completion.finish_reason else None,
                     )
-                    yield chunk([choice], usage_for([output]) if continuous_usage else None)
+                    yield chunk([choice], choice_usage(output, completion) if continuous_usage else None)
         if include_usage and final is not None:
             yield chunk([], usage_for([final]))
     except Exception as error:

@@ -59,6 +59,18 @@ def usage_for(finals: list[RequestOutput]) -> UsageInfo:
     )
 
 
+def choice_usage(output: RequestOutput, completion: CompletionOutput) -> UsageInfo:
+    """Token counts so far of one choice (``continuous_usage_stats``, as vLLM's: its prompt, and
+    that sample's tokens only, not its siblings')."""
+    prompt_tokens, completion_tokens = len(output.prompt_token_ids), len(completion.token_ids)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+    )
+
+
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
@@ -227,7 +239,7 @@ async def _stream(
                 for completion in output.outputs:
                     choice = streamer.choice(prompt_index, completion)
                     if choice is not None:
-                        usage = usage_for([output]) if continuous_usage else None  # this prompt's, so far
+                        usage = choice_usage(output, completion) if continuous_usage else None
                         chunk = CompletionResponse(
                             id=request_id, created=created, model=model, choices=[choice], usage=usage
                         )

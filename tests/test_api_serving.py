@@ -40,6 +40,19 @@ def test_continuous_usage_stats_and_special_tokens(client: openai.OpenAI, server
     counts = [chunk.usage.completion_tokens for chunk in chunks if chunk.choices and chunk.usage]
     assert counts and counts == sorted(counts) and counts[-1] == 5  # usage so far, in every chunk
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    for kind in ("chat", "completion"):  # with n = 2, each chunk counts its own choice's tokens (vLLM's)
+        common: dict[str, Any] = dict(model=MODEL, max_tokens=4, temperature=1.0, seed=1, n=2, stream=True)
+        common["stream_options"] = options
+        if kind == "chat":
+            chat = client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **common)
+            per_choice = [(c.choices[0].index, c.usage.completion_tokens) for c in chat if c.choices and c.usage]
+        else:
+            plain = client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True}, **common)
+            per_choice = [(c.choices[0].index, c.usage.completion_tokens) for c in plain if c.choices and c.usage]
+        for index in (0, 1):
+            counts = [count for i, count in per_choice if i == index]
+            assert counts and counts == sorted(counts) and counts[-1] <= 4, (kind, per_choice)
+            assert counts[0] <= 1 and len(counts) == len(set(counts)), (kind, per_choice)
     eos = min(server[1].scheduler.stop_checker.eos_token_ids)
     forced = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(eos): 100})
     extra = {"ignore_eos": True}
