@@ -23,14 +23,14 @@ class RequestBody(BaseModel):
 
 
 class StreamOptions(RequestBody):
-    include_usage: bool = False
+    include_usage: bool = True  # vLLM's default: stream_options {} asks for the usage chunk
     continuous_usage_stats: bool = False  # vLLM's: usage (so far) in every chunk
 
 
 class _SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
-    model: str = Field(description="The base model id, or the name of a registered adapter")
+    model: str | None = Field(None, description="The base model id (the default), or a registered adapter's name")
     temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 is greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, description="loraserve extension: -1 or None is off")
@@ -74,6 +74,8 @@ class _SamplingFields(RequestBody):
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None  # only {"type": "text"}: no structured output
     structured_outputs: dict[str, Any] | None = None
+    structural_tag: str | None = None  # vLLM's structured-output extension: refused (unsupported_fields)
+    best_of: int | None = Field(None, ge=1)  # only best_of == n is honoured (unsupported_fields)
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool = False
     priority: int = 0  # vLLM refuses a priority unless its scheduler runs by priority (here: first come)
@@ -86,7 +88,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
     add_special_tokens: bool = Field(True, description="vLLM extension: the tokenizer's special tokens (BOS)")
     prompt_embeds: Any = None
@@ -178,9 +179,11 @@ def unsupported_fields(request: _SamplingFields) -> list[str]:
     }
     bad = [name for name, default in defaults.items() if getattr(request, name) != default]
     unset = ("truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-    for name in (*unset, "structured_outputs", "logits_processors"):
+    for name in (*unset, "structured_outputs", "structural_tag", "logits_processors"):
         if getattr(request, name) is not None:
             bad.append(name)
+    if request.best_of is not None and request.best_of != request.n:
+        bad.append("best_of")
     if request.response_format and request.response_format.get("type") not in (None, "text"):
         bad.append("response_format")
     if isinstance(request, CompletionRequest):
@@ -188,8 +191,6 @@ def unsupported_fields(request: _SamplingFields) -> list[str]:
             bad.append("suffix")
         if request.prompt_embeds is not None:
             bad.append("prompt_embeds")
-        if request.best_of is not None and request.best_of != request.n:
-            bad.append("best_of")
     if isinstance(request, ChatCompletionRequest):
         if request.tools:
             bad.append("tools")

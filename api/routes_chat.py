@@ -154,7 +154,8 @@ def render_chat_prompt(
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state = get_state(request)
-    adapter_name = resolve_adapter(state, body.model)
+    model = body.model if body.model is not None else state.settings.model_id  # vLLM's default
+    adapter_name = resolve_adapter(state, model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     prompt_ids = render_chat_prompt(
@@ -175,17 +176,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.in_flight.acquire(key)  # 429 past the limit
     if body.stream:
         try:
-            streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model, body.cache_salt)
+            streams = await submit(state, request_id, [prompt_ids], params, adapter_name, model, body.cache_salt)
         except BaseException:
             state.in_flight.release(key)
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        stream = _stream(state, request_id, body.model, streams[0], params, num_top, include_usage, continuous)
+        stream = _stream(state, request_id, model, streams[0], params, num_top, include_usage, continuous)
         return SSEResponse(stream, on_close=lambda: state.in_flight.release(key))
 
     async def complete() -> ChatCompletionResponse:
-        streams = await submit(state, request_id, [prompt_ids], params, adapter_name, body.model, body.cache_salt)
+        streams = await submit(state, request_id, [prompt_ids], params, adapter_name, model, body.cache_salt)
         (final,) = await collect_final(streams)
         choices = [
             ChatChoice(
@@ -199,7 +200,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         ]
         return ChatCompletionResponse(
             id=request_id,
-            model=body.model,
+            model=model,
             choices=choices,
             usage=usage_for([final]),
             prompt_logprobs=prompt_logprobs(state, final),

@@ -90,7 +90,8 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
 )
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = get_state(request)
-    adapter_name = resolve_adapter(state, body.model)
+    model = body.model if body.model is not None else state.settings.model_id  # vLLM's default
+    adapter_name = resolve_adapter(state, model)
     prompts = _prompts(body.prompt)
     if not body.add_special_tokens:  # texts tokenized here, without the special tokens the engine would add
         prompts = [state.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
@@ -113,19 +114,19 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state.in_flight.acquire(key)  # 429 past the limit
     if body.stream:
         try:
-            streams = await submit(state, request_id, prompts, params, adapter_name, body.model, body.cache_salt)
+            streams = await submit(state, request_id, prompts, params, adapter_name, model, body.cache_salt)
         except BaseException:
             state.in_flight.release(key)
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        events = _stream(state, request_id, body.model, streams, params, echoes, include_usage, continuous)
+        events = _stream(state, request_id, model, streams, params, echoes, include_usage, continuous)
         return SSEResponse(events, on_close=lambda: state.in_flight.release(key))
 
     async def complete() -> CompletionResponse:
-        streams = await submit(state, request_id, prompts, params, adapter_name, body.model, body.cache_salt)
+        streams = await submit(state, request_id, prompts, params, adapter_name, model, body.cache_salt)
         finals = await collect_final(streams)
-        return _response(state, request_id, body.model, finals, params, echoes)
+        return _response(state, request_id, model, finals, params, echoes)
 
     try:
         return await cancel_on_disconnect(request, complete())

@@ -103,7 +103,7 @@ def sampling_params(
     bad = unsupported_fields(request)
     if bad:
         raise APIError(400, f"unsupported parameter(s) {bad}: loraserve does not implement them", param=bad[0])
-    if request.stream_options is not None and not request.stream:
+    if request.stream_options is not None and request.stream_options.model_fields_set and not request.stream:
         raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")
     if request.prompt_logprobs is not None and request.stream:
         raise APIError(400, "prompt_logprobs is not supported with stream=true", param="prompt_logprobs")

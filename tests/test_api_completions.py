@@ -4,6 +4,7 @@ every parameter of the openai client honoured or refused."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -148,7 +149,7 @@ def test_errors_use_the_openai_shape(http: httpx.Client, client: openai.OpenAI) 
         client.chat.completions.create(model="no-such", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     error = assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0}), 400)
     assert error["param"] == "n"
-    assert assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}), 400)["param"] == "model"
+    assert assert_openai_error(http.post("/v1/completions", json={"model": MODEL}), 400)["param"] == "prompt"
     bad_json = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert_openai_error(bad_json, 400)
     refused: dict[str, Any] = {"suffix": "y", "use_beam_search": True, "guided_choice": ["a"]}
@@ -303,3 +304,21 @@ def test_every_openai_client_parameter_is_honoured_or_refused(client: openai.Ope
     messages = [{"role": "user", "content": "Hi"}]
     _check_every_parameter(client.chat.completions.create, CHAT_PARAMETERS, {"model": MODEL, "messages": messages,
                                                                              "max_tokens": 3})  # fmt: skip
+
+
+def test_vllm_request_defaults_and_extensions(http: httpx.Client) -> None:
+    """As vLLM serves them: ``model`` may be left out (the base model), ``stream_options: {}``
+    asks for the usage chunk (``include_usage`` defaults to true) and is allowed without
+    ``stream``, and extensions loraserve does not implement are refused by name."""
+    completion = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "temperature": 0}
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        reply = http.post(path, json=body)
+        assert reply.status_code == 200 and reply.json()["model"] == MODEL, reply.text
+        assert http.post(path, json={**body, "stream_options": {}}).status_code == 200
+        streamed = http.post(path, json={**body, "model": MODEL, "stream": True, "stream_options": {}})
+        events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 2
+        for name, value in (("structural_tag", '{"type": "x"}'), ("best_of", 2)):
+            refused = http.post(path, json={**body, name: value})
+            assert refused.status_code == 400 and name in refused.json()["error"]["message"], (path, name)
