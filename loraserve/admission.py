@@ -47,7 +47,7 @@ class PoolAdmission:
 
     def can_swap_in(self, seq: Sequence, num_new: int) -> bool:
         """Whether a swapped sequence's blocks, its next ``num_new`` tokens and its adapter fit."""
-        pages = len(seq.block_ids) + self.kv_manager.num_pages_needed(seq, num_new)
+        pages = self.kv_manager.num_pages_to_swap_in(seq, num_new)
         if self.adapters is not None and seq.adapter_id is not None:
             if self.unified:
                 pages += self.adapters.num_pages_to_pin(seq.adapter_id)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 
 from loraserve.page_pool import PageKind, PagePool
 from loraserve.prefix_cache import PrefixCacheIndex, extend_block_hashes
-from loraserve.sequence import Sequence
+from loraserve.sequence import Sequence, SequenceStatus
 
 
 def cdiv(a: int, b: int) -> int:
@@ -51,6 +51,13 @@ class KVCacheManager:
         """Pages to add so the cache can hold ``num_computed + num_new_tokens`` tokens."""
         num_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, num_blocks - len(seq.block_ids)) + int(self._needs_copy(seq))
+
+    def num_pages_to_swap_in(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Device pages a swapped sequence takes back with room for ``num_new_tokens``: its blocks
+        come back on fresh private pages (so no copy-on-write), and its ``block_ids`` are host
+        page ids, never looked up in this pool."""
+        num_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(num_blocks, len(seq.block_ids))
 
     def can_admit(self, seq: Sequence, num_new_tokens: int, num_other_pages: int = 0) -> bool:
         """Admission of a waiting sequence keeps the watermark of pages free.
@@ -186,6 +193,8 @@ class KVCacheManager:
             return
         block_size = self.block_size
         for seq in seqs:
+            if seq.status is SequenceStatus.SWAPPED:  # swapped out while its step was in flight: host page ids
+                continue
             num_full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // block_size, len(seq.block_ids))
             if num_full > seq.num_registered_blocks:
                 self._register(seq, num_full)

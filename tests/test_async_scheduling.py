@@ -173,3 +173,57 @@ def test_requests_that_need_host_tokens_turn_the_overlap_off(tiny_model_dir: Pat
             assert not any(c and h for c, h in zip(log.chained, log.host_bound, strict=True))
             assert any(log.chained)  # the plain request's last steps, alone, overlapped
     assert results[0] == results[1]
+
+
+def test_a_sequence_swapped_while_in_flight_registers_no_host_page(
+    tiny_model_dir: Path, adapter_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence swapped out while its step is in flight has that step's tokens applied after
+    the swap: its ``block_ids`` are host page ids then, which must never enter the device pool's
+    prefix cache (later hits would read other requests' KV or adapter pages). Same tokens as the
+    engine without overlap, round after round over a warm prefix cache."""
+    from loraserve.kv_cache_manager import KVCacheManager
+    from loraserve.sequence import SequenceStatus
+
+    registered_while_swapped: list[str] = []
+    register = KVCacheManager._register
+
+    def checked(self: KVCacheManager, seq: Any, num_full: int) -> None:
+        if seq.status is SequenceStatus.SWAPPED:
+            registered_while_swapped.append(seq.request_id)
+        register(self, seq, num_full)
+
+    monkeypatch.setattr(KVCacheManager, "_register", checked)
+    prompts = [SHARED + w for w in ("one", "two", "three", "four", "five")]
+    prompts += ["a short one", "A much longer prompt that the small token budget splits into chunks " * 2]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0) for m in (1, 2, 16, 12, 9, 14, 7)]
+    adapters = [None, "a", "b", "a", None, "b", "a"]
+    outputs = []
+    for overlap in (False, True):
+        llm = _make(tiny_model_dir, adapter_dirs, overlap, num_pages=24, preemption_mode="swap", num_swap_pages=24)
+        rounds = [llm.generate(prompts, params, adapters=adapters, use_tqdm=False) for _ in range(3)]
+        outputs.append([[o.outputs[0].token_ids for o in outs] for outs in rounds])
+        assert llm.engine.scheduler.num_preemptions > 0
+        _all_pages_back(llm.engine)
+    assert not registered_while_swapped
+    assert outputs[1] == outputs[0]
+
+
+def test_swap_in_counts_device_pages_only(tiny_model_dir: Path) -> None:
+    """More swap pages than device pages: deciding whether a swapped sequence fits back must not
+    look its host page ids up in the device pool (an IndexError past the pool's last page)."""
+    llm = LLM(
+        str(tiny_model_dir),
+        **ENGINE,
+        num_pages=24,
+        preemption_mode="swap",
+        num_swap_pages=64,
+        enable_prefix_caching=False,
+    )
+    prompts = [f"request number {i} asks for a fairly long continuation of its prompt" for i in range(8)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    for _ in range(4):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.token_ids) == 30 for o in outputs)
+    assert llm.engine.scheduler.num_preemptions > 0
+    _all_pages_back(llm.engine)
