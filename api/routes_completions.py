@@ -49,25 +49,25 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorRespons
 
 def usage_for(finals: list[RequestOutput]) -> UsageInfo:
     """Token counts of finished requests (each prompt counted once, however many samples)."""
-    prompt_tokens = sum(len(final.prompt_token_ids) for final in finals)
-    completion_tokens = sum(len(c.token_ids) for final in finals for c in final.outputs)
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(final.num_cached_tokens for final in finals)),
+    return _usage(
+        sum(len(final.prompt_token_ids) for final in finals),
+        sum(len(c.token_ids) for final in finals for c in final.outputs),
+        sum(final.num_cached_tokens for final in finals),
     )
 
 
 def choice_usage(output: RequestOutput, completion: CompletionOutput) -> UsageInfo:
     """Token counts so far of one choice (``continuous_usage_stats``, as vLLM's: its prompt, and
     that sample's tokens only, not its siblings')."""
-    prompt_tokens, completion_tokens = len(output.prompt_token_ids), len(completion.token_ids)
+    return _usage(len(output.prompt_token_ids), len(completion.token_ids), output.num_cached_tokens)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 

@@ -112,7 +112,7 @@ def test_a_request_too_large_with_its_adapter_ends_with_a_request_error(
 ) -> None:
     """A request that fits the pool without its adapter's pages but not with them: known only once
     the adapter is read, it ends with ``abort``, ``error_code`` ``request_too_large`` (a 400 over
-    HTTP, not a server failure), and the same request on the base model runs."""
+    HTTP, not a server failure); the same request on the base model is accepted."""
     llm = LLM(str(tiny_model_dir), num_pages=64)  # 1,024 tokens: the pool binds, not the context
     engine = llm.engine
     llm.add_adapter("roomy", adapter_dir, overwrite=True)
