@@ -260,7 +260,11 @@ class LLMEngine:
             elif self.scheduler.num_unfinished:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return outputs
-        launched = self.runner.launch(batch, self._in_flight)
+        try:
+            launched = self.runner.launch(batch, self._in_flight)
+        except BaseException:
+            self.adapters.unwritten(batch.adapter_loads)  # never served from pages it may not have filled
+            raise
         if not self.config.async_scheduling:
             return outputs + self._outputs(launched, in_flight=False)
         self.scheduler.launched(batch)

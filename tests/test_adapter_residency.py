@@ -14,6 +14,7 @@ from residency_env import BLOCK_SIZE, ELEMS_PER_RANK, PAGE_ELEMS, QV, Env, base_
 
 from loraserve.kv_cache_manager import KVCacheManager
 from loraserve.lora.layout import AdapterLayout
+from loraserve.lora.weights import write_adapter_load
 from loraserve.page_pool import OutOfPagesError, PageKind
 from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import Sequence
@@ -127,6 +128,32 @@ def test_reviving_an_idle_adapter_does_not_reload(tmp_path: Path, base: Any) -> 
     assert env.manager.acquire(a)
     assert env.manager.num_loads == 1 and env.manager.resident[a].page_ids == list(range(8))
     assert not env.pool.contains_evictable(("adapter", a)) and env.pool.num_free_pages == 12
+
+
+def test_load_of_a_failed_step_is_written_again_or_its_pages_freed(tmp_path: Path, base: Any) -> None:
+    """A step that carried a load failed (``unwritten``): a sequence acquiring the adapter while others
+    still pin it gets the same pages written again; the last release of one never rewritten frees them."""
+    env = Env(tmp_path, base, num_pages=40)
+    manager, pool = env.manager, env.pool
+    a = env.add("a", 2)
+    assert manager.acquire(a)
+    (load,) = manager.take_loads()
+    manager.unwritten([load])
+    assert manager.acquire(a)  # a second sequence while the first still pins it
+    (again,) = manager.take_loads()
+    assert again.pages == load.pages and manager.num_loads == 2
+    env.storage.zero_()
+    write_adapter_load(env.storage, again)
+    env.check_weights("a", a)
+    manager.release(a)
+    manager.release(a)  # written: kept as idle content
+    assert pool.num_pages_by_kind()[PageKind.ADAPTER_IDLE] == 8 and a in manager.resident
+    assert manager.acquire(a) and manager.take_loads() == []  # revived without a copy
+    manager.unwritten([again])
+    manager.release(a)
+    assert pool.num_free_pages == 40 and a not in manager.resident
+    assert manager.acquire(a) and manager.resident[a].page_ids == list(range(8))  # loaded afresh
+    assert len(manager.take_loads()) == 1 and manager.num_loads == 3
 
 
 def test_host_tier_trims_lru_but_keeps_adapters_with_live_sequences(tmp_path: Path, base: Any) -> None:

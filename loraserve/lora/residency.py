@@ -68,6 +68,7 @@ class _Read:
 class ResidentAdapter:
     pages: AdapterPages
     num_pins: int = 0
+    written: bool = True  # False after a step failed before its load was surely written
 
     @property
     def adapter_id(self) -> str:
@@ -266,6 +267,10 @@ class AdapterManager:
         if resident is not None:
             if resident.num_pins == 0 and self.pool.take_evictable(("adapter", adapter_id)) is None:
                 raise RuntimeError(f"idle adapter {adapter_id[:12]} lost its pages")
+            if not resident.written:  # its sequences still pin it after a failed step: load it again
+                self._loads_to_write.append(AdapterLoad(resident.pages, self._adapter_weights(adapter_id)))
+                resident.written = True
+                self.num_loads += 1
             resident.num_pins += 1
             return True
         num_pages = self.num_pages(adapter_id)
@@ -282,10 +287,14 @@ class AdapterManager:
         return True
 
     def release(self, adapter_id: str) -> None:
-        """Drop one pin; an unpinned adapter stays resident but evictable."""
+        """Drop one pin; an unpinned adapter stays resident but evictable (freed, if its weights
+        may not have been written: ``unwritten``)."""
         resident = self.resident[adapter_id]
         resident.num_pins -= 1
-        if resident.num_pins == 0:
+        if resident.num_pins == 0 and not resident.written:
+            self.pool.release(resident.page_ids)
+            self._evicted(adapter_id)
+        elif resident.num_pins == 0:
             unreferenced = self.pool.decref(resident.page_ids)
             assert len(unreferenced) == len(resident.page_ids)
             self.pool.add_evictable(
@@ -303,6 +312,15 @@ class AdapterManager:
         if adapter is None:
             raise RuntimeError(f"adapter {adapter_id[:12]} is neither resident nor in host memory")
         return adapter
+
+    def unwritten(self, loads: list[AdapterLoad]) -> None:
+        """A step that carried these loads failed, perhaps before writing them: their pages may hold
+        no weights. Such an adapter is never served from them: acquiring it again loads it again,
+        and its last release frees its pages instead of keeping them as idle content."""
+        for load in loads:
+            resident = self.resident.get(load.pages.adapter_id)
+            if resident is not None and resident.pages == load.pages:
+                resident.written = False
 
     def take_loads(self) -> list[AdapterLoad]:
         """The loads acquired since the last call, in order (for the scheduler's batch)."""

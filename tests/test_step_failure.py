@@ -1,0 +1,71 @@
+"""A step that fails (an error injected into the runner's launch, as an out-of-memory would raise
+it) leaves an engine that serves the next requests exactly: the requests of the failed step are
+aborted, as the server does, and nothing of them stays behind; an adapter whose load the failed
+step carried is never served from pages that may not hold its weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from adapter_factory import make_peft_adapter
+
+from loraserve import LLM, SamplingParams
+from loraserve.lora import weights
+from loraserve.page_pool import PageKind
+
+ENGINE = dict(kernels="torch", block_size=4, max_num_seqs=8, num_pages=200)
+PROMPT = "A prompt for the adapter that the failed step was loading"
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("step_failure")
+    targets = ["q_proj", "v_proj", "down_proj"]
+    return make_peft_adapter(tiny_hf_model, root / "a", rank=8, target_modules=targets, seed=5)
+
+
+def _tokens(llm: LLM, adapter: str | None) -> list[int]:
+    (output,) = llm.generate([PROMPT], GREEDY, adapters=[adapter], use_tqdm=False)
+    return list(output.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_adapter_loaded_by_a_failed_step_is_loaded_again(
+    tiny_model_dir: Path, adapter_dir: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
+) -> None:
+    reference = LLM(str(tiny_model_dir), **ENGINE)  # type: ignore[arg-type]
+    reference.add_adapter("a", adapter_dir)
+    expected, base = _tokens(reference, "a"), _tokens(reference, None)
+    assert expected != base  # the adapter changes the tokens: serving it without its weights shows
+
+    llm = LLM(str(tiny_model_dir), async_scheduling=async_scheduling, **ENGINE)  # type: ignore[arg-type]
+    llm.add_adapter("a", adapter_dir)
+    engine = llm.engine
+    write = weights.write_adapter_load
+    failures: list[str] = []
+
+    def failing_write(storage: Any, load: Any) -> None:
+        if not failures:
+            failures.append(load.pages.adapter_id)
+            raise RuntimeError("injected: out of memory while writing the adapter")
+        write(storage, load)
+
+    monkeypatch.setattr("loraserve.pool_storage.write_adapter_load", failing_write)
+    engine.add_request("r1", PROMPT, GREEDY, adapter_name="a")
+    with pytest.raises(RuntimeError, match="injected"):
+        for _ in range(100):  # the first steps may wait for the adapter's files
+            engine.step()
+    assert len(failures) == 1
+    engine.abort_request("r1")  # what the server does with the requests of a failed step
+    assert not engine.has_unfinished_requests()
+    pages = engine.stats().pages_by_kind
+    assert pages.get(PageKind.ADAPTER, 0) == pages.get(PageKind.ADAPTER_IDLE, 0) == 0  # freed, not kept idle
+
+    assert _tokens(llm, "a") == expected
+    assert engine.adapters.num_loads == 2
+    assert _tokens(llm, None) == base
+    engine.step()  # hands the runner the rows of the last finished sequences
+    assert engine.stats().pages_by_kind.get(PageKind.KV, 0) == 0
