@@ -16,6 +16,8 @@ Policy, in order, each step (a token budget of ``max_num_batched_tokens``):
    adapter pages counted together in the unified pool); admission stops at
    the first that does not fit (no overtaking). Nothing is admitted in a step that
    preempted, nor while swapped sequences wait to come back (so they never starve).
+4. If nothing runs then, the forked samples waiting with their prompt's pages give them back
+   (they recompute the prompt): nothing else could free the pages the head of the line needs.
 
 After the runner's step, ``update_from_output`` is the one place where a sequence's state
 changes: it accounts the computed tokens, appends the sampled ones, forks the other samples of
@@ -151,9 +153,9 @@ class Scheduler:
         preempted = self._schedule_running(batch, budget)
         budget -= batch.num_tokens
         if not preempted:
-            budget = self._schedule_swapped(batch, budget)
-            if not self.swapped:
-                self._schedule_waiting(batch, budget)
+            self._schedule_queued(batch, budget)
+        if not self.running and self._free_waiting_forks() and not preempted:
+            self._schedule_queued(batch, budget)
         batch.released_seq_ids, self._released = self._released, []
         if self.adapters is not None:
             batch.adapter_loads = self.adapters.take_loads()
@@ -184,6 +186,22 @@ class Scheduler:
                 budget -= num_new
                 index += 1
         return preempted
+
+    def _schedule_queued(self, batch: ScheduledBatch, budget: int) -> None:
+        budget = self._schedule_swapped(batch, budget)
+        if not self.swapped:
+            self._schedule_waiting(batch, budget)
+
+    def _free_waiting_forks(self) -> bool:
+        """Nothing runs: the head of the line did not fit, or the one running sequence preempted
+        itself. Forked samples waiting behind it may hold pages (their request's prompt) that
+        nothing else would free; they give them back and recompute their prompt (from the prefix
+        cache while it keeps it). True if any held pages."""
+        forks = [seq for seq in self.waiting if seq.block_ids]  # only forks wait holding blocks
+        for seq in forks:
+            self.kv_manager.free(seq)
+            seq.num_computed_tokens = 0
+        return bool(forks)
 
     def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:

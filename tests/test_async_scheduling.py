@@ -227,3 +227,22 @@ def test_swap_in_counts_device_pages_only(tiny_model_dir: Path) -> None:
         assert all(len(o.token_ids) == 30 for o in outputs)
     assert llm.engine.scheduler.num_preemptions > 0
     _all_pages_back(llm.engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_forked_samples_in_a_pool_they_fill(tiny_model_dir: Path, async_scheduling: bool) -> None:
+    """n = 3 samples of three requests in 10 pages, swapping: the waiting forks hold their prompts'
+    pages when the one running sequence swaps itself out, so they give them back (before: no
+    progress, ever); every sample's tokens are those of a roomy pool."""
+    prompts = [f"The forked samples of a request share this prompt's pages until they {i}" for i in range(3)]
+    params = [SamplingParams(n=3, max_tokens=10, ignore_eos=True, temperature=1.0, seed=i) for i in range(3)]
+
+    def samples(llm: LLM) -> list[list[list[int]]]:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [[sample.token_ids for sample in output.outputs] for output in outputs]
+
+    expected = samples(_make(tiny_model_dir, {}, async_scheduling=False))
+    llm = _make(tiny_model_dir, {}, async_scheduling, num_pages=10, preemption_mode="swap", num_swap_pages=64)
+    assert samples(llm) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    _all_pages_back(llm.engine)

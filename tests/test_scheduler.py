@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 from fake_runner import step, summary
@@ -190,6 +191,40 @@ def test_swap_falls_back_to_recompute_when_host_is_full() -> None:
     assert sched.kv_manager.pool.num_free_pages == 5
 
 
+def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int, n: int) -> list[Sequence]:
+    """The ``n`` samples of one request; the first is queued, the others fork off it."""
+    params = SamplingParams(n=n, max_tokens=max_tokens)
+    return [Sequence(request_id, list(range(num_prompt_tokens)), params, sample_index=i) for i in range(n)]
+
+
+def test_waiting_forks_give_their_pages_back_when_nothing_else_can_run() -> None:
+    """Forked samples wait holding their prompt's pages. When the one running sequence has to
+    preempt itself (or the head of the line does not fit) with nothing running, those pages are
+    all that could make room: the forks free them and recompute their prompt. Before, the step
+    after came back empty with requests waiting (no progress, ever)."""
+    sched = make_scheduler(5, mode="swap", num_host_pages=8)
+    pool = sched.kv_manager.pool
+    a0, a1 = make_request("a", 7, 6, n=2)
+    b0, b1 = make_request("b", 7, 6, n=2)
+    sched.add(a0, forks=[a1])
+    sched.add(b0, forks=[b1])
+    assert summary(step(sched)) == [("a", 7), ("b", 7)]
+    assert list(sched.waiting) == [b1, a1] and (a1.block_ids, b1.block_ids) == ([0, 1], [2, 3])  # shared
+    batch = step(sched)  # a0 copies its shared last block; b0 swaps out (its pages stay: b1 holds them)
+    assert summary(batch) == [("a", 1)] and batch.copy_pages == [(1, 4)] and batch.swap_out == [(2, 0), (3, 1)]
+    assert pool.num_free_pages == 0
+    batch = step(sched)  # a0 swaps itself out: nothing runs, so the forks give their pages back
+    assert summary(batch) == [] and batch.swap_out == [(0, 2), (4, 3)]
+    assert list(sched.waiting) == [b1, a1] and (a1.block_ids, b1.block_ids, a1.num_computed_tokens) == ([], [], 0)
+    assert pool.num_free_pages == 5
+    batch = step(sched)
+    assert summary(batch) == [("b", 1), ("a", 1)] and (b0.block_ids, a0.block_ids) == ([4, 3], [2, 1, 0])
+    run_to_completion(sched)
+    for seq in (a0, a1, b0, b1):
+        assert seq.finish_reason is FinishReason.LENGTH and seq.num_output_tokens == 6 and seq.block_ids == []
+    assert pool.num_free_pages == 5
+
+
 def test_finish_frees_pages_wherever_the_sequence_is() -> None:
     sched = make_scheduler(5, max_num_seqs=2, mode="swap", num_host_pages=4)
     pool, host = sched.kv_manager.pool, sched.kv_manager.host_pool
@@ -224,37 +259,47 @@ def test_abort_mid_prefill_frees_its_pages() -> None:
 
 
 def check_invariants(sched: Scheduler) -> None:
+    """Every page's reference count is the number of block tables holding it (forked samples share
+    their prompt's pages, copy-on-write); only forks wait holding pages: their prompt's."""
     pool, host = sched.kv_manager.pool, sched.kv_manager.host_pool
     assert len(sched.running) <= sched.max_num_seqs
-    for pages_pool, seqs, status in ((pool, sched.running, SequenceStatus.RUNNING), (host, sched.swapped, None)):
+    device_seqs = [*sched.running, *sched.waiting]
+    for pages_pool, seqs in ((pool, device_seqs), (host, list(sched.swapped))):
         if pages_pool is None:
             assert not seqs
             continue
-        pages = [p for seq in seqs for p in seq.block_ids]
-        assert len(pages) == len(set(pages)), "a page is in two block tables"
-        assert all(pages_pool.ref_count(p) == 1 for p in pages)
-        assert sum(pages_pool.ref_count(p) for p in range(pages_pool.num_pages)) == len(pages)
-        assert pages_pool.num_free_pages + len(pages) == pages_pool.num_pages
+        refs = Counter(p for seq in seqs for p in seq.block_ids)
+        assert all(pages_pool.ref_count(p) == refs.get(p, 0) for p in range(pages_pool.num_pages))
+        assert pages_pool.num_free_pages + len(refs) == pages_pool.num_pages
         for seq in seqs:
-            assert status is None or seq.status is status
-            assert len(seq.block_ids) == cdiv(seq.num_computed_tokens, BLOCK_SIZE)
+            assert len(seq.block_ids) == len(set(seq.block_ids)), "a page twice in one block table"
+    for seq in [*sched.running, *sched.swapped]:
+        assert seq.status is not SequenceStatus.WAITING
+        assert len(seq.block_ids) == cdiv(seq.num_computed_tokens, BLOCK_SIZE)
     for seq in sched.waiting:
-        assert seq.status is SequenceStatus.WAITING and seq.block_ids == []
+        assert seq.status is SequenceStatus.WAITING
+        if seq.block_ids:  # a fork: its parent's prompt pages, the last prompt token to compute
+            assert seq.sample_index > 0 and seq.num_computed_tokens == seq.num_prompt_tokens - 1
+            assert len(seq.block_ids) == cdiv(seq.num_prompt_tokens, BLOCK_SIZE)
 
 
+@pytest.mark.parametrize("max_n", [1, 3], ids=["n1", "n1-3"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_randomized_stress_keeps_invariants_and_frees_everything(mode: str, seed: int) -> None:
+def test_randomized_stress_keeps_invariants_and_frees_everything(mode: str, seed: int, max_n: int) -> None:
+    """Requests of 1 to ``max_n`` samples arrive, run and are aborted at random in a small pool;
+    every step makes progress (forks holding pages neither deadlock nor livelock the pool)."""
     rng = random.Random(seed)
     sched = make_scheduler(12, max_num_seqs=4, budget=16, watermark=1, mode=mode, num_host_pages=6)
-    pending = [make_seq(f"r{i}", rng.randint(1, 20), rng.randint(1, 12)) for i in range(40)]
-    all_seqs, aborted, num_swap_outs = list(pending), set(), 0
+    pending = [make_request(f"r{i}", rng.randint(1, 20), rng.randint(1, 12), rng.randint(1, max_n)) for i in range(40)]
+    all_seqs, aborted, num_swap_outs = [seq for samples in pending for seq in samples], set(), 0
     for _ in range(3000):
         if pending and rng.random() < 0.4:
-            sched.add(pending.pop(0))
+            first, *forks = pending.pop(0)
+            sched.add(first, forks=forks)
         if not pending and not sched.num_unfinished:
             break
-        unfinished = [s for s in all_seqs if s.status is not SequenceStatus.FINISHED and s not in pending]
+        unfinished = [*sched.running, *sched.waiting, *sched.swapped]
         if unfinished and rng.random() < 0.02:
             victim = rng.choice(unfinished)
             sched.finish(victim, FinishReason.ABORT)
