@@ -145,8 +145,8 @@ class KVCacheManager:
         ``(num_tokens - 1) // block_size`` blocks are reused; a request for prompt logprobs
         reuses none.
         """
-        if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need the logits of every prompt token: nothing is skipped
+        if self._skips_prefix_cache(seq):
+            return 0
         assert not seq.block_ids and seq.num_computed_tokens == 0, "match_prefix needs a fresh sequence"
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.prefix_cache.num_queried_tokens += seq.num_tokens
@@ -163,6 +163,10 @@ class KVCacheManager:
         self.prefix_cache.num_hit_tokens += num_hit_tokens
         return num_hit_tokens
 
+    def _skips_prefix_cache(self, seq: Sequence) -> bool:
+        # Prompt logprobs need the logits of every prompt token: nothing is skipped.
+        return self.prefix_cache is None or seq.params.prompt_logprobs is not None
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (nothing changed) while a sequence holds KV pages.
 
@@ -178,8 +182,8 @@ class KVCacheManager:
 
     def unmatch_prefix(self, seq: Sequence) -> None:
         """Undo ``match_prefix`` for a sequence that could not be admitted after all."""
-        if self.prefix_cache is None:
-            return
+        if self._skips_prefix_cache(seq):
+            return  # nothing was matched, nor counted
         self.prefix_cache.num_hit_tokens -= seq.num_cached_tokens
         self.prefix_cache.num_queried_tokens -= seq.num_tokens
         self.free(seq)

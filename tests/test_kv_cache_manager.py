@@ -211,3 +211,23 @@ def test_full_blocks_are_registered_once_and_again_after_a_new_table() -> None:
     manager.cache_full_blocks([seq])
     assert seq.num_registered_blocks == 2
     assert all(cache.hash_of(page_id) is not None for page_id in seq.block_ids[:2])
+
+
+def test_prompt_logprobs_neither_match_nor_count_as_a_prefix_query() -> None:
+    """A sequence asking for prompt logprobs computes every prompt token: matching it reuses and
+    counts nothing, and undoing that (it was not admitted) leaves the counters as they were."""
+    pool = PagePool(8)
+    manager = KVCacheManager(pool, block_size=4, enable_prefix_caching=True)
+    cache = manager.prefix_cache
+    assert cache is not None
+    cached = make_seq(9)
+    run_step(manager, cached, 9)
+    manager.cache_full_blocks([cached])
+    seq = Sequence("req", list(range(9)), SamplingParams(prompt_logprobs=1))
+    for _ in range(3):  # the head of the line, not admitted three steps running
+        assert manager.match_prefix(seq) == 0 and seq.block_ids == []
+        manager.unmatch_prefix(seq)
+    assert (cache.num_queried_tokens, cache.num_hit_tokens) == (0, 0)
+    plain = make_seq(9)
+    assert manager.match_prefix(plain) == 8 and plain.block_ids == cached.block_ids[:2]
+    assert (cache.num_queried_tokens, cache.num_hit_tokens) == (9, 8)
