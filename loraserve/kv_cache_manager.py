@@ -145,13 +145,14 @@ class KVCacheManager:
         ``(num_tokens - 1) // block_size`` blocks are reused; a request for prompt logprobs
         reuses none.
         """
-        if self._skips_prefix_cache(seq):
+        cache = self._cache_for(seq)
+        if cache is None:
             return 0
         assert not seq.block_ids and seq.num_computed_tokens == 0, "match_prefix needs a fresh sequence"
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        self.prefix_cache.num_queried_tokens += seq.num_tokens
+        cache.num_queried_tokens += seq.num_tokens
         for block_hash in extend_block_hashes(seq, max_blocks, self.block_size):
-            page_id = self.prefix_cache.lookup(block_hash)
+            page_id = cache.lookup(block_hash)
             if page_id is None:
                 break
             if self.pool.take_evictable(("kv", block_hash)) is None:
@@ -160,12 +161,12 @@ class KVCacheManager:
         num_hit_tokens = len(seq.block_ids) * self.block_size
         seq.num_computed_tokens = num_hit_tokens
         seq.num_cached_tokens = num_hit_tokens
-        self.prefix_cache.num_hit_tokens += num_hit_tokens
+        cache.num_hit_tokens += num_hit_tokens
         return num_hit_tokens
 
-    def _skips_prefix_cache(self, seq: Sequence) -> bool:
-        # Prompt logprobs need the logits of every prompt token: nothing is skipped.
-        return self.prefix_cache is None or seq.params.prompt_logprobs is not None
+    def _cache_for(self, seq: Sequence) -> PrefixCacheIndex | None:
+        # None for prompt logprobs: they need the logits of every prompt token, so nothing is skipped.
+        return None if seq.params.prompt_logprobs is not None else self.prefix_cache
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False (nothing changed) while a sequence holds KV pages.
@@ -182,10 +183,11 @@ class KVCacheManager:
 
     def unmatch_prefix(self, seq: Sequence) -> None:
         """Undo ``match_prefix`` for a sequence that could not be admitted after all."""
-        if self._skips_prefix_cache(seq):
+        cache = self._cache_for(seq)
+        if cache is None:
             return  # nothing was matched, nor counted
-        self.prefix_cache.num_hit_tokens -= seq.num_cached_tokens
-        self.prefix_cache.num_queried_tokens -= seq.num_tokens
+        cache.num_hit_tokens -= seq.num_cached_tokens
+        cache.num_queried_tokens -= seq.num_tokens
         self.free(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
