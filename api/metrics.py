@@ -32,6 +32,7 @@ Exposed names (``model`` is the base model id or the adapter name):
   idle ones are ``loraserve_pool_pages{kind="prefix_cache"}``)
 * histograms ``loraserve_time_to_first_token_seconds{model}``,
   ``loraserve_inter_token_latency_seconds{model}``, ``loraserve_e2e_request_latency_seconds{model}``
+  (TTFT and ITL from the engine's token times: a request not streamed counts as much as a streamed one)
 """
 
 from __future__ import annotations
@@ -200,14 +201,18 @@ class ServerMetrics:
             self.generation_tokens.labels(timing.model).inc(new_tokens)
         first_new = counts[0] - timing.num_tokens_seen[0]
         if first_new > 0:
+            # The engine's token times: a request not streamed reports once, at its end.
+            latest = output.metrics.get("last_token_time", now)
             if timing.num_tokens_seen[0] == 0:
-                self.ttft.labels(timing.model).observe(now - timing.arrival_time)
+                first = output.metrics.get("first_token_time", now)
+                self.ttft.labels(timing.model).observe(first - timing.arrival_time)
                 self._record_prompt(output, timing.model)
+                since, gaps = first, first_new - 1
             else:
-                per_token = (now - timing.last_token_time) / first_new
-                for _ in range(first_new):
-                    self.itl.labels(timing.model).observe(per_token)
-            timing.last_token_time = now
+                since, gaps = timing.last_token_time, first_new
+            for _ in range(gaps):  # a report of several tokens: their mean gap, once per token
+                self.itl.labels(timing.model).observe((latest - since) / gaps)
+            timing.last_token_time = latest
         timing.num_tokens_seen = counts
         if output.finished:
             self.request_success.labels(timing.model, output.outputs[0].finish_reason or "unknown").inc()

@@ -28,6 +28,8 @@ class RequestOutput:
     where a caller should act on the kind: ``"registry_unavailable"`` (the adapter registry
     could not be reached: retry later), ``"request_too_large"`` (``REQUEST_TOO_LARGE``: with its
     adapter, now loaded, the request can never fit the pool: the client's to change), else None.
+    ``metrics``: the first sample's ``arrival_time`` and, once it has tokens, ``first_token_time``
+    and ``last_token_time`` (``time.monotonic()``, on the engine's host).
     """
 
     request_id: str

@@ -50,5 +50,16 @@ def make_output(request: Request) -> RequestOutput:
         finished=request.is_finished,
         adapter_name=request.adapter_name,
         num_cached_tokens=first.num_cached_tokens,
+        metrics=_token_times(first),
         prompt_logprobs=list(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None,
     )
+
+
+def _token_times(seq: Sequence) -> dict[str, float]:
+    """``RequestOutput.metrics``: the first sample's arrival and, once it has output tokens, the
+    times its first and latest reached the host (``time.monotonic()``)."""
+    times = {"arrival_time": seq.arrival_time}
+    if seq.first_token_time is not None and seq.last_token_time is not None:
+        times["first_token_time"] = seq.first_token_time
+        times["last_token_time"] = seq.last_token_time
+    return times

@@ -65,7 +65,9 @@ class Sequence:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # time.monotonic() when the first and the latest output token reached the host
     first_token_time: float | None = None
+    last_token_time: float | None = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     # params.prompt_logprobs: per prompt position, token id -> (logprob, rank); None for position 0
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] = field(default_factory=lambda: [None])
@@ -119,5 +121,6 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self.last_token_time = time.monotonic()
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = self.last_token_time

@@ -1,0 +1,54 @@
+"""Per-request latency histograms of ``/metrics`` (``api/metrics.py``), fed outputs as the engine
+loop feeds them: time to first token and inter-token latency come from the engine's token times
+(``RequestOutput.metrics``), so a request that is not streamed, reported once at its end, is
+measured as a streamed one is; and those times as the engine records them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from loraserve.api.metrics import ServerMetrics
+
+from loraserve import LLM, SamplingParams
+from loraserve.outputs import CompletionOutput, RequestOutput
+
+MODEL = "base"
+
+
+def _output(num_tokens: int, finished: bool, first: float, last: float) -> RequestOutput:
+    completion = CompletionOutput(0, "", list(range(num_tokens)), "length" if finished else None)
+    times = {"arrival_time": 0.0, "first_token_time": first, "last_token_time": last}
+    return RequestOutput("r", None, [1, 2, 3], [completion], finished, metrics=times)
+
+
+def _histogram(metrics: ServerMetrics, name: str) -> tuple[float, float]:
+    """(count, sum) of a histogram's series for MODEL."""
+    values = [metrics.registry.get_sample_value(f"{name}_{part}", {"model": MODEL}) for part in ("count", "sum")]
+    return values[0] or 0.0, values[1] or 0.0
+
+
+def test_a_request_reported_once_at_its_end_is_timed_by_its_tokens() -> None:
+    metrics = ServerMetrics(MODEL)
+    metrics.request_started("r", None, 100.0)
+    metrics.request_output(_output(5, True, first=100.5, last=101.3), now=102.0)  # final_only: one report
+    assert _histogram(metrics, "loraserve_time_to_first_token_seconds") == (1, pytest.approx(0.5))
+    assert _histogram(metrics, "loraserve_inter_token_latency_seconds") == (4, pytest.approx(0.8))
+    assert _histogram(metrics, "loraserve_e2e_request_latency_seconds") == (1, pytest.approx(2.0))
+
+
+def test_a_streamed_request_is_timed_by_its_tokens_too() -> None:
+    metrics = ServerMetrics(MODEL)
+    metrics.request_started("r", None, 10.0)
+    metrics.request_output(_output(1, False, first=10.2, last=10.2), now=10.25)
+    metrics.request_output(_output(2, False, first=10.2, last=10.3), now=10.5)  # delivered late: not counted
+    metrics.request_output(_output(4, True, first=10.2, last=10.6), now=10.7)  # two tokens in one report
+    assert _histogram(metrics, "loraserve_time_to_first_token_seconds") == (1, pytest.approx(0.2))
+    assert _histogram(metrics, "loraserve_inter_token_latency_seconds") == (3, pytest.approx(0.4))
+
+
+def test_the_engine_reports_its_token_times(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), kernels="torch", block_size=4)
+    (output,) = llm.generate(["a prompt"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    times = output.metrics
+    assert times["arrival_time"] <= times["first_token_time"] < times["last_token_time"]
