@@ -34,6 +34,8 @@ class AdapterDeleted(BaseModel):
 class LoadLoRAAdapterRequest(RequestBody):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1, description="A directory under one of the server's --allowed-lora-dir")
+    load_inplace: bool = Field(False, description="Replace an adapter of that name (running requests keep the old)")
+    is_3d_lora_weight: bool = Field(False, description="vLLM's flag for MoE adapters' 3D weights: refused if true")
 
 
 class UnloadLoRAAdapterRequest(RequestBody):

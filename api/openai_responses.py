@@ -4,9 +4,9 @@ openai_protocol.py)."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 class PromptTokensDetails(BaseModel):
@@ -94,8 +94,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """A chunk's new message part; fields without a value are left out, as vLLM and OpenAI send them
+    (``role`` in the first chunk only, ``{}`` for a chunk that only ends its choice)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatChunkChoice(BaseModel):
@@ -122,6 +129,7 @@ class ModelCard(BaseModel):
     owned_by: str = "loraserve"
     root: str | None = None
     parent: str | None = None
+    max_model_len: int | None = None  # vLLM's: the base model's context length (None on adapters' cards)
 
 
 class ModelList(BaseModel):

@@ -78,19 +78,24 @@ def _require_adapter_support(state: ServerState) -> None:
         raise APIError(501, "this engine does not support adapters", code="adapters_unsupported")
 
 
-def _check_new_name(state: ServerState, name: str) -> None:
+def _check_new_name(state: ServerState, name: str, status: int = 409) -> None:
     if name == state.settings.model_id:
-        raise APIError(409, f"{name!r} is the base model's id; choose another adapter name", code="adapter_exists")
+        raise APIError(status, f"{name!r} is the base model's id; choose another adapter name", code="adapter_exists")
 
 
-async def _registry_call(state: ServerState, fn: Callable[[Any], Any], name: str) -> Any:
-    """Run an adapter operation on a worker thread, mapping adapter errors to HTTP errors."""
+async def _registry_call(
+    state: ServerState, fn: Callable[[Any], Any], name: str, exists: APIError | None = None
+) -> Any:
+    """Run an adapter operation on a worker thread, mapping adapter errors to HTTP errors
+    (``exists``: the error for a name already registered, 409 by default)."""
     _require_adapter_support(state)
     try:
         return await registry_call(state, fn)
     except RegistryUnavailableError as error:  # before AdapterError, its base class
         raise registry_unavailable(error) from None
     except AdapterExistsError as error:
+        if exists is not None:
+            raise exists from None
         raise APIError(409, f"an adapter named {name!r} already exists: {error}", code="adapter_exists") from None
     except (AdapterNotFoundError, UnknownAdapterError):
         raise APIError(404, f"no adapter named {name!r}", code="adapter_not_found") from None
@@ -163,15 +168,30 @@ async def delete_adapter(name: str, request: Request) -> AdapterDeleted:
     summary="vLLM-compatible: register the adapter directory at a server path under --allowed-lora-dir",
 )
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    """As vLLM's route: its errors are 400s, and ``load_inplace`` replaces an adapter of that name."""
     state = get_state(request)
     _require_adapter_support(state)
-    _check_new_name(state, body.lora_name)
+    name = body.lora_name
+    if body.is_3d_lora_weight:
+        message = "is_3d_lora_weight: adapters with 3D (MoE) weights are not supported"
+        raise APIError(400, message, param="is_3d_lora_weight")
+    _check_new_name(state, name, status=400)
     settings = state.settings
     files = await asyncio.to_thread(
         read_confined_adapter_dir, body.lora_path, settings.allowed_lora_dirs, settings.max_upload_bytes
     )
-    await _registry_call(state, lambda engine: engine.register_adapter(body.lora_name, files), body.lora_name)
-    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+    exists = APIError(
+        400,
+        f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
+        "set 'load_inplace' to True.",
+        code="adapter_exists",
+    )
+
+    def register(engine: Any) -> Any:
+        return engine.register_adapter(name, files, overwrite=body.load_inplace)
+
+    await _registry_call(state, register, name, exists=exists)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
 @router.post(

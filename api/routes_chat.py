@@ -240,7 +240,8 @@ async def _stream(
     trackers = [DeltaTracker.for_stops(params.stop) for _ in range(params.n)]
     final: RequestOutput | None = None
     try:
-        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(params.n)])
+        for index in range(params.n):  # one chunk per choice, as vLLM sends them
+            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
         async with aclosing(merge_streams([stream])) as merged:
             async for _, output in merged:
                 final = output if output.finished else None
@@ -254,7 +255,7 @@ async def _stream(
                     logprobs = _logprobs(state, completion, start, end, params, num_top) if end > start else None
                     if not text and not tracker.finished and end == start:
                         continue  # nothing new (a token whose text is still incomplete still gets its chunk)
-                    delta = ChatDelta(content=text)
+                    delta = ChatDelta(content=text or None)
                     choice = ChatChunkChoice(
                         index=completion.index,
                         delta=delta,

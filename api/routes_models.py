@@ -46,7 +46,7 @@ async def list_adapter_names(state: ServerState) -> list[str]:
 async def list_models(request: Request) -> ModelList:
     state = get_state(request)
     base = state.settings.model_id
-    cards = [ModelCard(id=base, root=str(state.engine.model_dir))]
+    cards = [ModelCard(id=base, root=str(state.engine.model_dir), max_model_len=state.engine.max_model_len)]
     cards += [ModelCard(id=name, root=name, parent=base) for name in await list_adapter_names(state)]
     return ModelList(data=cards)
 

@@ -129,6 +129,8 @@ def test_upload_list_use_delete(server: Server, tmp_path: Path) -> None:
     assert server.http.get("/v1/adapters/alpha").json()["digest"] == card["digest"]
     models = {model.id: model for model in server.client.models.list()}
     assert {MODEL, "alpha"} <= set(models) and models["alpha"].parent == MODEL  # type: ignore[attr-defined]
+    assert models[MODEL].max_model_len == server.engine.max_model_len  # type: ignore[attr-defined]
+    assert models["alpha"].max_model_len is None  # type: ignore[attr-defined]
     assert first_token_logprob(server, "alpha") != pytest.approx(first_token_logprob(server, MODEL), abs=1e-5)
     chat = server.client.chat.completions.create(
         model="alpha", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
@@ -187,13 +189,18 @@ def test_load_and_unload_confined_to_allowed_dirs(server: Server) -> None:
     adapter_files(server, server.outside / "bad", seed=5)
     (server.allowed / "link").symlink_to(server.outside / "bad", target_is_directory=True)
 
-    def load(name: str, path: str) -> httpx.Response:
-        return server.http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+    def load(name: str, path: str, **options: Any) -> httpx.Response:
+        return server.http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, **options})
 
     response = load("good", str(inside))
     assert response.status_code == 200 and "good" in response.text
-    assert server.http.get("/v1/adapters/good").status_code == 200
-    assert_error(load("good", str(inside)), 409)
+    first = server.http.get("/v1/adapters/good").json()["digest"]
+    assert_error(load("good", str(inside)), 400, "load_inplace")  # vLLM's answer, a 400
+    adapter_files(server, server.allowed / "better", seed=6)
+    assert load("good", str(server.allowed / "better"), load_inplace=True).status_code == 200
+    assert server.http.get("/v1/adapters/good").json()["digest"] != first  # replaced
+    assert_error(load(MODEL, str(inside)), 400, "base model")
+    assert_error(load("moe", str(inside), is_3d_lora_weight=True), 400, "is_3d_lora_weight")
     assert_error(load("bad", str(server.outside / "bad")), 403, "outside")
     assert_error(load("bad", str(server.allowed / "link")), 403, "outside")
     assert_error(load("bad", "../outside/bad"), 403, "outside")

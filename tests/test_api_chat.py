@@ -57,6 +57,23 @@ def test_chat_stream_and_non_stream(client: openai.OpenAI) -> None:
     assert streamed == [choice.message.content for choice in pair.choices]
 
 
+def test_stream_chunks_shaped_as_vllm_sends_them(http: httpx.Client) -> None:
+    """One first chunk per choice with the role; after it, deltas without ``role`` (no null fields),
+    and ``{}`` for a chunk that only ends its choice."""
+    body = {"model": MODEL, "messages": [USER_HI], "max_tokens": 3, "n": 2, "seed": 1, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    first = [{"index": i, "delta": {"role": "assistant", "content": ""}} for i in (0, 1)]
+    assert [{key: c["choices"][0][key] for key in ("index", "delta")} for c in chunks[:2]] == first
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    deltas = [c["choices"][0]["delta"] for c in chunks[2:]]
+    assert deltas and all(set(delta) <= {"content"} and delta.get("content") != "" for delta in deltas)
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]) == [0, 1]
+
+
 def test_null_max_tokens_stream_options_and_chat_stop_reason_as_vllm(
     http: httpx.Client, server: tuple[Any, LLMEngine]
 ) -> None:
