@@ -168,7 +168,7 @@ async def delete_adapter(name: str, request: Request) -> AdapterDeleted:
     summary="vLLM-compatible: register the adapter directory at a server path under --allowed-lora-dir",
 )
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
-    """As vLLM's route: its errors are 400s, and ``load_inplace`` replaces an adapter of that name."""
+    """As vLLM's route: its errors are 400s, and `load_inplace` replaces an adapter of that name."""
     state = get_state(request)
     _require_adapter_support(state)
     name = body.lora_name

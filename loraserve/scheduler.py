@@ -158,10 +158,10 @@ class Scheduler:
             self._schedule_queued(batch, budget)
         batch.released_seq_ids, self._released = self._released, []
         if self.adapters is not None:
-            batch.adapter_loads = self.adapters.take_loads()
             for seq in batch.seqs:
                 if seq.adapter_id is not None and seq.adapter_id not in batch.adapters:
-                    batch.adapters[seq.adapter_id] = self.adapters.pages(seq.adapter_id)
+                    batch.adapters[seq.adapter_id] = self.adapters.pages_for_step(seq.adapter_id)
+            batch.adapter_loads = self.adapters.take_loads()
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:

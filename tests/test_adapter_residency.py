@@ -131,17 +131,20 @@ def test_reviving_an_idle_adapter_does_not_reload(tmp_path: Path, base: Any) -> 
 
 
 def test_load_of_a_failed_step_is_written_again_or_its_pages_freed(tmp_path: Path, base: Any) -> None:
-    """A step that carried a load failed (``unwritten``): a sequence acquiring the adapter while others
-    still pin it gets the same pages written again; the last release of one never rewritten frees them."""
+    """A step that carried a load failed (``unwritten``): the next step using the adapter (a sequence
+    still pinning it, or one acquiring it meanwhile) gets the same pages written again; the last
+    release of one never rewritten frees them."""
     env = Env(tmp_path, base, num_pages=40)
     manager, pool = env.manager, env.pool
     a = env.add("a", 2)
     assert manager.acquire(a)
     (load,) = manager.take_loads()
     manager.unwritten([load])
-    assert manager.acquire(a)  # a second sequence while the first still pins it
+    assert manager.acquire(a) and manager.take_loads() == []  # a second sequence while the first pins it
+    assert manager.pages_for_step(a) == load.pages
     (again,) = manager.take_loads()
     assert again.pages == load.pages and manager.num_loads == 2
+    assert manager.pages_for_step(a) == load.pages and manager.take_loads() == []  # written once
     env.storage.zero_()
     write_adapter_load(env.storage, again)
     env.check_weights("a", a)

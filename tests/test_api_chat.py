@@ -72,6 +72,11 @@ def test_stream_chunks_shaped_as_vllm_sends_them(http: httpx.Client) -> None:
     deltas = [c["choices"][0]["delta"] for c in chunks[2:]]
     assert deltas and all(set(delta) <= {"content"} and delta.get("content") != "" for delta in deltas)
     assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]) == [0, 1]
+    body = {"model": MODEL, "messages": [USER_HI], "max_tokens": 64, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    last = json.loads(lines[-2])["choices"][0]  # ended by the end-of-turn token, whose text is not sent
+    assert last["finish_reason"] == "stop" and last["delta"] == {}
 
 
 def test_null_max_tokens_stream_options_and_chat_stop_reason_as_vllm(

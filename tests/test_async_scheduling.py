@@ -233,7 +233,8 @@ def test_swap_in_counts_device_pages_only(tiny_model_dir: Path) -> None:
 def test_forked_samples_in_a_pool_they_fill(tiny_model_dir: Path, async_scheduling: bool) -> None:
     """n = 3 samples of three requests in 10 pages, swapping: the waiting forks hold their prompts'
     pages when the one running sequence swaps itself out, so they give them back (before: no
-    progress, ever); every sample's tokens are those of a roomy pool."""
+    progress, ever); every sample's tokens are those of a roomy pool. (n > 1 turns the overlap
+    off, so "async" is the engine's path with async scheduling on, its steps not overlapping.)"""
     prompts = [f"The forked samples of a request share this prompt's pages until they {i}" for i in range(3)]
     params = [SamplingParams(n=3, max_tokens=10, ignore_eos=True, temperature=1.0, seed=i) for i in range(3)]
 

@@ -1,7 +1,8 @@
 """A step that fails (an error injected into the runner's launch, as an out-of-memory would raise
 it) leaves an engine that serves the next requests exactly: the requests of the failed step are
 aborted, as the server does, and nothing of them stays behind; an adapter whose load the failed
-step carried is never served from pages that may not hold its weights."""
+step carried is never served from pages that may not hold its weights, not even to the requests
+that keep running on it when a caller of the engine goes on stepping."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ def _tokens(llm: LLM, adapter: str | None) -> list[int]:
     return list(output.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_adapter_loaded_by_a_failed_step_is_loaded_again(
+def _engine_failing_its_first_adapter_write(
     tiny_model_dir: Path, adapter_dir: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
-) -> None:
+) -> tuple[LLM, list[int], list[int]]:
+    """An engine whose first adapter write raises; the tokens of PROMPT with adapter "a" and without."""
     reference = LLM(str(tiny_model_dir), **ENGINE)  # type: ignore[arg-type]
     reference.add_adapter("a", adapter_dir)
     expected, base = _tokens(reference, "a"), _tokens(reference, None)
@@ -43,7 +44,6 @@ def test_adapter_loaded_by_a_failed_step_is_loaded_again(
 
     llm = LLM(str(tiny_model_dir), async_scheduling=async_scheduling, **ENGINE)  # type: ignore[arg-type]
     llm.add_adapter("a", adapter_dir)
-    engine = llm.engine
     write = weights.write_adapter_load
     failures: list[str] = []
 
@@ -54,11 +54,25 @@ def test_adapter_loaded_by_a_failed_step_is_loaded_again(
         write(storage, load)
 
     monkeypatch.setattr("loraserve.pool_storage.write_adapter_load", failing_write)
-    engine.add_request("r1", PROMPT, GREEDY, adapter_name="a")
+    return llm, expected, base
+
+
+def _fail_a_step(engine: Any) -> None:
     with pytest.raises(RuntimeError, match="injected"):
         for _ in range(100):  # the first steps may wait for the adapter's files
             engine.step()
-    assert len(failures) == 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_adapter_loaded_by_a_failed_step_is_loaded_again(
+    tiny_model_dir: Path, adapter_dir: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
+) -> None:
+    llm, expected, base = _engine_failing_its_first_adapter_write(
+        tiny_model_dir, adapter_dir, monkeypatch, async_scheduling
+    )
+    engine = llm.engine
+    engine.add_request("r1", PROMPT, GREEDY, adapter_name="a")
+    _fail_a_step(engine)
     engine.abort_request("r1")  # what the server does with the requests of a failed step
     assert not engine.has_unfinished_requests()
     pages = engine.stats().pages_by_kind
@@ -69,3 +83,25 @@ def test_adapter_loaded_by_a_failed_step_is_loaded_again(
     assert _tokens(llm, None) == base
     engine.step()  # hands the runner the rows of the last finished sequences
     assert engine.stats().pages_by_kind.get(PageKind.KV, 0) == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_requests_still_running_on_it_get_it_written(
+    tiny_model_dir: Path, adapter_dir: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
+) -> None:
+    """Two requests on the adapter; the step loading it fails and only one is aborted: the other,
+    stepped on by the engine's caller, runs on the adapter written again, not on empty pages."""
+    llm, expected, _ = _engine_failing_its_first_adapter_write(
+        tiny_model_dir, adapter_dir, monkeypatch, async_scheduling
+    )
+    engine = llm.engine
+    engine.add_request("r1", PROMPT, GREEDY, adapter_name="a")
+    engine.add_request("r2", PROMPT, GREEDY, adapter_name="a")
+    _fail_a_step(engine)
+    engine.abort_request("r1")
+    finished: dict[str, list[int]] = {}
+    for _ in range(100):
+        finished |= {out.request_id: list(out.outputs[0].token_ids) for out in engine.step() if out.finished}
+        if not engine.has_unfinished_requests():
+            break
+    assert finished == {"r2": expected} and engine.adapters.num_loads == 2

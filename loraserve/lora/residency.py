@@ -267,10 +267,6 @@ class AdapterManager:
         if resident is not None:
             if resident.num_pins == 0 and self.pool.take_evictable(("adapter", adapter_id)) is None:
                 raise RuntimeError(f"idle adapter {adapter_id[:12]} lost its pages")
-            if not resident.written:  # its sequences still pin it after a failed step: load it again
-                self._loads_to_write.append(AdapterLoad(resident.pages, self._adapter_weights(adapter_id)))
-                resident.written = True
-                self.num_loads += 1
             resident.num_pins += 1
             return True
         num_pages = self.num_pages(adapter_id)
@@ -315,8 +311,8 @@ class AdapterManager:
 
     def unwritten(self, loads: list[AdapterLoad]) -> None:
         """A step that carried these loads failed, perhaps before writing them: their pages may hold
-        no weights. Such an adapter is never served from them: acquiring it again loads it again,
-        and its last release frees its pages instead of keeping them as idle content."""
+        no weights. Such an adapter is never served from them: the next step that uses it loads it
+        again (``pages_for_step``), and its last release frees its pages instead of keeping them idle."""
         for load in loads:
             resident = self.resident.get(load.pages.adapter_id)
             if resident is not None and resident.pages == load.pages:
@@ -330,3 +326,13 @@ class AdapterManager:
     def pages(self, adapter_id: str) -> AdapterPages:
         """Where the resident adapter ``adapter_id`` sits (it must be pinned)."""
         return self.resident[adapter_id].pages
+
+    def pages_for_step(self, adapter_id: str) -> AdapterPages:
+        """``pages``, for a step's batch: an adapter whose load a failed step carried is loaded
+        again into the same pages (the load joins ``take_loads``, so call that after)."""
+        resident = self.resident[adapter_id]
+        if not resident.written:
+            self._loads_to_write.append(AdapterLoad(resident.pages, self._adapter_weights(adapter_id)))
+            resident.written = True
+            self.num_loads += 1
+        return resident.pages
