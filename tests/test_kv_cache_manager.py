@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from loraserve.kv_cache_manager import KVCacheManager, cdiv
 from loraserve.page_pool import PagePool
+from loraserve.prefix_cache import PrefixCacheIndex
 from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import Sequence
 
@@ -183,13 +184,18 @@ def test_no_host_pool_means_no_swap() -> None:
     assert not manager.can_swap_out(seq)
 
 
+def caching_manager(num_pages: int) -> tuple[PagePool, KVCacheManager, PrefixCacheIndex]:
+    """A pool of ``num_pages``, a manager over it with prefix caching on, and its cache index."""
+    pool = PagePool(num_pages)
+    manager = KVCacheManager(pool, block_size=4, enable_prefix_caching=True)
+    assert manager.prefix_cache is not None
+    return pool, manager, manager.prefix_cache
+
+
 def test_full_blocks_are_registered_once_and_again_after_a_new_table() -> None:
     """``cache_full_blocks`` offers each full block once; a new block table (after a preemption
     freed the old one) is offered from its first block again."""
-    pool = PagePool(8)
-    manager = KVCacheManager(pool, block_size=4, enable_prefix_caching=True)
-    cache = manager.prefix_cache
-    assert cache is not None
+    pool, manager, cache = caching_manager(8)
     seq = make_seq(6)
     run_step(manager, seq, 6)
     manager.cache_full_blocks([seq])
@@ -216,10 +222,7 @@ def test_full_blocks_are_registered_once_and_again_after_a_new_table() -> None:
 def test_prompt_logprobs_neither_match_nor_count_as_a_prefix_query() -> None:
     """A sequence asking for prompt logprobs computes every prompt token: matching it reuses and
     counts nothing, and undoing that (it was not admitted) leaves the counters as they were."""
-    pool = PagePool(8)
-    manager = KVCacheManager(pool, block_size=4, enable_prefix_caching=True)
-    cache = manager.prefix_cache
-    assert cache is not None
+    _, manager, cache = caching_manager(8)
     cached = make_seq(9)
     run_step(manager, cached, 9)
     manager.cache_full_blocks([cached])
