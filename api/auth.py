@@ -35,7 +35,6 @@ def _presented_key(credentials: HTTPAuthorizationCredentials | None) -> str:
         raise APIError(
             401,
             "missing API key: send the header 'Authorization: Bearer <key>'",
-            code="invalid_api_key",
             headers=_CHALLENGE,
         )
     return credentials.credentials
@@ -51,7 +50,7 @@ def require_api_key(
     key = _presented_key(credentials)
     if _same(key, settings.api_key) or (settings.admin_key is not None and _same(key, settings.admin_key)):
         return
-    raise APIError(401, "invalid API key", code="invalid_api_key", headers=_CHALLENGE)
+    raise APIError(401, "invalid API key", headers=_CHALLENGE)
 
 
 def require_admin_key(
@@ -66,5 +65,5 @@ def require_admin_key(
     if _same(key, required):
         return
     if settings.admin_key is not None and settings.api_key is not None and _same(key, settings.api_key):
-        raise APIError(403, "changing adapters needs the admin key, not the API key", code="admin_key_required")
-    raise APIError(401, "invalid API key", code="invalid_api_key", headers=_CHALLENGE)
+        raise APIError(403, "changing adapters needs the admin key, not the API key")
+    raise APIError(401, "invalid API key", headers=_CHALLENGE)

@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: every failure answers ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors as vLLM answers them: every failure is ``{"error": {"message", "type", "param", "code"}}``
+with ``type`` named after the HTTP status (``BadRequestError``) and ``code`` the status (400)."""
 
 from __future__ import annotations
 
@@ -14,22 +15,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
+# vLLM's error types (``create_error_response``); other statuses take their HTTP phrase, as
+# vLLM's ``GracefulHTTPError`` does ("Too Many Requests").
 _TYPES_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    503: "service_unavailable_error",
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
 }
 
 
 class APIError(Exception):
-    """An error the API reports to the client with ``status_code`` and the OpenAI error body."""
+    """An error the API reports to the client with ``status_code`` and vLLM's error body."""
 
     def __init__(
         self,
@@ -37,30 +36,30 @@ class APIError(Exception):
         message: str,
         *,
         param: str | None = None,
-        code: str | None = None,
-        error_type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
-        self.code = code
-        self.error_type = error_type or error_type_for(status_code)
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.error_type, self.param, self.code)
+        return error_body(self.message, self.status_code, self.param)
 
 
 def error_type_for(status_code: int) -> str:
-    if status_code >= 500:
-        return "server_error"
-    return _TYPES_BY_STATUS.get(status_code, "invalid_request_error")
+    if status_code in _TYPES_BY_STATUS:
+        return _TYPES_BY_STATUS[status_code]
+    try:
+        return HTTPStatus(status_code).phrase
+    except ValueError:
+        return "InternalServerError" if status_code >= 500 else "BadRequestError"
 
 
-def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:
+    """vLLM's error body: ``type`` named after the status, ``code`` the status itself."""
+    return {"error": {"message": message, "type": error_type_for(status_code), "param": param, "code": status_code}}
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -70,7 +69,7 @@ def error_response(error: APIError) -> JSONResponse:
 def registry_unavailable(error: RegistryUnavailableError) -> APIError:
     """503 for a request that needed the adapter registry while it was unreachable (the message
     names the registry); worth retrying."""
-    return APIError(503, str(error), code=RegistryUnavailableError.code, headers={"Retry-After": "1"})
+    return APIError(503, str(error), headers={"Retry-After": "1"})
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -100,7 +99,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(APIError(400, message, param=param, code="invalid_value"))
+        return error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

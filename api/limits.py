@@ -70,9 +70,7 @@ class RequestBodyLimit:
     async def _too_large(self, send: Send) -> None:
         body = json.dumps(
             error_body(
-                f"request body larger than this server's limit of {self.max_bytes} bytes (--max-request-body-mb)",
-                "invalid_request_error",
-                code="request_too_large",
+                f"request body larger than this server's limit of {self.max_bytes} bytes (--max-request-body-mb)", 413
             )
         ).encode()
         await send(
@@ -108,7 +106,6 @@ class InFlightLimiter:
                     429,
                     f"too many requests in flight for this API key (limit {self.max_per_key}, "
                     "--max-requests-per-key): retry when one finishes",
-                    code="rate_limit_exceeded",
                 )
             self._counts[key] += 1
 

@@ -80,3 +80,26 @@ def prompt_logprobs(state: ServerState, final: RequestOutput) -> PromptLogprobs 
         }
         for entry in final.prompt_logprobs
     ]
+
+
+def echoed_prompt_logprobs(state: ServerState, final: RequestOutput) -> CompletionLogprobs:
+    """The prompt's tokens in the legacy completions shape, for ``echo`` with ``logprobs`` (vLLM's):
+    the first token has none; each later one its logprob and the top ones (the prompt logprobs
+    the request asked for, ``logprobs`` of them, plus the prompt's own token)."""
+    result = CompletionLogprobs()
+    entries = final.prompt_logprobs or []
+    text_offset = 0
+    for position, token_id in enumerate(final.prompt_token_ids):
+        entry = entries[position] if position < len(entries) else None
+        text = state.token_text(token_id)
+        result.tokens.append(text)
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(_finite(entry[token_id][0]) if token_id in entry else _FLOOR)
+        ranked = sorted(entry.items(), key=lambda item: -item[1][0])
+        result.top_logprobs.append({state.token_text(tid): _finite(value) for tid, (value, _) in ranked})
+    return result

@@ -23,7 +23,7 @@ class RequestBody(BaseModel):
 
 
 class StreamOptions(RequestBody):
-    include_usage: bool = True  # vLLM's default: stream_options {} asks for the usage chunk
+    include_usage: bool = False  # vLLM 0.32's default: stream_options {} asks for no usage chunk
     continuous_usage_stats: bool = False  # vLLM's: usage (so far) in every chunk
 
 
@@ -78,6 +78,7 @@ class _SamplingFields(RequestBody):
     best_of: int | None = Field(None, ge=1)  # only best_of == n is honoured (unsupported_fields)
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool | None = Field(None, description="vLLM extension: the prompt's and choices' token ids")
     priority: int = 0  # vLLM refuses a priority unless its scheduler runs by priority (here: first come)
 
 

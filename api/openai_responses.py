@@ -4,7 +4,7 @@ openai_protocol.py)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -14,9 +14,9 @@ class PromptTokensDetails(BaseModel):
 
 
 class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    prompt_tokens: int = 0  # in vLLM's order
     total_tokens: int = 0
+    completion_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
@@ -30,10 +30,19 @@ class _ResponseHead(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)  # in vLLM's order
     token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
+
+    def extended(self, later: CompletionLogprobs) -> CompletionLogprobs:
+        """These tokens followed by ``later``'s."""
+        return CompletionLogprobs(
+            text_offset=self.text_offset + later.text_offset,
+            token_logprobs=self.token_logprobs + later.token_logprobs,
+            tokens=self.tokens + later.tokens,
+            top_logprobs=self.top_logprobs + later.top_logprobs,
+        )
 
 
 class PromptLogprob(BaseModel):
@@ -53,12 +62,46 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the choice's tokens
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the prompt's tokens
 
 
 class CompletionResponse(_ResponseHead):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class _LeavesOutNones(BaseModel):
+    """Leaves out the fields named in ``omitted_when_none`` while they are None, as vLLM leaves
+    them unset in stream chunks (``usage`` but in the usage chunk, ``role`` but in the first)."""
+
+    omitted_when_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = self._unset_fields_left_out(handler(self))
+        return {key: value for key, value in data.items() if value is not None or key not in self.omitted_when_none}
+
+    def _unset_fields_left_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        return data
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in each choice's first chunk
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
+
+
+class CompletionChunk(_ResponseHead, _LeavesOutNones):
+    omitted_when_none = ("usage",)
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChunkChoice]
     usage: UsageInfo | None = None
 
 
@@ -87,6 +130,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(_ResponseHead):
@@ -94,32 +138,40 @@ class ChatCompletionResponse(_ResponseHead):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
-class ChatDelta(BaseModel):
-    """A chunk's new message part; fields without a value are left out, as vLLM and OpenAI send them
-    (``role`` in the first chunk only, ``{}`` for a chunk that only ends its choice)."""
+class ChatDelta(_LeavesOutNones):
+    """A chunk's new message part (``{}`` for a chunk that only ends its choice)."""
 
+    omitted_when_none = ("role", "content")
     role: Literal["assistant"] | None = None
     content: str | None = None
 
-    @model_serializer(mode="wrap")
-    def _without_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
 
+class ChatChunkChoice(_LeavesOutNones):
+    """``stop_reason`` is sent only with the ``finish_reason``, as vLLM sends it."""
 
-class ChatChunkChoice(BaseModel):
+    omitted_when_none = ("token_ids",)
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
+
+    def _unset_fields_left_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        if self.finish_reason is None:
+            del data["stop_reason"]
+        return data
 
 
-class ChatCompletionChunk(_ResponseHead):
+class ChatCompletionChunk(_ResponseHead, _LeavesOutNones):
+    omitted_when_none = ("usage", "prompt_token_ids")
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ModelCard(BaseModel):
@@ -141,7 +193,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: int  # the HTTP status, as vLLM sends it
 
 
 class ErrorResponse(BaseModel):

@@ -29,7 +29,7 @@ from .auth import require_admin_key, require_api_key
 from .errors import APIError, registry_unavailable
 from .openai_responses import ErrorResponse
 from .routes_models import list_adapter_infos
-from .serving import ServerState, UnknownAdapterError, get_state, registry_call
+from .serving import ServerState, UnknownAdapterError, get_state, registry_call, require_json
 from .uploads import read_adapter_upload, read_confined_adapter_dir
 
 router = APIRouter(tags=["adapters"])
@@ -75,12 +75,12 @@ def adapter_card(info: Any) -> AdapterCard:
 
 def _require_adapter_support(state: ServerState) -> None:
     if not state.supports_adapters:
-        raise APIError(501, "this engine does not support adapters", code="adapters_unsupported")
+        raise APIError(501, "this engine does not support adapters")
 
 
 def _check_new_name(state: ServerState, name: str, status: int = 409) -> None:
     if name == state.settings.model_id:
-        raise APIError(status, f"{name!r} is the base model's id; choose another adapter name", code="adapter_exists")
+        raise APIError(status, f"{name!r} is the base model's id; choose another adapter name")
 
 
 async def _registry_call(
@@ -96,13 +96,13 @@ async def _registry_call(
     except AdapterExistsError as error:
         if exists is not None:
             raise exists from None
-        raise APIError(409, f"an adapter named {name!r} already exists: {error}", code="adapter_exists") from None
+        raise APIError(409, f"an adapter named {name!r} already exists: {error}") from None
     except (AdapterNotFoundError, UnknownAdapterError):
-        raise APIError(404, f"no adapter named {name!r}", code="adapter_not_found") from None
+        raise APIError(404, f"no adapter named {name!r}") from None
     except AdapterTooLargeError as error:
-        raise APIError(413, str(error), code="upload_too_large") from None
+        raise APIError(413, str(error)) from None
     except AdapterError as error:
-        raise APIError(400, f"invalid adapter {name!r}: {error}", code="invalid_adapter") from None
+        raise APIError(400, f"invalid adapter {name!r}: {error}") from None
 
 
 @router.post(
@@ -164,7 +164,7 @@ async def delete_adapter(name: str, request: Request) -> AdapterDeleted:
     "/v1/load_lora_adapter",
     response_class=PlainTextResponse,
     responses=_ERRORS,
-    dependencies=[Depends(require_admin_key)],
+    dependencies=[Depends(require_admin_key), Depends(require_json)],
     summary="vLLM-compatible: register the adapter directory at a server path under --allowed-lora-dir",
 )
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
@@ -184,7 +184,6 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
         400,
         f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
         "set 'load_inplace' to True.",
-        code="adapter_exists",
     )
 
     def register(engine: Any) -> Any:
@@ -198,7 +197,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
     "/v1/unload_lora_adapter",
     response_class=PlainTextResponse,
     responses=_ERRORS,
-    dependencies=[Depends(require_admin_key)],
+    dependencies=[Depends(require_admin_key), Depends(require_json)],
     summary="vLLM-compatible: unregister an adapter by name",
 )
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:

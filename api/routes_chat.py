@@ -35,8 +35,9 @@ from .serving import (
     ServerState,
     check_request_limits,
     get_state,
-    limited_max_tokens,
     new_id,
+    output_budgets,
+    require_json,
     resolve_adapter,
     sampling_params,
     submit,
@@ -149,7 +150,7 @@ def render_chat_prompt(
     "/v1/chat/completions",
     response_model=ChatCompletionResponse,
     responses={200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES},
-    dependencies=[Depends(require_api_key)],
+    dependencies=[Depends(require_api_key), Depends(require_json)],
     summary="Create a chat completion (OpenAI-compatible; `stream` for server-sent events)",
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
@@ -158,6 +159,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     adapter_name = resolve_adapter(state, model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    if body.tools == []:  # vLLM's (and OpenAI's) rule
+        raise APIError(
+            400,
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+            param="tools",
+        )
     prompt_ids = render_chat_prompt(
         state,
         body.messages,
@@ -167,8 +174,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body.chat_template_kwargs,
     )
     asked = body.max_completion_tokens or body.max_tokens
+    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_request_limits(state, body.n, [len(prompt_ids)], asked)
-    max_tokens = asked or limited_max_tokens(state, state.max_new_tokens(len(prompt_ids)))
+    (max_tokens,) = output_budgets(state, [len(prompt_ids)], asked, None, field, "messages")  # vLLM's rule
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     num_top = body.top_logprobs or 0
     request_id = new_id("chatcmpl")
@@ -176,17 +184,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.in_flight.acquire(key)  # 429 past the limit
     if body.stream:
         try:
-            streams = await submit(state, request_id, [prompt_ids], params, adapter_name, model, body.cache_salt)
+            streams = await submit(state, request_id, [prompt_ids], [params], adapter_name, model, body.cache_salt)
         except BaseException:
             state.in_flight.release(key)
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        stream = _stream(state, request_id, model, streams[0], params, num_top, include_usage, continuous)
+        ids = prompt_ids if body.return_token_ids else None
+        stream = _stream(state, request_id, model, streams[0], params, num_top, include_usage, continuous, ids)
         return SSEResponse(stream, on_close=lambda: state.in_flight.release(key))
 
     async def complete() -> ChatCompletionResponse:
-        streams = await submit(state, request_id, [prompt_ids], params, adapter_name, model, body.cache_salt)
+        streams = await submit(state, request_id, [prompt_ids], [params], adapter_name, model, body.cache_salt)
         (final,) = await collect_final(streams)
         choices = [
             ChatChoice(
@@ -195,6 +204,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 logprobs=_logprobs(state, completion, 0, len(completion.token_ids), params, num_top),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
+                token_ids=list(completion.token_ids) if body.return_token_ids else None,
             )
             for completion in final.outputs
         ]
@@ -204,6 +214,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             choices=choices,
             usage=usage_for([final]),
             prompt_logprobs=prompt_logprobs(state, final),
+            prompt_token_ids=prompt_ids if body.return_token_ids else None,
         )
 
     try:
@@ -231,17 +242,26 @@ async def _stream(
     num_top: int,
     include_usage: bool,
     continuous_usage: bool = False,
+    prompt_token_ids: list[int] | None = None,
 ) -> AsyncIterator[str]:
+    """``prompt_token_ids`` (``return_token_ids``): sent in the first chunks, and each chunk's token ids."""
     created = int(time.time())
+    with_ids = prompt_token_ids is not None
 
-    def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> str:
-        return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
+    def chunk(choices: list[ChatChunkChoice], usage: Any = None, prompt_ids: list[int] | None = None) -> str:
+        return sse_event(
+            ChatCompletionChunk(
+                id=request_id, created=created, model=model, choices=choices, usage=usage, prompt_token_ids=prompt_ids
+            )
+        )
 
     trackers = [DeltaTracker.for_stops(params.stop) for _ in range(params.n)]
     final: RequestOutput | None = None
     try:
         for index in range(params.n):  # one chunk per choice, as vLLM sends them
-            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+            yield chunk(
+                [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))], None, prompt_token_ids
+            )
         async with aclosing(merge_streams([stream])) as merged:
             async for _, output in merged:
                 final = output if output.finished else None
@@ -262,6 +282,7 @@ async def _stream(
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason if completion.finish_reason else None,
+                        token_ids=list(completion.token_ids[start:end]) if with_ids else None,
                     )
                     yield chunk([choice], choice_usage(output, completion) if continuous_usage else None)
         if include_usage and final is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -16,15 +17,24 @@ from .async_engine import RequestStream
 from .auth import require_api_key
 from .errors import APIError
 from .limits import InFlightLimiter
-from .logprobs import completion_logprobs, prompt_logprobs
+from .logprobs import completion_logprobs, echoed_prompt_logprobs, prompt_logprobs
 from .openai_protocol import CompletionRequest
-from .openai_responses import CompletionChoice, CompletionResponse, ErrorResponse, PromptTokensDetails, UsageInfo
+from .openai_responses import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionResponse,
+    ErrorResponse,
+    PromptTokensDetails,
+    UsageInfo,
+)
 from .serving import (
     ServerState,
     check_request_limits,
     get_state,
-    limited_max_tokens,
     new_id,
+    output_budgets,
+    require_json,
     resolve_adapter,
     sampling_params,
     submit,
@@ -75,7 +85,7 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        raise APIError(400, "prompt must not be empty", param="prompt")
     if all(isinstance(item, int) for item in prompt):
         return [[int(item) for item in prompt if isinstance(item, int)]]
     return [item for item in prompt if isinstance(item, str | list)]
@@ -85,7 +95,7 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     "/v1/completions",
     response_model=CompletionResponse,
     responses={200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES},
-    dependencies=[Depends(require_api_key)],
+    dependencies=[Depends(require_api_key), Depends(require_json)],
     summary="Create a completion (OpenAI-compatible; `stream` for server-sent events)",
 )
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
@@ -93,40 +103,42 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     model = body.model if body.model is not None else state.settings.model_id  # vLLM's default
     adapter_name = resolve_adapter(state, model)
     prompts = _prompts(body.prompt)
-    if not body.add_special_tokens:  # texts tokenized here, without the special tokens the engine would add
-        prompts = [state.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
-    # max_tokens: 16 when not sent (OpenAI's and vLLM's default); sent as null, up to the context
-    # left after the longest prompt (vLLM's rule).
-    up_to_context = "max_tokens" in body.model_fields_set and body.max_tokens is None
-    measured = up_to_context or state.settings.max_prompt_tokens is not None
-    lengths = [_prompt_length(state, p) for p in prompts] if measured else []
-    asked = body.max_tokens if "max_tokens" in body.model_fields_set else None
-    check_request_limits(state, body.n, lengths, asked)
-    default = state.max_new_tokens(max(lengths)) if up_to_context else 16
-    params = sampling_params(body, asked or limited_max_tokens(state, default), body.logprobs)
-    request_id = new_id("cmpl")
+    echo_logprobs = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
+    if echo_logprobs and body.stream:
+        raise APIError(400, "echo with logprobs is not supported with stream=true (prompt logprobs)", param="echo")
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
+    token_ids = [_token_ids(state, prompt, body.add_special_tokens) for prompt in prompts]  # tokenized once, here
+    lengths = [len(ids) for ids in token_ids]
+    # max_tokens: 16 when not sent (OpenAI's and vLLM's default), as many as fit when sent as null;
+    # each prompt's lowered to the room the context leaves after it (vLLM's rule).
+    sent = "max_tokens" in body.model_fields_set
+    asked = body.max_tokens if sent else None
+    check_request_limits(state, body.n, lengths, asked)
+    budgets = output_budgets(state, lengths, asked, None if sent else 16, "max_tokens", "prompt")
+    echoed_logprobs = body.logprobs if echo_logprobs and body.prompt_logprobs is None else None
+    by_budget = {b: sampling_params(body, b, body.logprobs, prompt_logprobs=echoed_logprobs) for b in set(budgets)}
+    params = [by_budget[budget] for budget in budgets]
+    shape = _ChoiceShape(params[0], echoes, echo_logprobs, bool(body.return_token_ids))
+    request_id = new_id("cmpl")
     key = InFlightLimiter.key_of(request.headers.get("authorization"))
     state.in_flight.acquire(key)  # 429 past the limit
     if body.stream:
         try:
-            streams = await submit(state, request_id, prompts, params, adapter_name, model, body.cache_salt)
+            streams = await submit(state, request_id, token_ids, params, adapter_name, model, body.cache_salt)
         except BaseException:
             state.in_flight.release(key)
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        events = _stream(state, request_id, model, streams, params, echoes, include_usage, continuous)
+        events = _stream(state, request_id, model, streams, shape, include_usage, continuous)
         return SSEResponse(events, on_close=lambda: state.in_flight.release(key))
 
     async def complete() -> CompletionResponse:
-        streams = await submit(state, request_id, prompts, params, adapter_name, model, body.cache_salt)
+        streams = await submit(state, request_id, token_ids, params, adapter_name, model, body.cache_salt)
         finals = await collect_final(streams)
-        return _response(state, request_id, model, finals, params, echoes)
+        return _response(state, request_id, model, finals, shape)
 
     try:
         return await cancel_on_disconnect(request, complete())
@@ -136,8 +148,21 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         state.in_flight.release(key)
 
 
-def _prompt_length(state: ServerState, prompt: str | list[int]) -> int:
-    return len(prompt) if isinstance(prompt, list) else len(state.tokenizer.encode(prompt))
+def _token_ids(state: ServerState, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    if isinstance(prompt, list):
+        return prompt  # the engine checks them against the vocabulary
+    return list(state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+
+@dataclass(frozen=True)
+class _ChoiceShape:
+    """What every choice of a request carries besides its text: the echoed prompt (``echoes`` per
+    prompt), logprobs (of the prompt too with ``echo_logprobs``), token ids (``return_token_ids``)."""
+
+    params: SamplingParams  # the sampling parameters every prompt shares (all but max_tokens)
+    echoes: list[str]
+    echo_logprobs: bool
+    return_token_ids: bool
 
 
 def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:
@@ -155,25 +180,29 @@ def _response(
     request_id: str,
     model: str,
     finals: list[RequestOutput],
-    params: SamplingParams,
-    echoes: list[str],
+    shape: _ChoiceShape,
 ) -> CompletionResponse:
     choices: list[CompletionChoice] = []
+    n = shape.params.n
     for prompt_index, final in enumerate(finals):
-        prefix = echoes[prompt_index]
+        prefix = shape.echoes[prompt_index]
         prompt_entries = prompt_logprobs(state, final)
         for completion in final.outputs:
             logprobs = None
-            if params.logprobs is not None:
+            if shape.params.logprobs is not None:
                 logprobs = completion_logprobs(state, completion, 0, len(completion.token_ids), len(prefix))
+                if shape.echo_logprobs:  # vLLM's: the prompt's tokens first, the first one without logprobs
+                    logprobs = echoed_prompt_logprobs(state, final).extended(logprobs)
             choices.append(
                 CompletionChoice(
-                    index=prompt_index * params.n + completion.index,
+                    index=prompt_index * n + completion.index,
                     text=prefix + completion.text,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
+                    token_ids=list(completion.token_ids) if shape.return_token_ids else None,
                     prompt_logprobs=prompt_entries,
+                    prompt_token_ids=list(final.prompt_token_ids) if shape.return_token_ids else None,
                 )
             )
     choices.sort(key=lambda choice: choice.index)
@@ -183,20 +212,23 @@ def _response(
 class _ChoiceStreamer:
     """Turns successive snapshots of the choices into completion chunks."""
 
-    def __init__(self, state: ServerState, params: SamplingParams, echoes: list[str]) -> None:
+    def __init__(self, state: ServerState, shape: _ChoiceShape) -> None:
         self.state = state
-        self.params = params
-        self.echoes = echoes
+        self.params = shape.params
+        self.shape = shape
         self.trackers: dict[int, DeltaTracker] = {}
         self.text_offsets: dict[int, int] = {}
 
-    def choice(self, prompt_index: int, completion: CompletionOutput) -> CompletionChoice | None:
+    def choice(
+        self, prompt_index: int, output: RequestOutput, completion: CompletionOutput
+    ) -> CompletionChunkChoice | None:
         index = prompt_index * self.params.n + completion.index
         tracker = self.trackers.get(index)
         prefix = ""
+        first = tracker is None
         if tracker is None:
             tracker = self.trackers[index] = DeltaTracker.for_stops(self.params.stop)
-            prefix = self.echoes[prompt_index]
+            prefix = self.shape.echoes[prompt_index]
             self.text_offsets[index] = len(prefix)
         if tracker.finished:
             return None
@@ -210,12 +242,15 @@ class _ChoiceStreamer:
             self.text_offsets[index] += sum(len(token) for token in logprobs.tokens)
         if not text and finish_reason is None and end == start:
             return None  # nothing new (a token whose text is still incomplete still gets its chunk)
-        return CompletionChoice(
+        ids = self.shape.return_token_ids
+        return CompletionChunkChoice(
             index=index,
             text=text,
             logprobs=logprobs,
             finish_reason=finish_reason,
             stop_reason=completion.stop_reason if finish_reason else None,
+            prompt_token_ids=list(output.prompt_token_ids) if ids and first else None,
+            token_ids=list(completion.token_ids[start:end]) if ids else None,
         )
 
 
@@ -224,13 +259,12 @@ async def _stream(
     request_id: str,
     model: str,
     streams: list[RequestStream],
-    params: SamplingParams,
-    echoes: list[str],
+    shape: _ChoiceShape,
     include_usage: bool,
     continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     created = int(time.time())
-    streamer = _ChoiceStreamer(state, params, echoes)
+    streamer = _ChoiceStreamer(state, shape)
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:
         async with aclosing(merge_streams(streams)) as merged:
@@ -238,16 +272,16 @@ async def _stream(
                 if output.finished:
                     finals[prompt_index] = output
                 for completion in output.outputs:
-                    choice = streamer.choice(prompt_index, completion)
+                    choice = streamer.choice(prompt_index, output, completion)
                     if choice is not None:
                         usage = choice_usage(output, completion) if continuous_usage else None
-                        chunk = CompletionResponse(
+                        chunk = CompletionChunk(
                             id=request_id, created=created, model=model, choices=[choice], usage=usage
                         )
                         yield sse_event(chunk)
         if include_usage:
             usage = usage_for([final for final in finals if final is not None])
-            yield sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
+            yield sse_event(CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage))
     except Exception as error:
         yield sse_error(error)
     finally:

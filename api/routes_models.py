@@ -1,7 +1,8 @@
-"""``GET /v1/models``, ``GET /health`` and ``GET /metrics``."""
+"""``GET /v1/models``, ``GET /health`` (and vLLM's ``/ping``), ``GET /version`` and ``GET /metrics``."""
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -78,6 +79,20 @@ async def health(request: Request) -> JSONResponse:
     if stats.adapter_decode_paths:  # decode graphs: the path measured faster for steps with adapters, per size
         body["adapter_decode_paths"] = {str(size): path for size, path in stats.adapter_decode_paths.items()}
     return JSONResponse(body)
+
+
+@router.get("/ping", tags=["operations"], summary="/health's status, no body (vLLM's route)")
+@router.post("/ping", tags=["operations"], summary="/health's status, no body (vLLM's route)", operation_id="ping_post")
+async def ping(request: Request) -> Response:
+    return Response(status_code=(await health(request)).status_code)
+
+
+@router.get("/version", tags=["operations"], summary="The server's version (vLLM's route)")
+async def version() -> dict[str, str]:
+    try:
+        return {"version": metadata.version("loraserve")}
+    except metadata.PackageNotFoundError:  # run from a source tree that was not installed
+        return {"version": "unknown"}
 
 
 @router.get(

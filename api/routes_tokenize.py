@@ -10,7 +10,7 @@ from .errors import APIError, registry_unavailable
 from .openai_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from .routes_chat import render_chat_prompt
 from .routes_completions import ERROR_RESPONSES
-from .serving import ServerState, get_state, model_not_found, registry_call, resolve_adapter
+from .serving import ServerState, get_state, model_not_found, registry_call, require_json, resolve_adapter
 
 router = APIRouter(tags=["inference"])
 
@@ -35,7 +35,7 @@ async def _check_model(state: ServerState, model: str | None) -> None:
     "/tokenize",
     response_model=TokenizeResponse,
     responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
+    dependencies=[Depends(require_api_key), Depends(require_json)],
     summary="Token ids of a prompt, or of chat messages through the chat template (vLLM's shape)",
 )
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
@@ -57,7 +57,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     "/detokenize",
     response_model=DetokenizeResponse,
     responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_api_key)],
+    dependencies=[Depends(require_api_key), Depends(require_json)],
     summary="The text of token ids (vLLM's shape)",
 )
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:

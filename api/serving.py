@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -92,14 +92,19 @@ def model_not_found(model: str, state: ServerState) -> APIError:
         f"the model {model!r} does not exist: use {state.settings.model_id!r} for the base model or the "
         "name of a registered adapter (GET /v1/models lists them)",
         param="model",
-        code="model_not_found",
     )
 
 
 def sampling_params(
-    request: _SamplingFields, max_tokens: int, logprobs: int | None, *, n: int | None = None
+    request: _SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    *,
+    n: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """Build engine sampling parameters, refusing unsupported fields with a 400."""
+    """Build engine sampling parameters, refusing unsupported fields with a 400 (``prompt_logprobs``:
+    the request's unless given)."""
     bad = unsupported_fields(request)
     if bad:
         raise APIError(400, f"unsupported parameter(s) {bad}: loraserve does not implement them", param=bad[0])
@@ -107,6 +112,8 @@ def sampling_params(
         raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")
     if request.prompt_logprobs is not None and request.stream:
         raise APIError(400, "prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
+    if request.n > 1 and request.temperature == 0:  # vLLM's rule (its SamplingParams)
+        raise APIError(400, f"n must be 1 when using greedy sampling, got {request.n}.", param="n")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
         logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
@@ -124,7 +131,7 @@ def sampling_params(
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
@@ -140,7 +147,7 @@ def sampling_params(
             output_kind="cumulative" if request.stream else "final_only",
         )
     except SamplingParamsError as error:
-        raise APIError(400, str(error), code="invalid_value") from None
+        raise APIError(400, str(error)) from None
 
 
 def engine_error(error: Exception, model: str, state: ServerState) -> APIError:
@@ -150,11 +157,11 @@ def engine_error(error: Exception, model: str, state: ServerState) -> APIError:
     if isinstance(error, RegistryUnavailableError):  # before ValueError: it is one, but not the client's fault
         return registry_unavailable(error)
     if isinstance(error, EngineDrainingError):
-        return APIError(503, "the server is shutting down: it takes no new requests", code="shutting_down")
+        return APIError(503, "the server is shutting down: it takes no new requests")
     if isinstance(error, EngineDeadError):
         return APIError(503, f"the engine is not running: {error}")
     if isinstance(error, RequestError | SamplingParamsError | ValueError):
-        return APIError(400, str(error), code="invalid_value")
+        return APIError(400, str(error))
     logger.exception("add_request failed")
     return APIError(500, f"the engine could not accept the request: {type(error).__name__}: {error}")
 
@@ -162,19 +169,19 @@ def engine_error(error: Exception, model: str, state: ServerState) -> APIError:
 async def submit(
     state: ServerState,
     request_id: str,
-    prompts: list[str | list[int]],
-    params: SamplingParams,
+    prompts: Sequence[str | list[int]],
+    params: list[SamplingParams],
     adapter_name: str | None,
     model: str,
     cache_salt: str | None = None,
 ) -> list[RequestStream]:
-    """Add one engine request per prompt (ids ``{request_id}-{i}``); all or nothing."""
+    """Add one engine request per prompt (ids ``{request_id}-{i}``, with ``params[i]``); all or nothing."""
     streams: list[RequestStream] = []
     try:
-        for index, prompt in enumerate(prompts):
+        for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
             streams.append(
                 await state.async_engine.add_request(
-                    f"{request_id}-{index}", prompt, params, adapter_name, cache_salt=cache_salt
+                    f"{request_id}-{index}", prompt, prompt_params, adapter_name, cache_salt=cache_salt
                 )
             )
     except BaseException as error:
@@ -208,7 +215,44 @@ def check_request_limits(state: ServerState, n: int, prompt_lengths: list[int], 
         )
 
 
+def require_json(request: Request) -> None:
+    """vLLM's check of a JSON route: the body must say it is JSON (``Content-Type: application/json``)."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+
+
 def limited_max_tokens(state: ServerState, default: int) -> int:
     """A default ``max_tokens`` capped by the operator's ``max_output_tokens``."""
     limit = state.settings.max_output_tokens
     return default if limit is None else min(default, limit)
+
+
+def output_budgets(
+    state: ServerState, prompt_lengths: list[int], asked: int | None, default: int | None, field: str, prompt_field: str
+) -> list[int]:
+    """Each prompt's ``max_tokens`` as vLLM sets it: ``asked`` (or ``default``; None: as many as
+    fit), lowered to the room the context leaves after that prompt. A 400 naming ``field`` when
+    ``asked`` alone is longer than the context, or ``prompt_field`` when a prompt leaves no room."""
+    max_model_len = state.engine.max_model_len
+    if asked is not None and asked > max_model_len:
+        raise APIError(
+            400,
+            f"{field}={asked} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param=field,
+        )
+    budgets = []
+    for length in prompt_lengths:
+        if length >= max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+                f"{length} input tokens, which leaves no room for output tokens. Please reduce the length of "
+                "the input prompt.",
+                param=prompt_field,
+            )
+        room = state.max_new_tokens(length)
+        wanted = asked if asked is not None else limited_max_tokens(state, room if default is None else default)
+        budgets.append(min(wanted, room))
+    return budgets

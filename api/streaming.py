@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from loraserve.outputs import CompletionOutput, RequestOutput
 
 from .async_engine import EngineDeadError, EngineStepError, RequestAbortedError, RequestFailedError, RequestStream
-from .errors import APIError, error_body, error_type_for
+from .errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def sse_error(error: BaseException) -> str:
         if isinstance(error, EngineStepError | RequestAbortedError | EngineDeadError | RequestFailedError)
         else (f"internal error: {type(error).__name__}")
     )
-    return sse_event(error_body(message, error_type_for(status), code=str(status)))
+    return sse_event(error_body(message, status))
 
 
 class SSEResponse(StreamingResponse):
@@ -125,7 +125,8 @@ async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
             if output.finished:
                 finals[index] = output
     except RequestFailedError as error:
-        raise APIError(error.status_code, str(error), code=error.code) from None
+        retry = {"Retry-After": "1"} if error.status_code == 503 else None  # the registry was unreachable
+        raise APIError(error.status_code, str(error), headers=retry) from None
     if any(final is None for final in finals):
         raise RequestAbortedError("a request ended without a final output")
     return [final for final in finals if final is not None]

@@ -38,7 +38,7 @@ class AdapterUpload:
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the upload exceeds the limit of {limit} bytes", code="upload_too_large")
+    return APIError(413, f"the upload exceeds the limit of {limit} bytes")
 
 
 async def read_adapter_upload(request: Request, limit: int) -> AdapterUpload:
@@ -53,7 +53,6 @@ async def read_adapter_upload(request: Request, limit: int) -> AdapterUpload:
             400,
             "send multipart/form-data with a `name` field and the files adapter_config.json and "
             "adapter_model.safetensors (or one .zip/.tar.gz of the adapter directory)",
-            code="invalid_content_type",
         )
     body_limit = limit + _FORM_OVERHEAD_BYTES
     declared = request.headers.get("content-length")
@@ -112,7 +111,7 @@ async def _adapter_files(raw: dict[str, bytes], limit: int) -> dict[str, bytes]:
         try:
             return await asyncio.to_thread(extract_adapter_archive, raw[archives[0]], max_total_bytes=limit)
         except AdapterTooLargeError as error:
-            raise APIError(413, str(error), code="upload_too_large") from None
+            raise APIError(413, str(error)) from None
         except AdapterError as error:
             raise APIError(400, f"{archives[0]}: {error}", param="files") from None
     for name in raw:
@@ -140,7 +139,7 @@ def confine_path(path: str, allowed_dirs: Sequence[str]) -> str:
         raise APIError(
             403,
             "loading adapters from server paths is disabled: start the server with --allowed-lora-dir DIR",
-            code="lora_path_not_allowed",
+            param="lora_path",
         )
     if "\x00" in path:
         raise APIError(400, "lora_path contains a NUL byte", param="lora_path")
@@ -151,7 +150,6 @@ def confine_path(path: str, allowed_dirs: Sequence[str]) -> str:
             403,
             f"lora_path {path!r} is outside the allowed directories {list(allowed_dirs)}",
             param="lora_path",
-            code="lora_path_not_allowed",
         )
     return real
 
@@ -160,7 +158,7 @@ def read_confined_adapter_dir(path: str, allowed_dirs: Sequence[str], limit: int
     """Read the two PEFT files of the directory ``path`` (confined; ``limit`` bytes in all)."""
     directory = confine_path(path, allowed_dirs)
     if not os.path.isdir(directory):
-        raise APIError(404, f"lora_path {path!r} is not a directory", param="lora_path", code="lora_path_not_found")
+        raise APIError(404, f"lora_path {path!r} is not a directory", param="lora_path")
     files: dict[str, bytes] = {}
     for file_name in (CONFIG_FILE, WEIGHTS_FILE):
         file_path = os.path.join(directory, file_name)

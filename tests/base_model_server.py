@@ -68,6 +68,8 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status  # vLLM's: the HTTP status
+    assert error["type"] == {400: "BadRequestError", 404: "NotFoundError"}.get(status, error["type"])
     assert isinstance(error["message"], str) and error["message"]
     return error
 

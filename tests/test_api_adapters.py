@@ -100,6 +100,7 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status  # vLLM's: the HTTP status
     for word in words:
         assert word in error["message"], error["message"]
 

@@ -56,7 +56,8 @@ def test_every_operation_fuzzed_from_the_schema(server: tuple[str, LLMEngine]) -
             response = case.call(base_url=url, timeout=120)
             assert response.status_code < 500, f"{case.as_curl_command()}\n{response.status_code} {response.text[:500]}"
             if 400 <= response.status_code < 500:
-                assert set(response.json()["error"]) == ERROR_KEYS, response.text[:500]
+                error = response.json()["error"]
+                assert set(error) == ERROR_KEYS and error["code"] == response.status_code, response.text[:500]
 
         check()
     _idle(url, engine)

