@@ -82,10 +82,10 @@ def prompt_logprobs(state: ServerState, final: RequestOutput) -> PromptLogprobs 
     ]
 
 
-def echoed_prompt_logprobs(state: ServerState, final: RequestOutput) -> CompletionLogprobs:
+def echoed_prompt_logprobs(state: ServerState, final: RequestOutput, num_top: int) -> CompletionLogprobs:
     """The prompt's tokens in the legacy completions shape, for ``echo`` with ``logprobs`` (vLLM's):
-    the first token has none; each later one its logprob and the top ones (the prompt logprobs
-    the request asked for, ``logprobs`` of them, plus the prompt's own token)."""
+    the first token has none; each later one its logprob and the ``num_top`` most likely tokens
+    of the prompt logprobs, plus the prompt's own token (``num_top + 1`` at most)."""
     result = CompletionLogprobs()
     entries = final.prompt_logprobs or []
     text_offset = 0
@@ -101,5 +101,9 @@ def echoed_prompt_logprobs(state: ServerState, final: RequestOutput) -> Completi
             continue
         result.token_logprobs.append(_finite(entry[token_id][0]) if token_id in entry else _FLOOR)
         ranked = sorted(entry.items(), key=lambda item: -item[1][0])
-        result.top_logprobs.append({state.token_text(tid): _finite(value) for tid, (value, _) in ranked})
+        kept = [(tid, value) for tid, (value, _) in ranked[:num_top]]
+        if token_id in entry and all(tid != token_id for tid, _ in kept):
+            kept.append((token_id, entry[token_id][0]))
+        kept.sort(key=lambda item: -item[1])
+        result.top_logprobs.append({state.token_text(tid): _finite(value) for tid, value in kept})
     return result

@@ -35,6 +35,11 @@ class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
+    @property
+    def text_end(self) -> int:
+        """Where the text after these tokens starts (vLLM's next ``text_offset``)."""
+        return self.text_offset[-1] + len(self.tokens[-1]) if self.tokens else 0
+
     def extended(self, later: CompletionLogprobs) -> CompletionLogprobs:
         """These tokens followed by ``later``'s."""
         return CompletionLogprobs(

@@ -190,9 +190,11 @@ def _response(
         for completion in final.outputs:
             logprobs = None
             if shape.params.logprobs is not None:
-                logprobs = completion_logprobs(state, completion, 0, len(completion.token_ids), len(prefix))
-                if shape.echo_logprobs:  # vLLM's: the prompt's tokens first, the first one without logprobs
-                    logprobs = echoed_prompt_logprobs(state, final).extended(logprobs)
+                echoed = echoed_prompt_logprobs(state, final, shape.params.logprobs) if shape.echo_logprobs else None
+                offset = len(prefix) if echoed is None else echoed.text_end
+                logprobs = completion_logprobs(state, completion, 0, len(completion.token_ids), offset)
+                if echoed is not None:  # vLLM's: the prompt's tokens first, the first one without logprobs
+                    logprobs = echoed.extended(logprobs)
             choices.append(
                 CompletionChoice(
                     index=prompt_index * n + completion.index,
@@ -218,6 +220,7 @@ class _ChoiceStreamer:
         self.shape = shape
         self.trackers: dict[int, DeltaTracker] = {}
         self.text_offsets: dict[int, int] = {}
+        self.sent: set[int] = set()  # choices whose first chunk went out (return_token_ids: the prompt's ids)
 
     def choice(
         self, prompt_index: int, output: RequestOutput, completion: CompletionOutput
@@ -225,7 +228,6 @@ class _ChoiceStreamer:
         index = prompt_index * self.params.n + completion.index
         tracker = self.trackers.get(index)
         prefix = ""
-        first = tracker is None
         if tracker is None:
             tracker = self.trackers[index] = DeltaTracker.for_stops(self.params.stop)
             prefix = self.shape.echoes[prompt_index]
@@ -243,6 +245,8 @@ class _ChoiceStreamer:
         if not text and finish_reason is None and end == start:
             return None  # nothing new (a token whose text is still incomplete still gets its chunk)
         ids = self.shape.return_token_ids
+        first = index not in self.sent
+        self.sent.add(index)
         return CompletionChunkChoice(
             index=index,
             text=text,

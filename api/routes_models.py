@@ -81,8 +81,11 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body)
 
 
-@router.get("/ping", tags=["operations"], summary="/health's status, no body (vLLM's route)")
-@router.post("/ping", tags=["operations"], summary="/health's status, no body (vLLM's route)", operation_id="ping_post")
+_PING_SUMMARY = "/health's status, no body (vLLM's route)"
+
+
+@router.get("/ping", tags=["operations"], summary=_PING_SUMMARY, response_class=Response)
+@router.post("/ping", tags=["operations"], summary=_PING_SUMMARY, response_class=Response, operation_id="ping_post")
 async def ping(request: Request) -> Response:
     return Response(status_code=(await health(request)).status_code)
 

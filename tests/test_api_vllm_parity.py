@@ -82,6 +82,11 @@ def test_echo_with_logprobs_scores_the_prompt(http: httpx.Client) -> None:
     assert offsets[count] == len(PROMPT)
     assert list(logprobs) == ["text_offset", "token_logprobs", "tokens", "top_logprobs"]  # vLLM's order
     assert scored["prompt_logprobs"] is not None  # asked for by the echo, and shown, as vLLM does
+    wide = {**body, "prompt": "北京烤鸭 🦩 tastes", "echo": True, "logprobs": 1, "prompt_logprobs": 5}
+    logprobs = http.post("/v1/completions", json=wide).json()["choices"][0]["logprobs"]
+    assert all(top is None or len(top) <= 2 for top in logprobs["top_logprobs"])  # logprobs + 1 at most
+    offsets = logprobs["text_offset"]
+    assert offsets == [len("".join(logprobs["tokens"][:i])) for i in range(len(offsets))]  # never backwards
     streamed = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1, "stream": True})
     error = assert_openai_error(streamed, 400)
     assert error["param"] == "echo"
@@ -96,6 +101,16 @@ def test_return_token_ids(http: httpx.Client) -> None:
     chunks = [event["choices"][0] for event in _events(http, "/v1/completions", body)]
     assert [c["prompt_token_ids"] for c in chunks] == [prompt_ids] + [None] * (len(chunks) - 1)
     assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+    several = {**body, "prompt": [PROMPT, "Hi", "One two"], "n": 4, "temperature": 1.0, "seed": 5}  # 12 > 8 seqs
+    whole = http.post("/v1/completions", json=several).json()["choices"]
+    streamed: dict[int, list[dict[str, Any]]] = {}
+    for event in _events(http, "/v1/completions", several):
+        streamed.setdefault(event["choices"][0]["index"], []).append(event["choices"][0])
+    assert sorted(streamed) == list(range(12))
+    for index, chunks in streamed.items():
+        prompt_ids_sent = [c["prompt_token_ids"] for c in chunks if c["prompt_token_ids"] is not None]
+        assert prompt_ids_sent == [whole[index]["prompt_token_ids"]] and chunks[0]["prompt_token_ids"] is not None
+        assert [t for c in chunks for t in c["token_ids"]] == whole[index]["token_ids"]
     plain = http.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
     assert plain["token_ids"] is None and plain["prompt_token_ids"] is None  # vLLM's: null when not asked
     chat = {"model": MODEL, "messages": [USER_HI], "max_tokens": 4, "temperature": 0, "return_token_ids": True}
@@ -123,6 +138,8 @@ def test_requests_vllm_refuses(http: httpx.Client) -> None:
     greedy = {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 2, "temperature": 0}
     error = assert_openai_error(http.post("/v1/completions", json=greedy), 400)
     assert error["param"] == "n" and "greedy" in error["message"]
+    chat_greedy = {"model": MODEL, "messages": [USER_HI], "max_tokens": 2, "n": 2, "temperature": 0}
+    assert assert_openai_error(http.post("/v1/chat/completions", json=chat_greedy), 400)["param"] == "n"
     assert http.post("/v1/completions", json={**greedy, "temperature": 0.5}).status_code == 200
     no_tools = {"model": MODEL, "messages": [USER_HI], "max_tokens": 2, "tools": []}
     assert assert_openai_error(http.post("/v1/chat/completions", json=no_tools), 400)["param"] == "tools"
@@ -131,7 +148,8 @@ def test_requests_vllm_refuses(http: httpx.Client) -> None:
         for route in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
             reply = http.post(route, content=text, headers=headers)
             assert "Only 'application/json' is allowed" in assert_openai_error(reply, 400)["message"], route
-    assert http.post("/v1/completions", content=text, headers={"content-type": "application/json; charset=utf-8"})
+    typed = http.post("/v1/completions", content=text, headers={"content-type": "application/json; charset=utf-8"})
+    assert typed.status_code == 200, typed.text
     unknown = assert_openai_error(http.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404)
     assert unknown["type"] == "NotFoundError" and unknown["code"] == 404
 
