@@ -61,12 +61,17 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(BaseModel):
+class _CompletionChoiceHead(BaseModel):
+    """The fields a completion choice starts with, in a body and in a chunk."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class CompletionChoice(_CompletionChoiceHead):
     token_ids: list[int] | None = None  # vLLM's return_token_ids: the choice's tokens
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the prompt's tokens
@@ -93,12 +98,7 @@ class _LeavesOutNones(BaseModel):
         return data
 
 
-class CompletionChunkChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+class CompletionChunkChoice(_CompletionChoiceHead):
     prompt_token_ids: list[int] | None = None  # return_token_ids: in each choice's first chunk
     token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
 
