@@ -22,7 +22,7 @@ _TYPES_BY_STATUS = {
     404: "NotFoundError",
     422: "UnprocessableEntityError",
     500: "InternalServerError",
-    501: "NotImplementedError",
+    501: "NotImplementedError",  # vLLM's type name for a 501 (this server's: no adapter support)
     503: "ServiceUnavailableError",
 }
 

@@ -28,16 +28,26 @@ def completion_logprobs(
     result = CompletionLogprobs()
     entries = completion.logprobs or []
     for position in range(start, min(end, len(entries), len(completion.token_ids))):
-        token_id = completion.token_ids[position]
-        entry = entries[position]
-        text = state.token_text(token_id)
-        result.tokens.append(text)
+        text_offset = _append_token(result, state, completion.token_ids[position], entries[position], text_offset)
+    return result
+
+
+def _append_token(
+    result: CompletionLogprobs, state: ServerState, token_id: int, entry: dict[int, float] | None, text_offset: int
+) -> int:
+    """One token of the legacy shape (``entry``: its alternatives, most likely first once sorted;
+    None: a token without logprobs); returns where the next token's text starts."""
+    text = state.token_text(token_id)
+    result.tokens.append(text)
+    result.text_offset.append(text_offset)
+    if entry is None:
+        result.token_logprobs.append(None)
+        result.top_logprobs.append(None)
+    else:
         result.token_logprobs.append(_finite(entry.get(token_id, _FLOOR)))
         ranked = sorted(entry.items(), key=lambda item: -item[1])
         result.top_logprobs.append({state.token_text(tid): _finite(lp) for tid, lp in ranked})
-        result.text_offset.append(text_offset)
-        text_offset += len(text)
-    return result
+    return text_offset + len(text)
 
 
 def chat_logprobs(
@@ -91,19 +101,11 @@ def echoed_prompt_logprobs(state: ServerState, final: RequestOutput, num_top: in
     text_offset = 0
     for position, token_id in enumerate(final.prompt_token_ids):
         entry = entries[position] if position < len(entries) else None
-        text = state.token_text(token_id)
-        result.tokens.append(text)
-        result.text_offset.append(text_offset)
-        text_offset += len(text)
-        if entry is None:
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
-            continue
-        result.token_logprobs.append(_finite(entry[token_id][0]) if token_id in entry else _FLOOR)
-        ranked = sorted(entry.items(), key=lambda item: -item[1][0])
-        kept = [(tid, value) for tid, (value, _) in ranked[:num_top]]
-        if token_id in entry and all(tid != token_id for tid, _ in kept):
-            kept.append((token_id, entry[token_id][0]))
-        kept.sort(key=lambda item: -item[1])
-        result.top_logprobs.append({state.token_text(tid): _finite(value) for tid, value in kept})
+        kept = None
+        if entry is not None:
+            ranked = sorted(entry.items(), key=lambda item: -item[1][0])
+            kept = {tid: value for tid, (value, _) in ranked[:num_top]}
+            if token_id in entry:
+                kept[token_id] = entry[token_id][0]
+        text_offset = _append_token(result, state, token_id, kept, text_offset)
     return result
