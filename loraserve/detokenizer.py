@@ -31,18 +31,12 @@ class Detokenizer:
         """Decode tokens past ``read_offset`` (up to ``end``, exclusive; None: all); return the new
         text (may be empty)."""
         end = len(seq.token_ids) if end is None else end
-        ids = seq.token_ids[seq.prefix_offset : end]
-        num_prefix = seq.read_offset - seq.prefix_offset
-        if seq.params.skip_special_tokens and not self.special_ids.isdisjoint(ids):
-            special = self.special_ids
-            num_prefix -= sum(t in special for t in ids[:num_prefix])
-            ids = [t for t in ids if t not in special]
-        if self._decode_fast is not None:
-            prefix_text, full_text = self._decode_fast(ids[:num_prefix]), self._decode_fast(ids)
-        else:
-            spaces = seq.params.spaces_between_special_tokens
-            prefix_text = self.tokenizer.decode(ids[:num_prefix], spaces_between_special_tokens=spaces)
-            full_text = self.tokenizer.decode(ids, spaces_between_special_tokens=spaces)
+        prefix_text, full_text = self._texts(seq, end)
+        while full_text.endswith("\ufffd") and end - 1 > seq.read_offset:
+            # Several tokens at once (a final_only output decoded when it ends): the text up to
+            # the last token that completes a character, as decoding them one by one gives.
+            end -= 1
+            prefix_text, full_text = self._texts(seq, end)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         delta = full_text[len(prefix_text) :]
@@ -50,6 +44,20 @@ class Detokenizer:
         seq.read_offset = end
         seq.output_text += delta
         return delta
+
+    def _texts(self, seq: Sequence, end: int) -> tuple[str, str]:
+        """The text of the window before ``read_offset`` and of the window up to ``end``."""
+        ids = seq.token_ids[seq.prefix_offset : end]
+        num_prefix = seq.read_offset - seq.prefix_offset
+        if seq.params.skip_special_tokens and not self.special_ids.isdisjoint(ids):
+            special = self.special_ids
+            num_prefix -= sum(t in special for t in ids[:num_prefix])
+            ids = [t for t in ids if t not in special]
+        if self._decode_fast is not None:
+            return self._decode_fast(ids[:num_prefix]), self._decode_fast(ids)
+        spaces = seq.params.spaces_between_special_tokens
+        prefix_text = self.tokenizer.decode(ids[:num_prefix], spaces_between_special_tokens=spaces)
+        return prefix_text, self.tokenizer.decode(ids, spaces_between_special_tokens=spaces)
 
 
 def _fast_decoder(tokenizer: Any) -> Callable[[list[int]], str] | None:

@@ -57,3 +57,23 @@ def test_direct_decode_equals_tokenizer_decode(tokenizer: Any) -> None:
     for start in range(0, len(ids), 3):
         window = ids[start : start + 7]
         assert fast(window) == tokenizer.decode(window)
+
+
+def test_decoding_at_the_end_keeps_what_one_by_one_keeps(tokenizer: Any) -> None:
+    """A ``final_only`` output is decoded once, when it ends: an output cut inside a character
+    keeps the text before that character, as token-by-token decoding does (not nothing)."""
+    prompt = tokenizer.encode("Say:")
+    words = tokenizer.encode("在 🎉🚀")
+    cut_inside = 0
+    for cut in range(1, len(words) + 1):
+        output = words[:cut]
+        by_token = "".join(_stream(Detokenizer(tokenizer), prompt, output, SamplingParams()))
+        seq = Sequence("r", list(prompt), SamplingParams())
+        detokenizer = Detokenizer(tokenizer)
+        detokenizer.start(seq)
+        for token in output:
+            seq.append_token(token)
+        detokenizer.update(seq)
+        assert seq.output_text == by_token and by_token.startswith("在"), (cut, output)
+        cut_inside += tokenizer.decode(output).endswith("\ufffd")
+    assert cut_inside >= 2  # the emojis are split over tokens: some cuts fall inside them
