@@ -106,8 +106,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
     echo_logprobs = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
-    if echo_logprobs and body.stream:
-        raise APIError(400, "echo with logprobs is not supported with stream=true (prompt logprobs)", param="echo")
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
     token_ids = [_token_ids(state, prompt, body.add_special_tokens) for prompt in prompts]  # tokenized once, here
     lengths = [len(ids) for ids in token_ids]
@@ -227,21 +225,27 @@ class _ChoiceStreamer:
     ) -> CompletionChunkChoice | None:
         index = prompt_index * self.params.n + completion.index
         tracker = self.trackers.get(index)
-        prefix = ""
+        prefix, echoed = "", None
         if tracker is None:
             tracker = self.trackers[index] = DeltaTracker.for_stops(self.params.stop)
             prefix = self.shape.echoes[prompt_index]
             self.text_offsets[index] = len(prefix)
+            if self.shape.echo_logprobs and self.params.logprobs is not None:
+                # A choice's first snapshot comes with its first token, so after the whole
+                # prompt was scored: the prompt's tokens go first, as in vLLM's first chunk.
+                echoed = echoed_prompt_logprobs(self.state, output, self.params.logprobs)
+                self.text_offsets[index] = echoed.text_end
         if tracker.finished:
             return None
         text = prefix + tracker.next_text(completion)
         start, end = tracker.next_token_range(completion)
         finish_reason = completion.finish_reason
         tracker.finished = finish_reason is not None
-        logprobs = None
+        logprobs = echoed
         if self.params.logprobs is not None and end > start:
-            logprobs = completion_logprobs(self.state, completion, start, end, self.text_offsets[index])
-            self.text_offsets[index] += sum(len(token) for token in logprobs.tokens)
+            generated = completion_logprobs(self.state, completion, start, end, self.text_offsets[index])
+            self.text_offsets[index] = generated.text_end or self.text_offsets[index]
+            logprobs = generated if echoed is None else echoed.extended(generated)
         if not text and finish_reason is None and end == start:
             return None  # nothing new (a token whose text is still incomplete still gets its chunk)
         ids = self.shape.return_token_ids

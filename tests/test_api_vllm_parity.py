@@ -87,9 +87,33 @@ def test_echo_with_logprobs_scores_the_prompt(http: httpx.Client) -> None:
     assert all(top is None or len(top) <= 2 for top in logprobs["top_logprobs"])  # logprobs + 1 at most
     offsets = logprobs["text_offset"]
     assert offsets == [len("".join(logprobs["tokens"][:i])) for i in range(len(offsets))]  # never backwards
-    streamed = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1, "stream": True})
-    error = assert_openai_error(streamed, 400)
-    assert error["param"] == "echo"
+
+
+def test_echo_with_logprobs_streams_as_the_whole_response(http: httpx.Client) -> None:
+    """vLLM's stream: each choice's first chunk carries the prompt's text and logprobs, then its
+    first token's; the chunks put together equal the response made whole."""
+    body = {"model": MODEL, "prompt": [PROMPT, "北京 🦩"], "max_tokens": 4, "echo": True, "logprobs": 2}
+    body |= {"n": 2, "temperature": 1.0, "seed": 11}
+    whole = http.post("/v1/completions", json=body).json()["choices"]
+    streamed: dict[int, list[dict[str, Any]]] = {}
+    for event in _events(http, "/v1/completions", body):
+        streamed.setdefault(event["choices"][0]["index"], []).append(event["choices"][0])
+    assert sorted(streamed) == [0, 1, 2, 3]
+    for index, chunks in streamed.items():
+        expected = whole[index]
+        assert "".join(chunk["text"] for chunk in chunks) == expected["text"]
+        joined: dict[str, list[Any]] = {key: [] for key in expected["logprobs"]}
+        for chunk in chunks:
+            for key, values in (chunk["logprobs"] or {}).items():
+                joined[key] += values
+        assert joined == expected["logprobs"], index
+        prompt = body["prompt"][index // 2]
+        count = http.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()["count"]
+        first = chunks[0]
+        # the prompt first, then the first token if it came with the first snapshot (a later
+        # sample of n starts after the first sample's first token: its first chunk has none yet)
+        assert first["text"].startswith(prompt) and len(first["logprobs"]["tokens"]) in (count, count + 1)
+        assert first["logprobs"]["token_logprobs"][0] is None  # the prompt's first token, as vLLM's
 
 
 def test_return_token_ids(http: httpx.Client) -> None:
