@@ -195,8 +195,6 @@ def unsupported_fields(request: _SamplingFields) -> list[str]:
     if isinstance(request, ChatCompletionRequest):
         if request.tools:
             bad.append("tools")
-        if request.echo:
-            bad.append("echo")
         for name in ("chat_template", "documents"):
             if getattr(request, name) is not None:
                 bad.append(name)

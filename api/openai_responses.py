@@ -125,7 +125,7 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # the last message's role without add_generation_prompt (vLLM's)
     content: str | None = None
 
 
@@ -147,10 +147,10 @@ class ChatCompletionResponse(_ResponseHead):
 
 
 class ChatDelta(_LeavesOutNones):
-    """A chunk's new message part (``{}`` for a chunk that only ends its choice)."""
+    """A chunk's new message part (``{"content": ""}`` for one that only ends its choice, as vLLM's)."""
 
     omitted_when_none = ("role", "content")
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
 

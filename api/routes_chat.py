@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -179,6 +180,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     (max_tokens,) = output_budgets(state, [len(prompt_ids)], asked, None, field, "messages")  # vLLM's rule
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     num_top = body.top_logprobs or 0
+    # vLLM's: the reply takes the last message's role unless a generation prompt starts a new
+    # assistant turn; ``echo`` starts its content with the last message's when their roles match.
+    role = "assistant" if body.add_generation_prompt else body.messages[-1].role
+    last = body.messages[-1]
+    echo = str(_message_dict(last, len(body.messages) - 1)["content"]) if body.echo and last.role == role else ""
+    reply = _Reply(role, echo, num_top, prompt_ids if body.return_token_ids else None)
     request_id = new_id("chatcmpl")
     key = InFlightLimiter.key_of(request.headers.get("authorization"))
     state.in_flight.acquire(key)  # 429 past the limit
@@ -190,8 +197,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        ids = prompt_ids if body.return_token_ids else None
-        stream = _stream(state, request_id, model, streams[0], params, num_top, include_usage, continuous, ids)
+        stream = _stream(state, request_id, model, streams[0], params, reply, include_usage, continuous)
         return SSEResponse(stream, on_close=lambda: state.in_flight.release(key))
 
     async def complete() -> ChatCompletionResponse:
@@ -200,7 +206,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         choices = [
             ChatChoice(
                 index=completion.index,
-                message=ChatResponseMessage(content=completion.text),
+                message=ChatResponseMessage(role=role, content=echo + completion.text),
                 logprobs=_logprobs(state, completion, 0, len(completion.token_ids), params, num_top),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
@@ -233,19 +239,28 @@ def _logprobs(
     return ChatLogprobs(content=chat_logprobs(state, completion, start, end, num_top))
 
 
+@dataclass(frozen=True)
+class _Reply:
+    """What every choice of a chat reply carries besides its text."""
+
+    role: str
+    echo: str  # the last message's content that the reply starts with ("" without echo)
+    num_top: int  # top_logprobs
+    prompt_token_ids: list[int] | None  # return_token_ids: sent in the first chunks; each chunk's ids too
+
+
 async def _stream(
     state: ServerState,
     request_id: str,
     model: str,
     stream: RequestStream,
     params: SamplingParams,
-    num_top: int,
+    reply: _Reply,
     include_usage: bool,
     continuous_usage: bool = False,
-    prompt_token_ids: list[int] | None = None,
 ) -> AsyncIterator[str]:
-    """``prompt_token_ids`` (``return_token_ids``): sent in the first chunks, and each chunk's token ids."""
     created = int(time.time())
+    prompt_token_ids, num_top = reply.prompt_token_ids, reply.num_top
     with_ids = prompt_token_ids is not None
 
     def chunk(choices: list[ChatChunkChoice], usage: Any = None, prompt_ids: list[int] | None = None) -> str:
@@ -259,9 +274,10 @@ async def _stream(
     final: RequestOutput | None = None
     try:
         for index in range(params.n):  # one chunk per choice, as vLLM sends them
-            yield chunk(
-                [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))], None, prompt_token_ids
-            )
+            opening = ChatChunkChoice(index=index, delta=ChatDelta(role=reply.role, content=""))
+            yield chunk([opening], None, prompt_token_ids)
+        for index in range(params.n if reply.echo else 0):
+            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=reply.echo))])
         async with aclosing(merge_streams([stream])) as merged:
             async for _, output in merged:
                 final = output if output.finished else None
@@ -275,7 +291,7 @@ async def _stream(
                     logprobs = _logprobs(state, completion, start, end, params, num_top) if end > start else None
                     if not text and not tracker.finished and end == start:
                         continue  # nothing new (a token whose text is still incomplete still gets its chunk)
-                    delta = ChatDelta(content=text or None)
+                    delta = ChatDelta(content=text)
                     choice = ChatChunkChoice(
                         index=completion.index,
                         delta=delta,

@@ -116,6 +116,29 @@ def test_echo_with_logprobs_streams_as_the_whole_response(http: httpx.Client) ->
         assert first["logprobs"]["token_logprobs"][0] is None  # the prompt's first token, as vLLM's
 
 
+def test_chat_echo_and_the_reply_role(http: httpx.Client) -> None:
+    """vLLM's: without a generation prompt the reply takes the last message's role, and ``echo``
+    starts the reply's content with the last message's when the roles match (streamed: a chunk per
+    choice after the role's); with a generation prompt the role is the assistant's."""
+    chat = [USER_HI, {"role": "assistant", "content": "It is"}]
+    body = {"model": MODEL, "messages": chat, "max_tokens": 4, "temperature": 0}
+    body |= {"add_generation_prompt": False, "continue_final_message": True}
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]
+    assert plain["role"] == "assistant" and plain["content"] and not plain["content"].startswith("It is")
+    assert echoed == {"role": "assistant", "content": "It is" + plain["content"]}
+    deltas = [event["choices"][0]["delta"] for event in _events(http, "/v1/chat/completions", {**body, "echo": True})]
+    assert deltas[:2] == [{"role": "assistant", "content": ""}, {"content": "It is"}]
+    assert "".join(delta["content"] for delta in deltas) == echoed["content"]
+    as_user = {"model": MODEL, "messages": [USER_HI], "max_tokens": 2, "temperature": 0, "echo": True}
+    message = http.post("/v1/chat/completions", json={**as_user, "add_generation_prompt": False}).json()
+    assert message["choices"][0]["message"]["role"] == "user"
+    assert message["choices"][0]["message"]["content"].startswith(USER_HI["content"])
+    new_turn = http.post("/v1/chat/completions", json=as_user).json()["choices"][0]["message"]
+    unechoed = http.post("/v1/chat/completions", json={**as_user, "echo": False}).json()["choices"][0]["message"]
+    assert new_turn == unechoed and new_turn["role"] == "assistant"  # roles differ: nothing echoed
+
+
 def test_return_token_ids(http: httpx.Client) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
     prompt_ids = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()["tokens"]
