@@ -116,6 +116,34 @@ def test_echo_with_logprobs_streams_as_the_whole_response(http: httpx.Client) ->
         assert first["logprobs"]["token_logprobs"][0] is None  # the prompt's first token, as vLLM's
 
 
+def test_logprob_tokens_of_characters_split_over_tokens_add_up_to_the_text(http: httpx.Client) -> None:
+    """vLLM's token texts in logprobs: a byte-level token shows "" until its character is complete,
+    and the token that completes it the character, so a choice's tokens add up to its text and
+    ``text_offset`` points into it (echoed prompt and generated tokens, chat, prompt logprobs)."""
+    prompt = "Say 北京烤鸭 🦩 twice: 北京烤鸭 🦩"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "echo": True, "logprobs": 2}
+    choice = http.post("/v1/completions", json={**body, "prompt_logprobs": 1}).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    tokens = logprobs["tokens"]
+    assert "".join(tokens) == choice["text"] and "" in tokens and not any("\ufffd" in t for t in tokens)
+    assert logprobs["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    ids = http.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()["tokens"]
+    entries = choice["prompt_logprobs"][1:]
+    shown = [entry[str(token)]["decoded_token"] for token, entry in zip(ids[1:], entries, strict=True)]
+    assert tokens[0] + "".join(shown) == prompt
+    for position, top in enumerate(logprobs["top_logprobs"][1:], start=1):  # the token itself first
+        assert next(iter(top)) == tokens[position]
+    repeated = "北京烤鸭 🦩\n北京烤鸭 🦩\n北京烤鸭"
+    messages = [{"role": "user", "content": "Write 北京烤鸭 🦩 ten times"}, {"role": "assistant", "content": repeated}]
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0, "logprobs": True}
+    chat |= {"top_logprobs": 2, "add_generation_prompt": False, "continue_final_message": True}
+    answer = http.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    content = answer["logprobs"]["content"]
+    assert "".join(entry["token"] for entry in content) == answer["message"]["content"]
+    assert any(entry["token"] == "" and entry["bytes"] == [] for entry in content)
+    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in content)
+
+
 def test_chat_echo_and_the_reply_role(http: httpx.Client) -> None:
     """vLLM's: without a generation prompt the reply takes the last message's role, and ``echo``
     starts the reply's content with the last message's when the roles match (streamed: a chunk per
