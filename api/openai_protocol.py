@@ -151,7 +151,11 @@ class TokenizeRequest(RequestBody):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = Field(None, description="default: true for a prompt, false for messages")
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    chat_template: str | None = None  # refused, as in chat completions
+    tools: list[dict[str, Any]] | None = None  # refused, as in chat completions
 
 
 class TokenizeResponse(BaseModel):

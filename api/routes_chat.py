@@ -127,8 +127,6 @@ def render_chat_prompt(
         raise APIError(
             400, "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message"
         )
-    if continue_final_message and chat[-1].role != "assistant":
-        raise APIError(400, "continue_final_message needs an assistant message last", param="continue_final_message")
     if template_kwargs:  # template variables only: not the call's own options (a template, tools, ...)
         options = set(inspect.signature(state.tokenizer.apply_chat_template).parameters) - {"kwargs"}
         taken = sorted(options.intersection(template_kwargs))

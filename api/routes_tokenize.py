@@ -44,8 +44,18 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
+        for name in ("chat_template", "tools"):
+            if getattr(body, name) is not None:
+                raise APIError(400, f"{name} is not supported (the model's own chat template renders)", param=name)
         add_special = bool(body.add_special_tokens)  # the template already has the special tokens
-        tokens = render_chat_prompt(state, body.messages, body.add_generation_prompt, add_special)
+        tokens = render_chat_prompt(
+            state,
+            body.messages,
+            body.add_generation_prompt,
+            add_special,
+            body.continue_final_message,
+            body.chat_template_kwargs,
+        )
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = [int(t) for t in state.tokenizer.encode(body.prompt, add_special_tokens=add_special)]

@@ -167,6 +167,26 @@ def test_chat_echo_and_the_reply_role(http: httpx.Client) -> None:
     assert new_turn == unechoed and new_turn["role"] == "assistant"  # roles differ: nothing echoed
 
 
+def test_continue_final_message_in_tokenize_and_after_any_role(http: httpx.Client) -> None:
+    """``/tokenize`` renders chat messages as the chat route does (``continue_final_message`` and
+    ``chat_template_kwargs`` too); the final message continued may have any role (vLLM's)."""
+    chat = [USER_HI, {"role": "assistant", "content": "Hi there"}]
+    open_ended = {"messages": chat, "add_generation_prompt": False, "continue_final_message": True}
+    tokenized = http.post("/tokenize", json={"model": MODEL, **open_ended}).json()["tokens"]
+    body = {"model": MODEL, **open_ended, "max_tokens": 2, "temperature": 0, "return_token_ids": True}
+    assert http.post("/v1/chat/completions", json=body).json()["prompt_token_ids"] == tokenized
+    closed = http.post("/tokenize", json={"model": MODEL, "messages": chat, "add_generation_prompt": False}).json()
+    assert closed["tokens"][: len(tokenized)] == tokenized and closed["count"] > len(tokenized)  # end of turn
+    both = http.post("/tokenize", json={"model": MODEL, "messages": chat, "continue_final_message": True})
+    assert assert_openai_error(both, 400)["param"] == "continue_final_message"
+    template = http.post("/tokenize", json={"model": MODEL, "messages": chat, "chat_template": "{{ 1 }}"})
+    assert assert_openai_error(template, 400)["param"] == "chat_template"
+    user_last = {**body, "messages": [{"role": "user", "content": "I am a food"}], "return_token_ids": False}
+    reply = http.post("/v1/chat/completions", json=user_last)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["role"] == "user"
+
+
 def test_return_token_ids(http: httpx.Client) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
     prompt_ids = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()["tokens"]
