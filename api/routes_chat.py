@@ -30,6 +30,7 @@ from .openai_responses import (
     ChatDelta,
     ChatLogprobs,
     ChatResponseMessage,
+    UsageInfo,
 )
 from .routes_completions import ERROR_RESPONSES, choice_usage, usage_for
 from .serving import (
@@ -183,7 +184,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     role = "assistant" if body.add_generation_prompt else body.messages[-1].role
     last = body.messages[-1]
     echo = str(_message_dict(last, len(body.messages) - 1)["content"]) if body.echo and last.role == role else ""
-    reply = _Reply(role, echo, num_top, prompt_ids if body.return_token_ids else None)
+    reply = _Reply(role, echo, num_top, len(prompt_ids), prompt_ids if body.return_token_ids else None)
     request_id = new_id("chatcmpl")
     key = InFlightLimiter.key_of(request.headers.get("authorization"))
     state.in_flight.acquire(key)  # 429 past the limit
@@ -244,6 +245,7 @@ class _Reply:
     role: str
     echo: str  # the last message's content that the reply starts with ("" without echo)
     num_top: int  # top_logprobs
+    num_prompt_tokens: int
     prompt_token_ids: list[int] | None  # return_token_ids: sent in the first chunks; each chunk's ids too
 
 
@@ -273,7 +275,9 @@ async def _stream(
     try:
         for index in range(params.n):  # one chunk per choice, as vLLM sends them
             opening = ChatChunkChoice(index=index, delta=ChatDelta(role=reply.role, content=""))
-            yield chunk([opening], None, prompt_token_ids)
+            # vLLM's: with continuous usage the opening chunks count the prompt (nothing cached known yet)
+            usage = UsageInfo(prompt_tokens=reply.num_prompt_tokens, total_tokens=reply.num_prompt_tokens)
+            yield chunk([opening], usage if continuous_usage else None, prompt_token_ids)
         for index in range(params.n if reply.echo else 0):
             yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=reply.echo))])
         async with aclosing(merge_streams([stream])) as merged:

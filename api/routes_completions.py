@@ -257,7 +257,8 @@ class _ChoiceStreamer:
             logprobs=logprobs,
             finish_reason=finish_reason,
             stop_reason=completion.stop_reason if finish_reason else None,
-            prompt_token_ids=list(output.prompt_token_ids) if ids and first else None,
+            # vLLM's: an echoed choice's first chunk carries the prompt's ids, asked for or not
+            prompt_token_ids=list(output.prompt_token_ids) if (ids or prefix) and first else None,
             token_ids=list(completion.token_ids[start:end]) if ids else None,
         )
 

@@ -44,8 +44,10 @@ def test_continuous_usage_stats_and_special_tokens(client: openai.OpenAI, server
         common: dict[str, Any] = dict(model=MODEL, max_tokens=4, temperature=1.0, seed=1, n=2, stream=True)
         common["stream_options"] = options
         if kind == "chat":
-            chat = client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **common)
+            chat = list(client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **common))
             per_choice = [(c.choices[0].index, c.usage.completion_tokens) for c in chat if c.choices and c.usage]
+            opening = [c.usage for c in chat[:2] if c.choices[0].delta.role]  # vLLM's: the prompt counted
+            assert len(opening) == 2 and all(u and u.prompt_tokens > 0 and u.completion_tokens == 0 for u in opening)
         else:
             plain = client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True}, **common)
             per_choice = [(c.choices[0].index, c.usage.completion_tokens) for c in plain if c.choices and c.usage]

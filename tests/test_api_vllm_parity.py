@@ -113,6 +113,8 @@ def test_echo_with_logprobs_streams_as_the_whole_response(http: httpx.Client) ->
         # the prompt first, then the first token if it came with the first snapshot (a later
         # sample of n starts after the first sample's first token: its first chunk has none yet)
         assert first["text"].startswith(prompt) and len(first["logprobs"]["tokens"]) in (count, count + 1)
+        assert len(first["prompt_token_ids"]) == count  # vLLM's: echoed, the prompt's ids come along
+        assert all(chunk["prompt_token_ids"] is None for chunk in chunks[1:])
         assert first["logprobs"]["token_logprobs"][0] is None  # the prompt's first token, as vLLM's
 
 
