@@ -46,11 +46,15 @@ def token_text_after(state: ServerState, token_id: int, before: Sequence[int]) -
     return ""
 
 
-def _ordered(entry: dict[int, float], token_id: int, num_top: int) -> list[tuple[int, float]]:
-    """vLLM's alternatives of a token: the token itself first, then the ``num_top`` likeliest."""
-    ranked = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+def _ordered(entry: dict[int, float], token_id: int) -> list[tuple[int, float]]:
+    """vLLM's order of a token's alternatives: the token itself first, then the others likeliest first."""
     own = [(token_id, entry[token_id])] if token_id in entry else []
-    return own + [(tid, lp) for tid, lp in ranked if tid != token_id]
+    return own + sorted(((tid, lp) for tid, lp in entry.items() if tid != token_id), key=lambda item: -item[1])
+
+
+def _generated_before(ids: Sequence[int], position: int) -> Sequence[int]:
+    """The generated tokens before ``position`` that a generated token's text may complete."""
+    return ids[max(0, position - _CONTEXT) : position]
 
 
 def completion_logprobs(
@@ -67,7 +71,7 @@ def completion_logprobs(
     ids = completion.token_ids
     for position in range(start, min(end, len(entries), len(ids))):
         entry = entries[position]
-        before = ids[max(0, position - _CONTEXT) : position]
+        before = _generated_before(ids, position)
         text_offset = _append_token(result, state, ids[position], entry, len(entry), before, text_offset)
     return result
 
@@ -81,8 +85,9 @@ def _append_token(
     before: Sequence[int],
     text_offset: int,
 ) -> int:
-    """One token of the legacy shape (``entry``: its alternatives; None: a token without logprobs,
-    shown as its own decode, as vLLM's); returns where the next token's text starts."""
+    """One token of the legacy shape (``entry``: its alternatives, of which the token itself and
+    ``num_top`` others are shown; None: a token without logprobs, shown as its own decode, as
+    vLLM's); returns where the next token's text starts."""
     result.text_offset.append(text_offset)
     if entry is None:
         text = state.token_text(token_id)
@@ -91,7 +96,8 @@ def _append_token(
     else:
         text = token_text_after(state, token_id, before)
         result.token_logprobs.append(_finite(entry.get(token_id, _FLOOR)))
-        top = {token_text_after(state, tid, before): _finite(lp) for tid, lp in _ordered(entry, token_id, num_top)}
+        shown = _ordered(entry, token_id)[: num_top + 1]
+        top = {token_text_after(state, tid, before): _finite(lp) for tid, lp in shown}
         result.top_logprobs.append(top)
     result.tokens.append(text)
     return text_offset + len(text)
@@ -100,15 +106,16 @@ def _append_token(
 def chat_logprobs(
     state: ServerState, completion: CompletionOutput, start: int, end: int, num_top: int
 ) -> list[ChatTokenLogprob]:
-    """Tokens ``start:end`` of a completion in the chat shape (``num_top`` alternatives each)."""
+    """Tokens ``start:end`` of a completion in the chat shape: ``num_top`` alternatives each, the
+    token itself first (vLLM's: so a sampled token outside the likeliest is among them)."""
     content: list[ChatTokenLogprob] = []
     entries = completion.logprobs or []
     ids = completion.token_ids
     for position in range(start, min(end, len(entries), len(ids))):
         token_id, entry = ids[position], entries[position]
-        before = ids[max(0, position - _CONTEXT) : position]
+        before = _generated_before(ids, position)
         text = token_text_after(state, token_id, before)
-        ranked = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+        ranked = _ordered(entry, token_id)[:num_top]
         texts = [token_text_after(state, tid, before) for tid, _ in ranked]
         top = [
             ChatTopLogprob(token=t, logprob=_finite(lp), bytes=list(t.encode()))

@@ -23,6 +23,7 @@ from .openai_responses import (
     CompletionChoice,
     CompletionChunk,
     CompletionChunkChoice,
+    CompletionLogprobs,
     CompletionResponse,
     ErrorResponse,
     PromptTokensDetails,
@@ -118,7 +119,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     echoed_logprobs = body.logprobs if echo_logprobs and body.prompt_logprobs is None else None
     by_budget = {b: sampling_params(body, b, body.logprobs, prompt_logprobs=echoed_logprobs) for b in set(budgets)}
     params = [by_budget[budget] for budget in budgets]
-    shape = _ChoiceShape(params[0], echoes, echo_logprobs, bool(body.return_token_ids))
+    shape = _ChoiceShape(params[0], body.echo, echoes, echo_logprobs, bool(body.return_token_ids))
     request_id = new_id("cmpl")
     key = InFlightLimiter.key_of(request.headers.get("authorization"))
     state.in_flight.acquire(key)  # 429 past the limit
@@ -158,6 +159,7 @@ class _ChoiceShape:
     prompt), logprobs (of the prompt too with ``echo_logprobs``), token ids (``return_token_ids``)."""
 
     params: SamplingParams  # the sampling parameters every prompt shares (all but max_tokens)
+    echo: bool
     echoes: list[str]
     echo_logprobs: bool
     return_token_ids: bool
@@ -185,10 +187,12 @@ def _response(
     for prompt_index, final in enumerate(finals):
         prefix = shape.echoes[prompt_index]
         prompt_entries = prompt_logprobs(state, final)
+        echoed = None
+        if shape.echo_logprobs and shape.params.logprobs is not None:
+            echoed = echoed_prompt_logprobs(state, final, shape.params.logprobs)
         for completion in final.outputs:
             logprobs = None
             if shape.params.logprobs is not None:
-                echoed = echoed_prompt_logprobs(state, final, shape.params.logprobs) if shape.echo_logprobs else None
                 offset = len(prefix) if echoed is None else echoed.text_end
                 logprobs = completion_logprobs(state, completion, 0, len(completion.token_ids), offset)
                 if echoed is not None:  # vLLM's: the prompt's tokens first, the first one without logprobs
@@ -219,13 +223,14 @@ class _ChoiceStreamer:
         self.trackers: dict[int, DeltaTracker] = {}
         self.text_offsets: dict[int, int] = {}
         self.sent: set[int] = set()  # choices whose first chunk went out (return_token_ids: the prompt's ids)
+        self.echoed: dict[int, CompletionLogprobs] = {}  # per prompt: its tokens' logprobs (echo + logprobs)
 
     def choice(
         self, prompt_index: int, output: RequestOutput, completion: CompletionOutput
     ) -> CompletionChunkChoice | None:
         index = prompt_index * self.params.n + completion.index
         tracker = self.trackers.get(index)
-        prefix, echoed = "", None
+        prefix, echoed, opening = "", None, tracker is None
         if tracker is None:
             tracker = self.trackers[index] = DeltaTracker.for_stops(self.params.stop)
             prefix = self.shape.echoes[prompt_index]
@@ -233,7 +238,9 @@ class _ChoiceStreamer:
             if self.shape.echo_logprobs and self.params.logprobs is not None:
                 # A choice's first snapshot comes with its first token, so after the whole
                 # prompt was scored: the prompt's tokens go first, as in vLLM's first chunk.
-                echoed = echoed_prompt_logprobs(self.state, output, self.params.logprobs)
+                if prompt_index not in self.echoed:
+                    self.echoed[prompt_index] = echoed_prompt_logprobs(self.state, output, self.params.logprobs)
+                echoed = self.echoed[prompt_index]
                 self.text_offsets[index] = echoed.text_end
         if tracker.finished:
             return None
@@ -244,9 +251,10 @@ class _ChoiceStreamer:
         logprobs = echoed
         if self.params.logprobs is not None and end > start:
             generated = completion_logprobs(self.state, completion, start, end, self.text_offsets[index])
-            self.text_offsets[index] = generated.text_end or self.text_offsets[index]
+            if generated.tokens:
+                self.text_offsets[index] = generated.text_end
             logprobs = generated if echoed is None else echoed.extended(generated)
-        if not text and finish_reason is None and end == start:
+        if not text and finish_reason is None and end == start and not (opening and self.shape.echo):
             return None  # nothing new (a token whose text is still incomplete still gets its chunk)
         ids = self.shape.return_token_ids
         first = index not in self.sent
@@ -258,7 +266,7 @@ class _ChoiceStreamer:
             finish_reason=finish_reason,
             stop_reason=completion.stop_reason if finish_reason else None,
             # vLLM's: an echoed choice's first chunk carries the prompt's ids, asked for or not
-            prompt_token_ids=list(output.prompt_token_ids) if (ids or prefix) and first else None,
+            prompt_token_ids=list(output.prompt_token_ids) if (ids or self.shape.echo) and first else None,
             token_ids=list(completion.token_ids[start:end]) if ids else None,
         )
 

@@ -6,9 +6,9 @@ from fastapi import APIRouter, Depends, Request
 from loraserve.adapters import InvalidAdapterNameError, RegistryUnavailableError
 
 from .auth import require_api_key
+from .chat_template import render_chat_prompt
 from .errors import APIError, registry_unavailable
 from .openai_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from .routes_chat import render_chat_prompt
 from .routes_completions import ERROR_RESPONSES
 from .serving import ServerState, get_state, model_not_found, registry_call, require_json, resolve_adapter
 

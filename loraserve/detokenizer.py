@@ -27,16 +27,17 @@ class Detokenizer:
         seq.read_offset = seq.num_prompt_tokens
         seq.prefix_offset = max(0, seq.num_prompt_tokens - _NUM_PROMPT_CONTEXT_TOKENS)
 
-    def update(self, seq: Sequence, end: int | None = None) -> str:
+    def update(self, seq: Sequence, end: int | None = None, at_once: bool = False) -> str:
         """Decode tokens past ``read_offset`` (up to ``end``, exclusive; None: all); return the new
-        text (may be empty)."""
+        text (may be empty). ``at_once``: the tokens were not decoded one by one as they came (a
+        ``final_only`` output decoded when it ends): the text stops after the last token that
+        completes a character, as one-by-one decoding would have left it."""
         end = len(seq.token_ids) if end is None else end
-        prefix_text, full_text = self._texts(seq, end)
-        while full_text.endswith("\ufffd") and end - 1 > seq.read_offset:
-            # Several tokens at once (a final_only output decoded when it ends): the text up to
-            # the last token that completes a character, as decoding them one by one gives.
+        while at_once and end - 1 > seq.read_offset and self._ends_inside_a_character(seq, end):
             end -= 1
-            prefix_text, full_text = self._texts(seq, end)
+        ids = seq.token_ids[seq.prefix_offset : end]
+        prefix_text = self._decode(seq, ids[: seq.read_offset - seq.prefix_offset])
+        full_text = self._decode(seq, ids)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         delta = full_text[len(prefix_text) :]
@@ -45,19 +46,17 @@ class Detokenizer:
         seq.output_text += delta
         return delta
 
-    def _texts(self, seq: Sequence, end: int) -> tuple[str, str]:
-        """The text of the window before ``read_offset`` and of the window up to ``end``."""
-        ids = seq.token_ids[seq.prefix_offset : end]
-        num_prefix = seq.read_offset - seq.prefix_offset
+    def _ends_inside_a_character(self, seq: Sequence, end: int) -> bool:
+        # A character has at most 4 bytes and a token at least one: the last 4 tokens tell.
+        return self._decode(seq, seq.token_ids[max(seq.read_offset, end - 4) : end]).endswith("\ufffd")
+
+    def _decode(self, seq: Sequence, ids: list[int]) -> str:
+        """The text of ``ids`` (special tokens left out if the request says so)."""
         if seq.params.skip_special_tokens and not self.special_ids.isdisjoint(ids):
-            special = self.special_ids
-            num_prefix -= sum(t in special for t in ids[:num_prefix])
-            ids = [t for t in ids if t not in special]
+            ids = [t for t in ids if t not in self.special_ids]
         if self._decode_fast is not None:
-            return self._decode_fast(ids[:num_prefix]), self._decode_fast(ids)
-        spaces = seq.params.spaces_between_special_tokens
-        prefix_text = self.tokenizer.decode(ids[:num_prefix], spaces_between_special_tokens=spaces)
-        return prefix_text, self.tokenizer.decode(ids, spaces_between_special_tokens=spaces)
+            return self._decode_fast(ids)
+        return str(self.tokenizer.decode(ids, spaces_between_special_tokens=seq.params.spaces_between_special_tokens))
 
 
 def _fast_decoder(tokenizer: Any) -> Callable[[list[int]], str] | None:

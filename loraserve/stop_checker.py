@@ -30,6 +30,7 @@ class StopChecker:
         ``include_stop_str_in_output`` (its id stays in ``token_ids``); stop strings count once
         the output is longer than ``min_tokens`` tokens."""
         params = seq.params
+        decode_at_end = params.output_kind == "final_only" and not params.stop
         num_tokens = len(seq.token_ids)
         num_output_tokens = num_tokens - seq.num_prompt_tokens
         if num_output_tokens >= params.min_tokens:
@@ -39,9 +40,9 @@ class StopChecker:
             elif token in params.stop_token_ids:
                 by_token = (FinishReason.STOP, token)
             if by_token is not None:
-                self.detokenizer.update(seq, None if params.include_stop_str_in_output else num_tokens - 1)
+                end = None if params.include_stop_str_in_output else num_tokens - 1
+                self.detokenizer.update(seq, end, at_once=decode_at_end)
                 return by_token
-        decode_at_end = params.output_kind == "final_only" and not params.stop
         num_new_chars = 0 if decode_at_end else len(self.detokenizer.update(seq))
         stop: Stop | None = None
         if num_output_tokens < params.min_tokens:  # only the lengths end it before min_tokens
@@ -59,7 +60,7 @@ class StopChecker:
         elif num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             stop = (FinishReason.LENGTH, None)
         if decode_at_end and stop is not None:
-            self.detokenizer.update(seq)
+            self.detokenizer.update(seq, at_once=True)
         return stop
 
 

@@ -154,9 +154,9 @@ def test_chat_template_gets_message_names_and_template_kwargs() -> None:
     template variables); a template that fails on them is a 400, not a 500."""
     from types import SimpleNamespace
 
+    from loraserve.api.chat_template import render_chat_prompt
     from loraserve.api.errors import APIError
     from loraserve.api.openai_protocol import ChatMessage
-    from loraserve.api.routes_chat import render_chat_prompt
     from transformers import AutoTokenizer
 
     from loraserve.models.loader import resolve_model_dir
@@ -182,9 +182,9 @@ def test_chat_template_gets_tool_calls_of_the_history() -> None:
     templates) and a tool message's ``tool_call_id`` reach the template; bad ones are 400s."""
     from types import SimpleNamespace
 
+    from loraserve.api.chat_template import render_chat_prompt
     from loraserve.api.errors import APIError
     from loraserve.api.openai_protocol import ChatMessage
-    from loraserve.api.routes_chat import render_chat_prompt
     from transformers import AutoTokenizer
 
     from loraserve.models.loader import resolve_model_dir

@@ -73,7 +73,7 @@ def test_decoding_at_the_end_keeps_what_one_by_one_keeps(tokenizer: Any) -> None
         detokenizer.start(seq)
         for token in output:
             seq.append_token(token)
-        detokenizer.update(seq)
+        detokenizer.update(seq, at_once=True)
         assert seq.output_text == by_token and by_token.startswith("在"), (cut, output)
         cut_inside += tokenizer.decode(output).endswith("\ufffd")
     assert cut_inside >= 2  # the emojis are split over tokens: some cuts fall inside them
