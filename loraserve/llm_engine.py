@@ -202,18 +202,18 @@ class LLMEngine:
     # ---- adapters -------------------------------------------------------------------
     def add_adapter(self, name: str, path: str | os.PathLike[str], overwrite: bool = False) -> AdapterInfo:
         """Register the PEFT directory at ``path`` under ``name`` (validated first)."""
-        return self.adapters.register_from_path(name, str(path), overwrite=overwrite)
+        return self.adapters.resolver.register_from_path(name, str(path), overwrite=overwrite)
 
     def register_adapter(self, name: str, files: Mapping[str, bytes], overwrite: bool = False) -> AdapterInfo:
         """Register PEFT files given as bytes (``adapter_config.json``, ``adapter_model.safetensors``)."""
-        return self.adapters.register(name, files, overwrite=overwrite)
+        return self.adapters.resolver.register(name, files, overwrite=overwrite)
 
     def remove_adapter(self, name: str) -> None:
         """Unregister ``name``: new requests cannot use it; requests in flight finish on it."""
-        self.adapters.remove(name)
+        self.adapters.resolver.remove(name)
 
     def list_adapters(self) -> list[AdapterInfo]:
-        return [self.adapters.info(name) for name in self.adapter_registry.names()]
+        return [self.adapters.resolver.info(name) for name in self.adapter_registry.names()]
 
     def abort_request(self, request_id: str) -> None:
         request = self._forget(request_id)
@@ -308,5 +308,6 @@ class LLMEngine:
         assert request is not None
         output = make_output(request)
         output.error = error
-        output.error_code = code or self.adapters.error_code(seq.adapter_name)  # "registry_unavailable": retry later
+        # "registry_unavailable": retry later
+        output.error_code = code or self.adapters.resolver.error_code(seq.adapter_name)
         return output

@@ -101,7 +101,7 @@ class Scheduler:
     def wait_for_adapter(self, timeout: float) -> None:
         """Block until the oldest adapter read in flight is done, or ``timeout`` seconds."""
         if self.loading and self.adapters is not None and self.loading[0].adapter_name is not None:
-            self.adapters.wait_for_load(self.loading[0].adapter_name, timeout=timeout)
+            self.adapters.resolver.wait_for_load(self.loading[0].adapter_name, timeout=timeout)
 
     def _count_live(self, seq: Sequence) -> None:
         self.admission.count_live(seq, 1 + len(self._forks.get(seq.seq_id, ())))

@@ -66,8 +66,8 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_swapped=len(scheduler.swapped),
         num_preemptions=scheduler.num_preemptions,
         num_adapter_loads=adapters.num_loads,
-        num_adapters=adapters.num_registered,  # as the catalog last saw them: no registry call here
-        registry_up=adapters.registry_up,
+        num_adapters=adapters.resolver.num_registered,  # as the catalog last saw them: no registry call here
+        registry_up=adapters.resolver.registry_up,
         prefix_cache_enabled=index is not None,
         prefix_cache_queried_tokens=index.num_queried_tokens if index is not None else 0,
         prefix_cache_matched_tokens=index.num_hit_tokens if index is not None else 0,

@@ -70,7 +70,7 @@ class Env:
             self.base, rank=rank, target_modules=list(targets), seed=len(self.peft), **kwargs
         )
         self.peft[name].save_pretrained(self.root / name, safe_serialization=True)
-        self.manager.register_from_path(name, str(self.root / name))
+        self.manager.resolver.register_from_path(name, str(self.root / name))
         return self.manager.resolve(name)
 
     def check_weights(self, name: str, adapter_id: str) -> None:

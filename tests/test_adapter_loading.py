@@ -43,7 +43,7 @@ def adapter_dir(tiny_hf_model: Any, tmp_path_factory: pytest.TempPathFactory) ->
 def hold_loader(llm: LLM) -> threading.Event:
     """Occupy the adapter loader thread until the returned event is set."""
     release = threading.Event()
-    llm.engine.adapters._loader.submit(release.wait)
+    llm.engine.adapters.resolver._loader.submit(release.wait)
     return release
 
 
@@ -195,7 +195,7 @@ def test_a_parse_error_on_the_loader_thread_reaches_the_resolve(tmp_path: Path, 
     env = Env(tmp_path, base, num_pages=64, parse_in_background=True)
     try:
         env.add("good", 2, QV)
-        env.manager.register_from_path("bad", str(tmp_path / "good"))
+        env.manager.resolver.register_from_path("bad", str(tmp_path / "good"))
         weights = (tmp_path / "store" / "bad").resolve() / "adapter_model.safetensors"
         weights.write_bytes(b"not a safetensors file")
         with pytest.raises(AdapterError, match="not a valid safetensors file"):

@@ -127,7 +127,7 @@ def test_a_registry_outage_fails_only_what_needs_the_registry_and_heals_by_itsel
 
         # A read of "late" in flight when Redis dies: the loader thread is held until then.
         release = threading.Event()
-        engine.adapters._loader.submit(release.wait)
+        engine.adapters.resolver._loader.submit(release.wait)
         late: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: late.append(complete(http, "late")))
         waiter.start()

@@ -35,7 +35,7 @@ def _run(llm: LLM, adapter: str) -> Any:
 def _wait_in_step(writer: LLM, reader: LLM, name: str) -> None:
     """Until ``reader``'s catalog maps ``name`` as ``writer``'s does (at most a second)."""
     deadline = time.monotonic() + 1.0
-    while reader.engine.adapters.source.lookup(name) != writer.engine.adapters.source.lookup(name):
+    while reader.engine.adapters.resolver.source.lookup(name) != writer.engine.adapters.resolver.source.lookup(name):
         assert time.monotonic() < deadline, f"replica b did not see the change of {name!r} within a second"
         time.sleep(0.001)
 

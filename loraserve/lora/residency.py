@@ -1,7 +1,8 @@
 """Adapter residency across three tiers: registry (disk or Redis), host memory, page pool.
 
-* Requests name an adapter; it is resolved once, at arrival, to the adapter's content
-  digest, and everything after that (residency, prefix-cache keys) uses the digest.
+* Requests name an adapter; ``resolver.py`` resolves the name once, at arrival, to the
+  adapter's content digest (reading its files on a loader thread), and everything after that
+  (residency, prefix-cache keys) uses the digest.
 * A resident adapter's weights live in pages of the same pool as the KV cache,
   allocated from the same free list (``PageKind.ADAPTER``). Pages grow linearly with
   rank (see layout.py). This class only decides which pages: a new load's weights are
@@ -13,55 +14,21 @@
   revives it without a copy.
 * Parsed adapters are kept in host memory (``host_tier.py``): an LRU bounded in bytes that
   never drops adapters some unfinished request still needs.
-* Reading an adapter that is not in host memory from the store runs on a background thread
-  (``resolve_nowait``), so the engine keeps stepping while the files arrive (S-LoRA's
-  asynchronous adapter loading); the engine holds the request back until then. Parsing (the
-  safetensors copy, the finiteness check, the content digest) runs there too when
-  ``parse_in_background``: where the forward leaves host cores idle (a GPU engine, or a CPU engine
-  with fewer torch threads than cores). Otherwise it stays on the engine's thread: torch ops on a
-  second thread start a second OpenMP team, which on a machine whose cores the engine already
-  fills slowed the steps by a quarter.
-* No registry call runs on the engine thread. Names resolve through the store's catalog
-  (``adapters/catalog.py``): an in-memory name -> content key map that a background thread keeps
-  current (Redis: pub/sub), so a delete or re-registration anywhere reaches every replica
-  without a round trip per request (a directory store's lookup reads the name's link: one
-  system call, as before). Content keys name immutable content, so the key -> digest map here
-  never goes stale; requests already running keep the digest they resolved. With the registry
-  unreachable, adapters in host memory (and so in the pool) keep being served; a request that
-  needs the store fails with ``RegistryUnavailableError`` (HTTP 503).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from loraserve.adapters import (
-    AdapterError,
-    AdapterInfo,
-    AdapterNotFoundError,
-    AdapterRegistry,
-    LoRAAdapter,
-    RegistryUnavailableError,
-)
-from loraserve.lora.adapter_source import AdapterSource
+from loraserve.adapters import AdapterRegistry, LoRAAdapter
 from loraserve.lora.batch import AdapterLoad, AdapterPages
 from loraserve.lora.host_tier import HostTier
 from loraserve.lora.layout import AdapterLayout
+from loraserve.lora.resolver import AdapterResolver
 from loraserve.page_pool import PageKind, PagePool
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Read:
-    """A read of an adapter's files in flight on the loader thread; the future gives the content
-    key actually read (the name may have moved on meanwhile) and the files."""
-
-    key: str
-    future: Future[tuple[str, Mapping[str, bytes] | LoRAAdapter]]  # files, or parsed in the background
 
 
 @dataclass
@@ -98,127 +65,39 @@ class AdapterManager:
         """``pages_per_adapter``: every adapter takes that many pages, whatever its ranks (the
         slots of a fixed adapter region, ``pool`` then being that region); None: as many as
         its layout needs (the unified pool). ``parse_in_background``: parse read files on the
-        loader thread too (see the module's docstring), not on the engine's."""
-        self.registry = registry
+        loader thread too (see ``resolver.py``), not on the engine's."""
         self.pool = pool
         self.pages_per_adapter = pages_per_adapter
         self.num_layers, self.page_elems = num_layers, page_elems
         self.num_watermark_pages = num_watermark_pages
-        self.parse_in_background = parse_in_background
-        self.source = AdapterSource(registry)  # its catalog thread starts now; close() stops it
         self.host = HostTier(host_cache_bytes)
+        # Names to digests (registry calls, the loader thread); its catalog thread starts now.
+        self.resolver = AdapterResolver(registry, self.host, parse_in_background)
         self._layouts: dict[str, AdapterLayout] = {}  # of adapters in host memory or resident
         self.resident: dict[str, ResidentAdapter] = {}
         self._loads_to_write: list[AdapterLoad] = []  # taken by the scheduler into its batch
-        self._loads: dict[str, _Read] = {}  # name -> the read of its files in flight on the loader thread
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraserve-adapter-load")
-        self._unavailable: set[str] = set()  # names whose last resolve failed for want of the registry
         self.num_loads = 0
         self.num_evictions = 0
 
-    # ---- names (any thread but the engine's: these wait on the registry) ----------------
-    def register(self, name: str, files: Mapping[str, bytes], overwrite: bool = False) -> AdapterInfo:
-        return self.source.register(name, files, overwrite=overwrite)
-
-    def register_from_path(self, name: str, path: str, overwrite: bool = False) -> AdapterInfo:
-        return self.source.register_from_path(name, path, overwrite=overwrite)
-
-    def remove(self, name: str) -> None:
-        """Unregister; requests already holding the adapter's digest keep running on it."""
-        self.source.remove(name)
-
-    def info(self, name: str) -> AdapterInfo:
-        """Summary of ``name``, parsed once per stored content."""
-        return self.source.info(name)
-
-    @property
-    def registry_up(self) -> bool:
-        """Whether the registry answers and this replica follows its changes (the catalog is current)."""
-        return self.source.up
-
-    @property
-    def num_registered(self) -> int:
-        """Registered adapters as this replica last saw them (no I/O)."""
-        return self.source.num_registered
-
-    def error_code(self, name: str | None) -> str | None:
-        """``RegistryUnavailableError.code`` if the last resolve of ``name`` failed for want of the
-        registry (how the engine tells a client to retry later), else None."""
-        return RegistryUnavailableError.code if name in self._unavailable else None
-
     def close(self) -> None:
-        """Stop following the registry and the loader thread (reads in flight are dropped)."""
-        self.source.close()
-        self._loader.shutdown(wait=False, cancel_futures=True)
+        """Stop the resolver's threads (reads in flight are dropped)."""
+        self.resolver.close()
 
     # ---- resolving (the engine thread) ------------------------------------------------
     def resolve(self, name: str) -> str:
-        """The content digest of the adapter registered as ``name`` (loaded into host memory)."""
-        adapter_id = self.resolve_nowait(name)
-        while adapter_id is None:
-            self.wait_for_load(name)
-            adapter_id = self.resolve_nowait(name)
-        return adapter_id
+        """The content digest of the adapter registered as ``name``, waiting for its files."""
+        return self._with_layout(self.resolver.resolve(name))
 
     def resolve_nowait(self, name: str) -> str | None:
-        """Like :meth:`resolve`, but None while the adapter's files are being read.
+        """The content digest of ``name``, or None while its files are being read
+        (``AdapterResolver.resolve_nowait``, whose errors it raises)."""
+        adapter_id = self.resolver.resolve_nowait(name)
+        return None if adapter_id is None else self._with_layout(adapter_id)
 
-        No I/O: the name goes through the catalog; the first call for an adapter not in host memory
-        starts reading its files on the loader thread; a later call after the read finished parses
-        them and takes the adapter in. Raises ``AdapterNotFoundError`` at once for a name that is
-        not registered, ``RegistryUnavailableError`` at once when the adapter is not in host memory
-        and the registry is unreachable, and the read's or the parse's error (an ``AdapterError``)
-        if either failed.
-        """
-        read = self._loads.get(name)
-        if read is not None and not read.future.done():
-            return None  # polled every step while loading
-        self._unavailable.discard(name)
-        try:
-            return self._resolve(name, read)
-        except RegistryUnavailableError:
-            self._unavailable.add(name)
-            raise
-
-    def _resolve(self, name: str, read: _Read | None) -> str | None:
-        key = self.source.lookup(name)
-        if read is not None:
-            del self._loads[name]
-            if key == read.key:
-                if read.future.cancelled():  # close() dropped it
-                    raise AdapterError(f"reading adapter {name!r} was cancelled: the adapter manager is closed")
-                return self._take_in(name, *read.future.result())  # raises the read's error
-            # Otherwise the name moved on (deleted or re-registered) while its files were read.
-        if key is None:
-            if not self.source.up:
-                raise self.source.unavailable_error(f"adapter {name!r} cannot be looked up")
-            raise AdapterNotFoundError(f"adapter {name!r} not found")
-        digest = self.host.digest_of_key(key)
-        if digest is not None:
-            return digest
-        if not self.source.up:
-            raise self.source.unavailable_error(f"adapter {name!r} is not loaded on this replica")
-        work = self._read_and_parse if self.parse_in_background else self.source.read
-        self._loads[name] = _Read(key, self._loader.submit(work, name, key))
-        return None
-
-    def _read_and_parse(self, name: str, key: str) -> tuple[str, LoRAAdapter]:
-        """The loader thread's work when parsing in the background."""
-        key, files = self.source.read(name, key)
-        return key, self.registry.parse(name, files)
-
-    def _take_in(self, name: str, key: str, read: Mapping[str, bytes] | LoRAAdapter) -> str:
-        adapter = read if isinstance(read, LoRAAdapter) else self.registry.parse(name, read)
-        self.host.put(key, adapter)
-        if adapter.digest not in self._layouts:
-            self._layouts[adapter.digest] = AdapterLayout.for_adapter(adapter, self.num_layers)
-        return adapter.digest
-
-    def wait_for_load(self, name: str, timeout: float | None = None) -> None:
-        """Block until the read of ``name`` in flight (if any) is done, or ``timeout`` seconds."""
-        read = self._loads.get(name)
-        if read is not None:
-            wait([read.future], timeout=timeout)
+    def _with_layout(self, adapter_id: str) -> str:
+        if adapter_id not in self._layouts:  # resolved adapters are in host memory
+            self._layouts[adapter_id] = AdapterLayout.for_adapter(self._adapter_weights(adapter_id), self.num_layers)
+        return adapter_id
 
     def add_live_seq(self, adapter_id: str) -> None:
         """Count an unfinished sequence on the adapter (its host copy is kept meanwhile)."""
