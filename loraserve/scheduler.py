@@ -196,11 +196,13 @@ class Scheduler:
         """Nothing runs: the head of the line did not fit, or the one running sequence preempted
         itself. Forked samples waiting behind it may hold pages (their request's prompt) that
         nothing else would free; they give them back and recompute their prompt (from the prefix
-        cache while it keeps it). True if any held pages."""
+        cache while it keeps it), each counted as a preemption. True if any held pages."""
         forks = [seq for seq in self.waiting if seq.block_ids]  # only forks wait holding blocks
         for seq in forks:
             self.kv_manager.free(seq)
             seq.num_computed_tokens = 0
+            self.num_preemptions += 1
+            seq.num_preemptions += 1
         return bool(forks)
 
     def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:

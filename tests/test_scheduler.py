@@ -213,8 +213,11 @@ def test_waiting_forks_give_their_pages_back_when_nothing_else_can_run() -> None
     batch = step(sched)  # a0 copies its shared last block; b0 swaps out (its pages stay: b1 holds them)
     assert summary(batch) == [("a", 1)] and batch.copy_pages == [(1, 4)] and batch.swap_out == [(2, 0), (3, 1)]
     assert pool.num_free_pages == 0
+    assert sched.num_preemptions == 1
     batch = step(sched)  # a0 swaps itself out: nothing runs, so the forks give their pages back
     assert summary(batch) == [] and batch.swap_out == [(0, 2), (4, 3)]
+    # a0's swap and the two forks' recomputations
+    assert (sched.num_preemptions, a0.num_preemptions, a1.num_preemptions, b1.num_preemptions) == (4, 1, 1, 1)
     assert list(sched.waiting) == [b1, a1] and (a1.block_ids, b1.block_ids, a1.num_computed_tokens) == ([], [], 0)
     assert pool.num_free_pages == 5
     batch = step(sched)
