@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 
 from loraserve.llm_engine import LLMEngine
 from loraserve.outputs import RequestOutput
-from loraserve.request import make_output
 from loraserve.sampling_params import SamplingParams
 
 from .engine_commands import (
@@ -276,13 +275,9 @@ class AsyncEngine:
         elif isinstance(command, FinishAllCommand):
             streams, self._streams = self._streams, {}
             for request_id, stream in streams.items():
-                request = self.engine.requests.get(request_id)
-                self.engine.abort_request(request_id)
+                output = self.engine.finish_request(request_id)  # its samples now carry finish reason abort
                 self._notify("request_ended", request_id)
-                if request is None:
-                    stream.deliver(RequestAbortedError(f"request {request_id} was aborted"))
-                else:  # its samples now carry finish reason abort
-                    stream.deliver(make_output(request))
+                stream.deliver(RequestAbortedError(f"request {request_id} was aborted") if output is None else output)
         elif isinstance(command, CallCommand):
             if not command.result.set_running_or_notify_cancel():
                 return

@@ -35,7 +35,7 @@ from loraserve.sampling_params import SamplingParams
 from loraserve.scheduler import Scheduler
 from loraserve.sequence import FinishReason, Sequence
 from loraserve.stats import EngineStats, engine_stats
-from loraserve.stop_checker import StopChecker, model_eos_token_ids
+from loraserve.stop_checker import StopChecker, decodes_at_end, model_eos_token_ids
 
 logger = logging.getLogger(__name__)
 LOAD_WAIT_S = 0.05  # how long an idle step waits for an adapter load before returning
@@ -220,6 +220,19 @@ class LLMEngine:
         if request is not None:
             for seq in request.seqs:  # the first sample also ends the others not forked yet
                 self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def finish_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now, as ``abort_request`` does, and return its output so far (None if it
+        is unknown): the end of a drain that ran out of time. Text decoded only at the end
+        (``final_only``) is decoded here, so the output carries what was generated."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished and decodes_at_end(seq.params):
+                self.detokenizer.update(seq, at_once=True)
+        self.abort_request(request_id)
+        return make_output(request)
 
     def close(self) -> None:
         """Stop following the registry and reading adapters (the background threads) and remove a

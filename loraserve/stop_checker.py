@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from loraserve.detokenizer import Detokenizer, find_stop_string
+from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import FinishReason, Sequence
 
 Stop = tuple[FinishReason, str | int | None]  # (finish reason, the stop string or token that ended it)
@@ -30,7 +31,7 @@ class StopChecker:
         ``include_stop_str_in_output`` (its id stays in ``token_ids``); stop strings count once
         the output is longer than ``min_tokens`` tokens."""
         params = seq.params
-        decode_at_end = params.output_kind == "final_only" and not params.stop
+        decode_at_end = decodes_at_end(params)
         num_tokens = len(seq.token_ids)
         num_output_tokens = num_tokens - seq.num_prompt_tokens
         if num_output_tokens >= params.min_tokens:
@@ -62,6 +63,12 @@ class StopChecker:
         if decode_at_end and stop is not None:
             self.detokenizer.update(seq, at_once=True)
         return stop
+
+
+def decodes_at_end(params: SamplingParams) -> bool:
+    """Whether a sequence's text is decoded once, when it ends (``final_only``, no stop strings to
+    look for), rather than token by token."""
+    return params.output_kind == "final_only" and not params.stop
 
 
 def never_stops_early(seq: Sequence, token: int) -> Stop | None:

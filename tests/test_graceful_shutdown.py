@@ -67,8 +67,9 @@ def _requests(url: str, model: str, max_tokens: int, first_chunks: threading.Bar
         results[index]["status"] = reply.status_code
         if reply.status_code == 200:
             answer = reply.json()
+            choice = answer["choices"][0]
             results[index].update(
-                finish_reason=answer["choices"][0]["finish_reason"], tokens=answer["usage"]["completion_tokens"]
+                finish_reason=choice["finish_reason"], tokens=answer["usage"]["completion_tokens"], text=choice["text"]
             )
 
     threads = [threading.Thread(target=streamed if i < 8 else plain, args=(i,)) for i in range(16)]
@@ -136,6 +137,7 @@ def test_past_the_timeout_the_rest_end_with_finish_reason_abort(
     assert time.monotonic() - signalled < 30
     assert all(r["status"] == 200 and r["finish_reason"] == "abort" for r in results), results
     assert all(0 < r["tokens"] < 1900 for r in results), results  # what they had so far
+    assert all(r["text"] for r in results[8:]), results  # the plain ones' text too (was empty)
 
 
 def test_a_second_signal_stops_at_once(

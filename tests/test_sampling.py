@@ -178,6 +178,25 @@ def test_final_only_requests_are_reported_once_with_the_same_text(llm: LLM) -> N
         SamplingParams(output_kind="delta")
 
 
+def test_a_request_finished_early_carries_the_text_generated_so_far(llm: LLM) -> None:
+    """``finish_request`` (a drain out of time) ends requests with finish reason ``abort`` and their
+    output so far: a ``final_only`` one's text, decoded only at the end, is decoded there too (it
+    came back empty before), the same text as a cumulative request's."""
+    engine = llm.engine
+    base = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    kinds = {"early-cumulative": base, "early-final": dataclasses.replace(base, output_kind="final_only")}
+    for request_id, params in kinds.items():
+        engine.add_request(request_id, PROMPTS[2], params)
+    for _ in range(8):
+        engine.step()
+    outputs = {request_id: engine.finish_request(request_id) for request_id in kinds}
+    cumulative, final = outputs["early-cumulative"], outputs["early-final"]
+    assert cumulative is not None and final is not None and not engine.has_unfinished_requests()
+    assert final.finish_reason == "abort" and final.finished and 0 < len(final.token_ids) < 50
+    assert final.token_ids == cumulative.token_ids and final.text == cumulative.text != ""
+    assert engine.finish_request("early-final") is None  # ended already
+
+
 def test_bad_input_is_named(llm: LLM) -> None:
     with pytest.raises(SamplingParamsError, match="top_p"):
         SamplingParams(top_p=0.0)
