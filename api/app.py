@@ -46,7 +46,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     """
     metrics = ServerMetrics(settings.model_id)
     async_engine = AsyncEngine(engine, observer=metrics)
-    limiter = InFlightLimiter(settings.max_requests_per_key)
+    limiter = InFlightLimiter(settings.max_requests_per_key, settings.api_key, settings.admin_key)
     state = ServerState(engine, async_engine, settings, _api_tokenizer(engine), metrics, limiter)
     if settings.adapter_key is None:
         logger.warning("no --admin-key or --api-key: anyone who can reach the server can change adapters")

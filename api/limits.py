@@ -4,18 +4,21 @@
   body larger than ``max_request_body_bytes``, whether it announces its length or streams it
   chunked, before any route parses it. Adapter uploads are exempt: they have their own, larger,
   limit (``max_upload_bytes``, checked while the upload streams in).
-* ``InFlightLimiter``: completion requests in flight per API key (the bearer token; requests
-  without one share one bucket); past the limit a request gets 429 at once and nothing is queued.
+* ``InFlightLimiter``: completion requests in flight per API key (the server's API key and its
+  admin key each have a bucket; every other request, whatever bearer token it sends when no key is
+  checked, shares one); past the limit a request gets 429 at once and nothing is queued.
 """
 
 from __future__ import annotations
 
-import hashlib
+import hmac
 import json
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from fastapi.security.utils import get_authorization_scheme_param
 
 from .errors import APIError, error_body
 
@@ -86,17 +89,23 @@ class RequestBodyLimit:
 class InFlightLimiter:
     """Counts the completion requests each API key has in flight (any thread)."""
 
-    def __init__(self, max_per_key: int) -> None:
+    def __init__(self, max_per_key: int, api_key: str | None = None, admin_key: str | None = None) -> None:
         self.max_per_key = max_per_key
+        self._keys = {"admin": admin_key, "api": api_key}
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    @staticmethod
-    def key_of(authorization: str | None) -> str:
-        """The bucket of a request: a digest of its bearer token (never the key itself)."""
-        if not authorization:
-            return "anonymous"
-        return hashlib.sha256(authorization.encode()).hexdigest()[:16]
+    def bucket_of(self, authorization: str | None) -> str:
+        """The bucket of a request that passed the API-key check: ``"admin"`` or ``"api"`` when its
+        bearer token is one of the server's keys (read as the check reads it: the scheme in any
+        case), else ``"anonymous"``; so tokens that no check looks at share one bucket, and a
+        client cannot take more than the limit by sending new ones."""
+        scheme, token = get_authorization_scheme_param(authorization)
+        if scheme.lower() == "bearer" and token:
+            for bucket, key in self._keys.items():
+                if key is not None and hmac.compare_digest(token.encode(), key.encode()):
+                    return bucket
+        return "anonymous"
 
     def acquire(self, key: str) -> None:
         """Count one more request for ``key``, or raise a 429 ``APIError`` past the limit."""

@@ -18,7 +18,6 @@ from .async_engine import RequestStream
 from .auth import require_api_key
 from .chat_template import message_dict, render_chat_prompt
 from .errors import APIError
-from .limits import InFlightLimiter
 from .logprobs import chat_logprobs, prompt_logprobs
 from .openai_protocol import ChatCompletionRequest
 from .openai_responses import (
@@ -100,7 +99,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     echo = str(message_dict(last, len(body.messages) - 1)["content"]) if body.echo and last.role == role else ""
     reply = _Reply(role, echo, num_top, len(prompt_ids), prompt_ids if body.return_token_ids else None)
     request_id = new_id("chatcmpl")
-    key = InFlightLimiter.key_of(request.headers.get("authorization"))
+    key = state.in_flight.bucket_of(request.headers.get("authorization"))
     state.in_flight.acquire(key)  # 429 past the limit
     if body.stream:
         try:

@@ -16,7 +16,6 @@ from loraserve.sampling_params import SamplingParams
 from .async_engine import RequestStream
 from .auth import require_api_key
 from .errors import APIError
-from .limits import InFlightLimiter
 from .logprobs import completion_logprobs, echoed_prompt_logprobs, prompt_logprobs
 from .openai_protocol import CompletionRequest
 from .openai_responses import (
@@ -121,7 +120,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     params = [by_budget[budget] for budget in budgets]
     shape = _ChoiceShape(params[0], body.echo, echoes, echo_logprobs, bool(body.return_token_ids))
     request_id = new_id("cmpl")
-    key = InFlightLimiter.key_of(request.headers.get("authorization"))
+    key = state.in_flight.bucket_of(request.headers.get("authorization"))
     state.in_flight.acquire(key)  # 429 past the limit
     if body.stream:
         try:

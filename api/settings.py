@@ -27,8 +27,8 @@ class ServerSettings:
     * ``max_n``: the most samples per prompt (``n``); ``max_prompt_tokens`` and
       ``max_output_tokens``: the longest prompt and ``max_tokens`` a request may ask (None: the
       model's context length); past them, 400 naming the field.
-    * ``max_requests_per_key``: completion requests in flight per API key (requests without a
-      key share one bucket); past it, 429.
+    * ``max_requests_per_key``: completion requests in flight per API key (``api_key`` and
+      ``admin_key`` each; all other requests share one bucket); past it, 429.
     """
 
     model_id: str

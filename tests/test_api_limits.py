@@ -14,6 +14,8 @@ import httpx
 import pytest
 from adapter_factory import make_peft_adapter_for_config
 from loraserve.api import ServerSettings, ServerThread, create_app
+from loraserve.api.errors import APIError
+from loraserve.api.limits import InFlightLimiter
 
 from loraserve.config import EngineConfig
 from loraserve.llm_engine import LLMEngine
@@ -88,12 +90,32 @@ def test_requests_in_flight_per_key(server: tuple[httpx.Client, LLMEngine]) -> N
         next(lines)  # key a has one request in flight
         busy = http.post("/v1/completions", json=body, headers=key_a)
         assert error_of(busy, 429)["code"] == 429
-        assert http.post("/v1/completions", json=body, headers=key_b).status_code == 200  # another key
+        # No key is checked here: another made-up token, or the scheme in other case, is the same bucket.
+        assert error_of(http.post("/v1/completions", json=body, headers=key_b), 429)["code"] == 429
+        assert http.post("/v1/completions", json=body, headers={"Authorization": "bearer a"}).status_code == 429
         for _ in lines:
             pass
     assert http.post("/v1/completions", json=body, headers=key_a).status_code == 200  # released when it ended
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     assert http.post("/v1/chat/completions", json=chat, headers=key_a).status_code == 200
+
+
+def test_in_flight_buckets_are_the_servers_keys() -> None:
+    """The server's API key and admin key each count their own requests, the bearer scheme read in
+    any case (as the key check reads it); every other request shares one bucket."""
+    limiter = InFlightLimiter(1, api_key="k", admin_key="adm")
+    headers = ("Bearer k", "bearer k", "BEARER k", "Bearer adm", "Bearer x", "Bearer kk", "Basic k", "", None)
+    buckets = {header: limiter.bucket_of(header) for header in headers}
+    assert buckets == {"Bearer k": "api", "bearer k": "api", "BEARER k": "api", "Bearer adm": "admin",
+                       "Bearer x": "anonymous", "Bearer kk": "anonymous", "Basic k": "anonymous", "": "anonymous",
+                       None: "anonymous"}  # fmt: skip
+    assert InFlightLimiter(1).bucket_of("Bearer k") == "anonymous"  # no keys: no buckets of made-up tokens
+    limiter.acquire("api")
+    with pytest.raises(APIError, match="too many requests in flight"):
+        limiter.acquire("api")
+    limiter.acquire("anonymous")  # the other buckets are free
+    limiter.release("api")
+    limiter.acquire("api")
 
 
 def test_adapter_rank_and_count(server: tuple[httpx.Client, LLMEngine], tmp_path: Path) -> None:

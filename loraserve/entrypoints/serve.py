@@ -92,7 +92,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--max-requests-per-key",
         type=int,
         default=512,
-        help="completion requests in flight per API key, 429 past it; requests without a key share one (default 512)",
+        help="completion requests in flight per API key (--api-key, --admin-key), 429 past it; all other "
+        "requests share one (default 512)",
     )
     parser.add_argument(
         "--ray-address",
