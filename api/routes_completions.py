@@ -103,8 +103,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     model = body.model if body.model is not None else state.settings.model_id  # vLLM's default
     adapter_name = resolve_adapter(state, model)
     prompts = _prompts(body.prompt)
-    if len(prompts) * body.n > MAX_CHOICES:
-        raise APIError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
+    max_choices = max(MAX_CHOICES, state.settings.max_n)  # one prompt may always take --max-n samples
+    if len(prompts) * body.n > max_choices:
+        raise APIError(400, f"at most {max_choices} choices (prompts x n) per request", param="n")
     echo_logprobs = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
     token_ids = [_token_ids(state, prompt, body.add_special_tokens) for prompt in prompts]  # tokenized once, here

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .openai_protocol import MAX_N
+
 DEFAULT_MAX_UPLOAD_MB = 512
 DEFAULT_MAX_REQUEST_BODY_MB = 32
 
@@ -48,6 +50,8 @@ class ServerSettings:
         for name in ("max_upload_bytes", "max_request_body_bytes", "max_n", "max_requests_per_key"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_n > MAX_N:
+            raise ValueError(f"max_n must be at most {MAX_N} (the most samples a request may ask), got {self.max_n}")
         for name in ("max_prompt_tokens", "max_output_tokens"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -114,6 +114,8 @@ def test_bad_options_end_serve_with_a_message_before_the_model_loads(monkeypatch
         run_serve(parse("--max-num-seqs", "0"))
     with pytest.raises(SystemExit, match=r"bad option: .*max_n"):
         run_serve(parse("--max-n", "0"))
+    with pytest.raises(SystemExit, match=r"bad option: max_n must be at most 1024"):  # n's ceiling in the schema
+        run_serve(parse("--max-n", "1025"))
     with pytest.raises(SystemExit, match=r"bad option: .*block_size"):
         run_serve(parse("--ray-address", "local", "--block-size", "3"))
 
