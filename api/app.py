@@ -17,6 +17,7 @@ from .async_engine import AsyncEngine
 from .errors import install_error_handlers
 from .limits import InFlightLimiter, RequestBodyLimit
 from .metrics import ServerMetrics
+from .prompt_encoder import PromptEncoder
 from .serving import ServerState
 from .settings import ServerSettings
 
@@ -47,7 +48,8 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_id)
     async_engine = AsyncEngine(engine, observer=metrics)
     limiter = InFlightLimiter(settings.max_requests_per_key, settings.api_key, settings.admin_key)
-    state = ServerState(engine, async_engine, settings, _api_tokenizer(engine), metrics, limiter)
+    tokenizer = _api_tokenizer(engine)
+    state = ServerState(engine, async_engine, settings, tokenizer, metrics, limiter, PromptEncoder(tokenizer))
     if settings.adapter_key is None:
         logger.warning("no --admin-key or --api-key: anyone who can reach the server can change adapters")
 
@@ -58,6 +60,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             async_engine.shutdown()
+            state.prompts.close()
 
     app = FastAPI(title="loraserve", description=_DESCRIPTION, version="0.1.0", lifespan=lifespan)
     app.state.server = state

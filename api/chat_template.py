@@ -65,7 +65,7 @@ def _tool_call_dict(call: ToolCall, index: int, number: int) -> dict[str, Any]:
     return rendered
 
 
-def render_chat_prompt(
+async def render_chat_prompt(
     state: ServerState,
     chat: list[ChatMessage],
     add_generation_prompt: bool,
@@ -73,8 +73,20 @@ def render_chat_prompt(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Apply the base model's chat template and tokenize (the API's tokenizer, on the event loop).
-    ``template_kwargs``: extra variables of the template (vLLM's ``chat_template_kwargs``)."""
+    """``render_chat_text``'s text, tokenized (a long one off the event loop: ``PromptEncoder``)."""
+    text = render_chat_text(state, chat, add_generation_prompt, continue_final_message, template_kwargs)
+    return await state.prompts.encode(text, add_special_tokens)
+
+
+def render_chat_text(
+    state: ServerState,
+    chat: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """Apply the base model's chat template (the API's tokenizer's). ``template_kwargs``: extra
+    variables of the template (vLLM's ``chat_template_kwargs``)."""
     messages = [message_dict(message, i) for i, message in enumerate(chat)]
     if getattr(state.tokenizer, "chat_template", None) is None:
         raise APIError(400, "the base model has no chat template; use /v1/completions", param="messages")
@@ -97,4 +109,4 @@ def render_chat_prompt(
         text = state.tokenizer.apply_chat_template(messages, **variables)
     except Exception as error:  # jinja raises for conversations the template refuses
         raise APIError(400, f"the chat template refused the messages: {error}", param="messages") from None
-    return [int(token) for token in state.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+    return str(text)

@@ -78,7 +78,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
             param="tools",
         )
-    prompt_ids = render_chat_prompt(
+    prompt_ids = await render_chat_prompt(
         state,
         body.messages,
         body.add_generation_prompt,

@@ -108,7 +108,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         raise APIError(400, f"at most {max_choices} choices (prompts x n) per request", param="n")
     echo_logprobs = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
-    token_ids = [_token_ids(state, prompt, body.add_special_tokens) for prompt in prompts]  # tokenized once, here
+    token_ids = [await _token_ids(state, prompt, body.add_special_tokens) for prompt in prompts]  # tokenized once, here
     lengths = [len(ids) for ids in token_ids]
     # max_tokens: 16 when not sent (OpenAI's and vLLM's default), as many as fit when sent as null;
     # each prompt's lowered to the room the context leaves after it (vLLM's rule).
@@ -147,10 +147,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         state.in_flight.release(key)
 
 
-def _token_ids(state: ServerState, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+async def _token_ids(state: ServerState, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
     if isinstance(prompt, list):
         return prompt  # the engine checks them against the vocabulary
-    return list(state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    return await state.prompts.encode(prompt, add_special_tokens)
 
 
 @dataclass(frozen=True)

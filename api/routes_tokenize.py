@@ -48,7 +48,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
             if getattr(body, name) is not None:
                 raise APIError(400, f"{name} is not supported (the model's own chat template renders)", param=name)
         add_special = bool(body.add_special_tokens)  # the template already has the special tokens
-        tokens = render_chat_prompt(
+        tokens = await render_chat_prompt(
             state,
             body.messages,
             body.add_generation_prompt,
@@ -58,7 +58,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         )
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = [int(t) for t in state.tokenizer.encode(body.prompt, add_special_tokens=add_special)]
+        assert body.prompt is not None  # exactly one of the two, checked above
+        tokens = await state.prompts.encode(body.prompt, add_special)
     strs = state.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens, token_strs=strs)
 

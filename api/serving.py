@@ -22,6 +22,7 @@ from .errors import APIError, registry_unavailable
 from .limits import InFlightLimiter
 from .metrics import ServerMetrics
 from .openai_protocol import _SamplingFields, unsupported_fields
+from .prompt_encoder import PromptEncoder
 from .request_stream import EngineDrainingError
 from .settings import ServerSettings
 
@@ -35,7 +36,7 @@ class ServerState:
     """Everything a route needs; one per app (``app.state.server``).
 
     ``tokenizer`` is the API's own tokenizer instance (chat templates, token strings for
-    logprobs, echo): the engine's is used only on the engine thread. Calls to the adapter
+    logprobs, echo; ``prompts`` tokenizes with it): the engine's is used only on the engine thread. Calls to the adapter
     registry are the one exception to "only the engine thread touches the engine": they wait
     on the registry, so they run on worker threads (:func:`registry_call`).
     """
@@ -46,6 +47,7 @@ class ServerState:
     tokenizer: Any
     metrics: ServerMetrics
     in_flight: InFlightLimiter
+    prompts: PromptEncoder  # prompt texts to token ids, long ones off the event loop
 
     @property
     def supports_adapters(self) -> bool:

@@ -154,7 +154,7 @@ def test_chat_template_gets_message_names_and_template_kwargs() -> None:
     template variables); a template that fails on them is a 400, not a 500."""
     from types import SimpleNamespace
 
-    from loraserve.api.chat_template import render_chat_prompt
+    from loraserve.api.chat_template import render_chat_text
     from loraserve.api.errors import APIError
     from loraserve.api.openai_protocol import ChatMessage
     from transformers import AutoTokenizer
@@ -166,15 +166,15 @@ def test_chat_template_gets_message_names_and_template_kwargs() -> None:
     tokenizer.chat_template = "{{ greeting }}" + messages
     state: Any = SimpleNamespace(tokenizer=tokenizer)
     chat = [ChatMessage(role="user", content="hi", name="bob"), ChatMessage(role="user", content="yo")]
-    ids = render_chat_prompt(state, chat, add_generation_prompt=True, template_kwargs={"greeting": "Hello! "})
-    assert tokenizer.decode(ids) == "Hello! [bob] hi[-] yo"
-    assert tokenizer.decode(render_chat_prompt(state, chat, add_generation_prompt=True)) == "[bob] hi[-] yo"
+    text = render_chat_text(state, chat, add_generation_prompt=True, template_kwargs={"greeting": "Hello! "})
+    assert text == "Hello! [bob] hi[-] yo"
+    assert render_chat_text(state, chat, add_generation_prompt=True) == "[bob] hi[-] yo"
     for key in ("chat_template", "tools", "documents", "tokenize"):  # the call's options, not variables
         with pytest.raises(APIError, match=key):
-            render_chat_prompt(state, chat, add_generation_prompt=True, template_kwargs={key: "x"})
+            render_chat_text(state, chat, add_generation_prompt=True, template_kwargs={key: "x"})
     tokenizer.chat_template = "{{ raise_exception('no ' + greeting) }}"
     with pytest.raises(APIError, match="no thanks"):
-        render_chat_prompt(state, chat, add_generation_prompt=True, template_kwargs={"greeting": "thanks"})
+        render_chat_text(state, chat, add_generation_prompt=True, template_kwargs={"greeting": "thanks"})
 
 
 def test_chat_template_gets_tool_calls_of_the_history() -> None:
@@ -182,7 +182,7 @@ def test_chat_template_gets_tool_calls_of_the_history() -> None:
     templates) and a tool message's ``tool_call_id`` reach the template; bad ones are 400s."""
     from types import SimpleNamespace
 
-    from loraserve.api.chat_template import render_chat_prompt
+    from loraserve.api.chat_template import render_chat_text
     from loraserve.api.errors import APIError
     from loraserve.api.openai_protocol import ChatMessage
     from transformers import AutoTokenizer
@@ -203,15 +203,15 @@ def test_chat_template_gets_tool_calls_of_the_history() -> None:
         ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]}),
         ChatMessage(role="tool", content="sunny", tool_call_id="c1"),
     ]
-    text = tokenizer.decode(render_chat_prompt(state, chat, add_generation_prompt=False))
+    text = render_chat_text(state, chat, add_generation_prompt=False)
     assert text == "user:weather?;assistant:<c1 weather(Paris)>;tool:sunny[c1];"
     as_object = {**call, "function": {"name": "weather", "arguments": {"city": "Rome"}}}
     chat[1] = ChatMessage.model_validate({"role": "assistant", "tool_calls": [as_object]})
-    assert "weather(Rome)" in tokenizer.decode(render_chat_prompt(state, chat, add_generation_prompt=False))
+    assert "weather(Rome)" in render_chat_text(state, chat, add_generation_prompt=False)
     chat[1] = ChatMessage.model_validate(
         {"role": "assistant", "tool_calls": [{"id": "c2", "function": {"name": "now"}}]}
     )
-    assert "<c2 now()>" in tokenizer.decode(render_chat_prompt(state, chat, add_generation_prompt=False))
+    assert "<c2 now()>" in render_chat_text(state, chat, add_generation_prompt=False)
     where = "messages.1.tool_calls.0.function.arguments"
     for arguments, problem in (
         ("{city: Paris", "is not JSON"),
@@ -221,13 +221,13 @@ def test_chat_template_gets_tool_calls_of_the_history() -> None:
         broken = {**call, "function": {"name": "weather", "arguments": arguments}}
         chat[1] = ChatMessage.model_validate({"role": "assistant", "tool_calls": [broken]})
         with pytest.raises(APIError, match=problem) as refused:
-            render_chat_prompt(state, chat, add_generation_prompt=False)
+            render_chat_text(state, chat, add_generation_prompt=False)
         assert refused.value.param == where
     chat[1] = ChatMessage.model_validate({"role": "user", "content": "x", "tool_calls": [call]})
     with pytest.raises(APIError, match="only assistant messages have tool_calls") as refused:
-        render_chat_prompt(state, chat, add_generation_prompt=False)
+        render_chat_text(state, chat, add_generation_prompt=False)
     assert refused.value.param == "messages.1.tool_calls"
     chat[1] = ChatMessage(role="user", content="x", tool_call_id="c1")
     with pytest.raises(APIError, match="only tool messages have a tool_call_id") as refused:
-        render_chat_prompt(state, chat, add_generation_prompt=False)
+        render_chat_text(state, chat, add_generation_prompt=False)
     assert refused.value.param == "messages.1.tool_call_id"
