@@ -74,12 +74,14 @@ class KVCacheManager:
         """
         computed = seq.num_computed_tokens
         offset = computed % self.block_size
-        # The common decode step, checked first: the tokens fit in the partly filled last block
-        # (never registered, as only full blocks are), which needs no copy unless a fork shares it.
+        # The common decode step, checked first: the tokens fit in the partly filled last block,
+        # which needs no copy unless a fork shares it or it is registered (only full blocks are:
+        # a fork's recomputed last prompt token is written into a full one).
         if (
             offset
             and offset + num_new_tokens <= self.block_size
-            and self.pool.ref_count(seq.block_ids[computed // self.block_size]) == 1
+            and self.pool.ref_count(page_id := seq.block_ids[computed // self.block_size]) == 1
+            and not self._is_registered(page_id)
         ):
             return []
         num_blocks = cdiv(computed + num_new_tokens, self.block_size)
@@ -105,18 +107,15 @@ class KVCacheManager:
         return copies
 
     def _needs_copy(self, seq: Sequence) -> bool:
-        """Whether the first page to be written is shared or registered (so immutable).
-
-        A partly filled page is never registered (only full blocks are), so the common decode
-        step asks only whether its page is shared.
-        """
-        index, offset = divmod(seq.num_computed_tokens, self.block_size)
+        """Whether the first page to be written is shared or registered (so immutable)."""
+        index = seq.num_computed_tokens // self.block_size
         if index >= len(seq.block_ids):
             return False
         page_id = seq.block_ids[index]
-        if self.pool.ref_count(page_id) > 1:
-            return True
-        return offset == 0 and self.prefix_cache is not None and self.prefix_cache.hash_of(page_id) is not None
+        return self.pool.ref_count(page_id) > 1 or self._is_registered(page_id)
+
+    def _is_registered(self, page_id: int) -> bool:
+        return self.prefix_cache is not None and self.prefix_cache.hash_of(page_id) is not None
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, last block first (so it is evicted first)."""
@@ -216,9 +215,11 @@ class KVCacheManager:
 
     # ---- forking ----------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give ``child`` the parent's blocks, shared (copy-on-write)."""
-        self.pool.incref(parent.block_ids)
-        _set_block_ids(child, list(parent.block_ids))
+        """Give ``child`` the blocks of the parent's prompt, shared (copy-on-write); not blocks
+        reserved past it (``ReservingKVCacheManager``), which the child reserves for itself."""
+        shared = parent.block_ids[: cdiv(parent.num_prompt_tokens, self.block_size)]
+        self.pool.incref(shared)
+        _set_block_ids(child, list(shared))
         child.block_hashes = list(parent.block_hashes)
 
     # ---- swapping -------------------------------------------------------------------

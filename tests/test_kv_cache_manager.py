@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from loraserve.kv_cache_manager import KVCacheManager, cdiv
+from fake_runner import step
+
+from loraserve.kv_cache_manager import KVCacheManager, ReservingKVCacheManager, cdiv, tokens_at_most
 from loraserve.page_pool import PagePool
 from loraserve.prefix_cache import PrefixCacheIndex
 from loraserve.sampling_params import SamplingParams
+from loraserve.scheduler import Scheduler
 from loraserve.sequence import Sequence
 
 
@@ -234,3 +237,46 @@ def test_prompt_logprobs_neither_match_nor_count_as_a_prefix_query() -> None:
     plain = make_seq(9)
     assert manager.match_prefix(plain) == 8 and plain.block_ids == cached.block_ids[:2]
     assert (cache.num_queried_tokens, cache.num_hit_tokens) == (9, 8)
+
+
+def _samples(num_prompt_tokens: int, n: int, max_tokens: int) -> list[Sequence]:
+    params = SamplingParams(n=n, max_tokens=max_tokens)
+    return [Sequence("r", list(range(num_prompt_tokens)), params, sample_index=i) for i in range(n)]
+
+
+def test_a_fork_shares_only_the_prompts_blocks_not_the_parents_reservation() -> None:
+    """With KV reserved at admission, a forked sample shares its parent's prompt blocks and reserves
+    the rest for itself; before, it shared the parent's reserved, never written pages, started
+    without a reservation of its own and later needed pages (and a preemption) to write them."""
+    pool = PagePool(6)
+    sched = Scheduler(ReservingKVCacheManager(pool, 4, tokens_at_most), max_num_seqs=4, max_num_batched_tokens=64)
+    first, child = _samples(5, n=2, max_tokens=9)  # 13 tokens reserved a sample: 4 pages, 8 of 6 for both
+    sched.add(first, forks=[child])
+    step(sched)
+    assert (first.block_ids, child.block_ids, pool.num_free_pages) == ([0, 1, 2, 3], [0, 1], 2)
+    copies = []
+    for _ in range(40):
+        if not sched.num_unfinished:
+            break
+        batch = step(sched)
+        copies.extend(batch.copy_pages)
+        if child in batch.seqs and child.num_output_tokens == 0:
+            assert child.block_ids == [0, 1, 5, 3]  # admitted once its own reservation fit
+    assert copies == [(1, 4)]  # the parent's first decode token, into the block both shared
+    assert sched.num_preemptions == 0 and pool.num_free_pages == 6
+
+
+def test_a_fork_copies_a_registered_block_before_rewriting_its_last_prompt_token() -> None:
+    """A forked sample recomputes the last prompt token; when the prompt fills its last block, that
+    block is registered in the prefix cache, so it is copied first even when the parent has let it
+    go (before: written in place, though registered pages are never written again)."""
+    manager = KVCacheManager(PagePool(16), 4, enable_prefix_caching=True)
+    sched = Scheduler(manager, max_num_seqs=1, max_num_batched_tokens=64)
+    first, child = _samples(8, n=2, max_tokens=1)
+    sched.add(first, forks=[child])
+    batch = sched.schedule()
+    sched.update_from_output(batch, [100])  # the prompt computed: child forked, first ended
+    assert child.block_ids == [0, 1] and [manager.pool.ref_count(p) for p in (0, 1)] == [1, 1]
+    assert manager.prefix_cache is not None and manager.prefix_cache.hash_of(1) is not None
+    batch = sched.schedule()
+    assert batch.seqs == [child] and batch.copy_pages == [(1, 2)] and child.block_ids == [0, 2]
