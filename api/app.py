@@ -49,7 +49,8 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(engine, observer=metrics)
     limiter = InFlightLimiter(settings.max_requests_per_key, settings.api_key, settings.admin_key)
     tokenizer = _api_tokenizer(engine)
-    state = ServerState(engine, async_engine, settings, tokenizer, metrics, limiter, PromptEncoder(tokenizer))
+    prompts = PromptEncoder(tokenizer, _api_tokenizer(engine))  # its worker thread's own instance
+    state = ServerState(engine, async_engine, settings, tokenizer, metrics, limiter, prompts)
     if settings.adapter_key is None:
         logger.warning("no --admin-key or --api-key: anyone who can reach the server can change adapters")
 
@@ -59,8 +60,10 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         try:
             yield
         finally:
-            async_engine.shutdown()
-            state.prompts.close()
+            try:
+                async_engine.shutdown()
+            finally:
+                prompts.close()
 
     app = FastAPI(title="loraserve", description=_DESCRIPTION, version="0.1.0", lifespan=lifespan)
     app.state.server = state

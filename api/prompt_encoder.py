@@ -10,30 +10,36 @@ used by two threads at once; it releases the GIL while it encodes, so the loop r
 from __future__ import annotations
 
 import asyncio
-import copy
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-INLINE_CHARS = 16_384  # texts this short are tokenized on the calling thread
+INLINE_CHARS = 16_384  # a request's texts this short in all are tokenized on the calling thread
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: Any) -> None:
-        """``tokenizer``: the event loop's own (the API's); the worker thread gets a copy."""
+    """``encode`` and ``encode_many`` are called on the event loop only; ``tokenizer`` is the
+    loop's, ``worker_tokenizer`` (another instance of the same tokenizer) the worker thread's only."""
+
+    def __init__(self, tokenizer: Any, worker_tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._worker_tokenizer = copy.deepcopy(tokenizer)
+        self._worker_tokenizer = worker_tokenizer
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraserve-tokenize")
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """The token ids of ``text`` (call on the event loop)."""
-        if len(text) <= INLINE_CHARS:
-            return _encode(self.tokenizer, text, add_special_tokens)
+        """The token ids of ``text``."""
+        (ids,) = await self.encode_many([text], add_special_tokens)
+        return ids
+
+    async def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """The token ids of each text; all on the worker thread when they are long together."""
+        if sum(len(text) for text in texts) <= INLINE_CHARS:
+            return _encode_all(self.tokenizer, texts, add_special_tokens)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, _encode, self._worker_tokenizer, text, add_special_tokens)
+        return await loop.run_in_executor(self._worker, _encode_all, self._worker_tokenizer, texts, add_special_tokens)
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 
-def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    return [int(token) for token in tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+def _encode_all(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    return [[int(token) for token in tokenizer.encode(text, add_special_tokens=add_special_tokens)] for text in texts]

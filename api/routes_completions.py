@@ -53,7 +53,14 @@ from .streaming import (
 
 router = APIRouter(tags=["inference"])
 
-MAX_CHOICES = 256
+MAX_CHOICES = 256  # of a request with several prompts
+
+
+def max_choices_of(num_prompts: int, max_n: int) -> int:
+    """The most choices (prompts x n) a completion request may ask: ``--max-n`` for one prompt."""
+    return max_n if num_prompts == 1 else MAX_CHOICES
+
+
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 
 
@@ -103,12 +110,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     model = body.model if body.model is not None else state.settings.model_id  # vLLM's default
     adapter_name = resolve_adapter(state, model)
     prompts = _prompts(body.prompt)
-    max_choices = max(MAX_CHOICES, state.settings.max_n)  # one prompt may always take --max-n samples
+    max_choices = max_choices_of(len(prompts), state.settings.max_n)
     if len(prompts) * body.n > max_choices:
         raise APIError(400, f"at most {max_choices} choices (prompts x n) per request", param="n")
     echo_logprobs = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
-    token_ids = [await _token_ids(state, prompt, body.add_special_tokens) for prompt in prompts]  # tokenized once, here
+    token_ids = await _token_ids(state, prompts, body.add_special_tokens)  # tokenized once, here
     lengths = [len(ids) for ids in token_ids]
     # max_tokens: 16 when not sent (OpenAI's and vLLM's default), as many as fit when sent as null;
     # each prompt's lowered to the room the context leaves after it (vLLM's rule).
@@ -147,10 +154,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         state.in_flight.release(key)
 
 
-async def _token_ids(state: ServerState, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-    if isinstance(prompt, list):
-        return prompt  # the engine checks them against the vocabulary
-    return await state.prompts.encode(prompt, add_special_tokens)
+async def _token_ids(state: ServerState, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
+    """Each prompt's ids: token ids as given (the engine checks them against the vocabulary), texts
+    tokenized together (off the event loop when they are long together)."""
+    texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+    encoded = iter(await state.prompts.encode_many(texts, add_special_tokens))
+    return [prompt if isinstance(prompt, list) else next(encoded) for prompt in prompts]
 
 
 @dataclass(frozen=True)

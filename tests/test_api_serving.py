@@ -84,6 +84,26 @@ def test_tokenize_and_detokenize_as_vllm(http: httpx.Client, server: tuple[Any, 
     assert_openai_error(http.post("/tokenize", json={"model": "no-such", "prompt": "x"}), 404)
 
 
+def test_long_prompts_through_the_tokenizing_thread(http: httpx.Client, server: tuple[Any, LLMEngine]) -> None:
+    """Prompts past ``INLINE_CHARS`` take the tokenizing thread: /tokenize (text, chat) and a
+    completion's prompts give the tokenizer's ids, special tokens as asked; a too-long prompt is a 400."""
+    tokenizer = server[1].tokenizer
+    long = "Once upon a time, in a land far away, " * 500  # 19,000 characters
+    for special in (True, False):
+        body = http.post("/tokenize", json={"prompt": long, "add_special_tokens": special}).json()
+        assert body["tokens"] == list(tokenizer.encode(long, add_special_tokens=special))
+    messages = [{"role": "user", "content": long}]
+    chat = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == list(tokenizer.encode(text, add_special_tokens=False))
+    prompts = [long[:4_500], "Hi", long[:4_600], long[:4_700], long[:4_800]]  # long together: on the thread
+    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 1}).json()
+    assert reply["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(prompt)) for prompt in prompts)
+    assert sorted(choice["index"] for choice in reply["choices"]) == list(range(len(prompts)))
+    too_long = http.post("/v1/completions", json={"model": MODEL, "prompt": long * 10, "max_tokens": 1})
+    assert_openai_error(too_long, 400)
+
+
 def test_metrics_parse(http: httpx.Client, client: openai.OpenAI, server: tuple[Any, LLMEngine]) -> None:
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     values = wait_until_idle(http, server[1])

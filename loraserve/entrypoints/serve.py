@@ -81,7 +81,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-request-body-mb", type=int, default=32, help="largest body of any other request in MiB (default 32)"
     )
-    parser.add_argument("--max-n", type=int, default=64, help="most samples per prompt, n (default 64)")
+    parser.add_argument("--max-n", type=int, default=64, help="most samples per prompt, n (default 64, at most 1024)")
     parser.add_argument(
         "--max-prompt-tokens", type=int, default=None, help="longest prompt in tokens (default: the context length)"
     )

@@ -48,6 +48,9 @@ class _Read:
 
 
 class AdapterResolver:
+    """``resolve`` and ``resolve_nowait`` run on the engine thread only; the name methods
+    (``register``, ``remove``, ``info``) wait on the registry and run on worker threads."""
+
     def __init__(self, registry: AdapterRegistry, host: HostTier, parse_in_background: bool = False) -> None:
         """Parsed adapters go into ``host`` (the adapter manager's host-memory tier), where later
         resolves of the same content find them. ``parse_in_background``: see the module's docstring."""
