@@ -36,9 +36,10 @@ class ServerState:
     """Everything a route needs; one per app (``app.state.server``).
 
     ``tokenizer`` is the API's own tokenizer instance (chat templates, token strings for
-    logprobs, echo; ``prompts`` tokenizes with it): the engine's is used only on the engine thread. Calls to the adapter
-    registry are the one exception to "only the engine thread touches the engine": they wait
-    on the registry, so they run on worker threads (:func:`registry_call`).
+    logprobs, echo, short prompts; ``prompts`` tokenizes long ones with an instance of its own):
+    the engine's is used only on the engine thread. Calls to the adapter registry are the one
+    exception to "only the engine thread touches the engine": they wait on the registry, so they
+    run on worker threads (:func:`registry_call`).
     """
 
     engine: LLMEngine
