@@ -86,6 +86,42 @@ def test_linear_panels_checks_its_arguments() -> None:
         assert cpu.linear_panels_variants() == ["avx512", "vec8"]
 
 
+def test_work_lists_hand_a_stalled_threads_units_to_the_other() -> None:
+    """The panel GEMM's scheduler (kernels/csrc/work_lists.h): a thread that stalls in its first
+    unit keeps only that one; the other runs its own list and then the rest of the stalled one's,
+    from the back; every unit runs once."""
+    module = cpu.load_extension()
+    for stalled in (0, 1):
+        *ran_by, runs = module.trace_work_lists([6, 5], 2, stalled, 300)
+        own = ran_by[:6] if stalled == 0 else ran_by[6:]  # the stalled thread's list
+        other = ran_by[6:] if stalled == 0 else ran_by[:6]
+        assert runs == 11 and other == [1 - stalled] * len(other)
+        # it ran at most its first unit (the other thread may have started on its list first)
+        assert own[1:] == [1 - stalled] * (len(own) - 1) and own[0] in (0, 1)
+    *ran_by, runs = module.trace_work_lists([4, 0, 3, 1], 3, -1, 0)  # more lists than threads: taken from the back
+    assert runs == 8 and all(t in (0, 1, 2) for t in ran_by)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_linear_panels_same_bits_on_any_number_of_threads(variant: str) -> None:
+    """Each output tile is computed by one unit whoever runs it (more threads than cores: units
+    change hands), so the result does not depend on the threads."""
+    gen = torch.Generator().manual_seed(7)
+    weights = [torch.randn(n, 64, generator=gen) for n in (200, 48, 8)]
+    panels, bias = cpu.pack_panels(weights, [torch.randn(n, generator=gen) for n in (200, 48, 8)])
+    x = torch.randn(301, 64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            results.append(cpu.linear_panels(x, panels, bias, [200, 48, 8], _variant(variant)))
+    finally:
+        torch.set_num_threads(threads)
+    for outs in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], outs, strict=True))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows", [1, 12, 30, 130])
 def test_linear_panels_pairs_panels_of_different_outputs(rows: int, variant: str) -> None:

@@ -19,6 +19,7 @@
 #include "attention_common.h"
 #include "decode_attention_tiled.h"
 #include "decode_attention_wide.h"
+#include "work_lists.h"
 
 namespace {
 
@@ -300,4 +301,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_amx", &linear_amx, "bfloat16 linear layers on AMX tiles (see kernels/cpu_linear.py)", no_gil());
   m.def("linear_amx_available", &linear_amx_available,
         "whether linear_amx is built in (amx_bf16, avx512_bf16) and the OS granted the tile state");
+  m.def("trace_work_lists", &loraserve_work::trace_units,
+        "for tests: which thread ran each unit of the panel GEMM's work lists, one thread stalled");
 }
