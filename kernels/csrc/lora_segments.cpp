@@ -65,12 +65,21 @@ void small_segment(const float* x, int64_t in_features, const AdapterBuffer<W>& 
   }
 }
 
-// x [num_tokens, in_features] as float32 (the caller's; for a bfloat16 x, a copy of the rows that
-// the vector loops read, widened) and the outputs [num_tokens, widths[m]] of the pool's type W.
+// Whether a segment of `num` tokens is run by loops that read x as float32 (one or two tokens, and
+// long segments off the AMX tiles); the tiled loops and the tiles read it as given. For a bfloat16
+// x the caller widens only those segments' rows: widening all of them, one thread while the other
+// waited, took ~13 % of a bfloat16 decode step's LoRA time (RESULTS, 2026-12-06 15:40, EPYC Zen 4).
+template <typename W>
+bool read_float_x(int64_t num, int64_t tile_lengths) {
+  return num <= kSmallSegment || (num > kTiledMax && !on_amx_tiles<W>(num, tile_lengths));
+}
+
+// x [num_tokens, in_features] as float32 (the caller's; for a bfloat16 x, a copy of the rows of the
+// segments that read_float_x) and the outputs [num_tokens, widths[m]] of the pool's type W.
 template <typename W>
 struct SegmentArgs {
   const float* x = nullptr;
-  const W* x_own = nullptr;  // x in W (bfloat16: read in place by the segments on AMX tiles)
+  const W* x_own = nullptr;  // x as given (read in place by the tiled loops and the AMX tiles)
   int64_t num_tokens = 0, in_features = 0;
   std::vector<W*> outs;
   std::vector<int64_t> widths;
@@ -173,7 +182,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
       }
     }
   }
-  if (!tiled.empty()) run_tiled(tiled, x_ptr, in_features, out_ptrs, out_widths.data(), num_outputs);
+  if (!tiled.empty()) run_tiled(tiled, args.x_own, in_features, out_ptrs, out_widths.data(), num_outputs);
   if (!large.empty()) {
     run_long(large, buffers, meta_ptr, scale_ptr, bound_ptr, x_ptr, in_features, v_ptr, ldv, out_ptrs,
              out_widths.data(), num_outputs);
@@ -236,12 +245,13 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
     thread_local std::vector<float> wide_x;  // bfloat16: the segments' rows of x as float32, reused across calls
     if constexpr (std::is_same_v<W, float>) {
       args.x = x.data_ptr<float>();
+      args.x_own = args.x;
     } else {
       float* x_ptr = at_least(wide_x, args.num_tokens * args.in_features);
       const W* x_rows = static_cast<const W*>(x.data_ptr());
       for (int64_t s = 0; s < num_segments; ++s) {
         const int64_t num = bound_ptr[s * 4 + 1] - bound_ptr[s * 4];
-        if (num > kSmallSegment && on_amx_tiles<W>(num, tile_lengths)) continue;  // the tiles read x in place
+        if (!read_float_x<W>(num, tile_lengths)) continue;  // read in place
         const int64_t first = bound_ptr[s * 4] * args.in_features, end = bound_ptr[s * 4 + 1] * args.in_features;
         widen_n(x_rows + first, end - first, x_ptr + first);
       }

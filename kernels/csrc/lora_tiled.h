@@ -218,10 +218,11 @@ void expand_columns(const TiledSegment<W>& seg, int64_t module, int64_t o0, int6
 // and columns of the outputs.
 constexpr int64_t kSegmentsPerThread = 4;
 
-// All short segments of one call (their rows not yet bound). Scratch is per thread and reused
-// across calls: at small hidden sizes a call's setup costs as much as its arithmetic.
+// All short segments of one call (their rows not yet bound), x [tokens, in] of the pool's type read
+// in place. Scratch is per thread and reused across calls: at small hidden sizes a call's setup
+// costs as much as its arithmetic.
 template <typename W>
-void run_tiled(std::vector<TiledSegment<W>>& segs, const float* x, int64_t in, W* const* outs,
+void run_tiled(std::vector<TiledSegment<W>>& segs, const W* x, int64_t in, W* const* outs,
                const int64_t* out_widths, int64_t num_outputs) {
   int64_t max_chunk = 0, max_rows = 0, total_blocks = 0, max_blocks = 0;
   for (int64_t module = 0; module < num_outputs; ++module) {

@@ -117,14 +117,24 @@ using loraserve_simd::f32x8;
 using loraserve_simd::load8;
 using loraserve_simd::store8;
 
-// xt[k * 8 + j] = x[j, k] for the `tb` <= 8 rows of x (stride `in`); lanes past tb are zero.
-// Blocks of 8 columns go through registers (an 8 x 8 transpose in three rounds of shuffles).
-inline void transpose_tokens(const float* x, int64_t in, int tb, float* xt) {
+// 8 elements of x as floats: float32 as they are, bfloat16 widened.
+inline f32x8 load_x8(const float* p) { return load8(p); }
+inline f32x8 load_x8(const bf16_t* p) {
+  using u16x8 = uint16_t __attribute__((vector_size(16)));
+  using u32x8 = uint32_t __attribute__((vector_size(32)));
+  return loraserve_bf16::load_widened<f32x8, u16x8, u32x8>(p);
+}
+
+// xt[k * 8 + j] = x[j, k] as floats for the `tb` <= 8 rows of x (stride `in`; X: float, or
+// bf16_t widened here, so a bfloat16 x needs no float copy); lanes past tb are zero. Blocks of 8
+// columns go through registers (an 8 x 8 transpose in three rounds of shuffles).
+template <typename X>
+void transpose_tokens(const X* x, int64_t in, int tb, float* xt) {
   using loraserve_simd::i32x8;
   const int64_t blocked = in / 8 * 8;
   for (int64_t k = 0; k < blocked; k += 8) {
     f32x8 r[8];
-    for (int j = 0; j < 8; ++j) r[j] = j < tb ? load8(x + j * in + k) : f32x8{};
+    for (int j = 0; j < 8; ++j) r[j] = j < tb ? load_x8(x + j * in + k) : f32x8{};
     f32x8 t[8], u[8];
     for (int j = 0; j < 8; j += 2) {  // pairs of rows interleaved
       t[j] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 0, 8, 1, 9, 4, 12, 5, 13);
@@ -144,7 +154,7 @@ inline void transpose_tokens(const float* x, int64_t in, int tb, float* xt) {
   if (blocked == in) return;
   if (tb < kShrinkBlock) std::fill(xt + blocked * kShrinkBlock, xt + in * kShrinkBlock, 0.f);
   for (int j = 0; j < tb; ++j) {
-    for (int64_t k = blocked; k < in; ++k) xt[k * kShrinkBlock + j] = x[j * in + k];
+    for (int64_t k = blocked; k < in; ++k) xt[k * kShrinkBlock + j] = widen(x[j * in + k]);
   }
 }
 
