@@ -24,9 +24,8 @@
 // at its end; single panels for the 8-lane tiling) and runs row block x chunk units of its own
 // in order; a thread that runs out takes the others' last units (work_lists.h). On 2 cores the
 // server's event loop or a client often takes one core for a while mid-call; with fixed halves
-// the other thread then waited. Measured (RESULTS, 2026-12-06 14:50, EPYC Zen 4), SmolLM2's
-// projections over 30 layers with a process busy 20 % of one core: 1,024 rows 7.6 % faster,
-// 64 rows 4.3 %; alone, the same or slightly faster; outputs bit-identical.
+// the other thread then waited (measured: benchmarks/RESULTS.md, 2026-12-06 14:21, EPYC Zen 4).
+// Which thread runs a unit does not change its output bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

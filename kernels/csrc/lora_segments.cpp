@@ -67,8 +67,8 @@ void small_segment(const float* x, int64_t in_features, const AdapterBuffer<W>& 
 
 // Whether a segment of `num` tokens is run by loops that read x as float32 (one or two tokens, and
 // long segments off the AMX tiles); the tiled loops and the tiles read it as given. For a bfloat16
-// x the caller widens only those segments' rows: widening all of them, one thread while the other
-// waited, took ~13 % of a bfloat16 decode step's LoRA time (RESULTS, 2026-12-06 15:40, EPYC Zen 4).
+// x the caller widens only those segments' rows (widening all of them, on one thread while the other
+// waited, was a measurable share of a decode step's LoRA: benchmarks/RESULTS.md, 2026-12-06 14:21).
 template <typename W>
 bool read_float_x(int64_t num, int64_t tile_lengths) {
   return num <= kSmallSegment || (num > kTiledMax && !on_amx_tiles<W>(num, tile_lengths));
