@@ -217,7 +217,6 @@ class Scheduler:
             assert acquired, "swap-in checked the adapter's pages"
             self.swapped.popleft()
             batch.swap_in.extend(self.kv_manager.swap_in(seq))
-            batch.copy_pages.extend(self.kv_manager.allocate_slots(seq, num_new) or [])
             self._start_running(seq, num_new, batch)
             budget -= num_new
         return budget
@@ -240,11 +239,14 @@ class Scheduler:
             acquired = self.admission.acquire(seq)
             assert acquired, "admission checked the adapter's pages"
             self.waiting.popleft()
-            batch.copy_pages.extend(self.kv_manager.allocate_slots(seq, num_new) or [])
             self._start_running(seq, num_new, batch)
             budget -= num_new
 
     def _start_running(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:
+        """Allocate an admitted sequence's slots (its admission checked the pages) and run it."""
+        copies = self.kv_manager.allocate_slots(seq, num_new)
+        assert copies is not None, "admission checked the KV pages"
+        batch.copy_pages.extend(copies)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         batch.seqs.append(seq)
