@@ -41,6 +41,41 @@ def uniform_from_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tens
     return _shift_right(bits, 11).double() * 2.0**-53
 
 
+# Tokens per block of the two-level inversion: divides the usual vocabularies (32,000, 49,152,
+# 128,256, 151,936), so that only an odd one pays for a padded copy of the probabilities.
+CDF_BLOCK = 128
+
+
+def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:  # [rows] int64
+    """The first token of each row whose cumulative mass exceeds ``uniform * total``: never one of
+    zero probability. probs: ``[rows, vocab]`` float32, non-negative, any total; uniform:
+    ``[rows]`` float64 in [0, 1).
+
+    Two levels: float32 block masses, their float64 cumulative sum, then the chosen block's
+    float64 running sum (cheaper than one running sum over the row, which is sequential).
+    A float32 running sum over the whole vocabulary rounds at every token, so a change of one
+    unit in the last place of any logit moved every later boundary and, on a flat distribution,
+    often the sampled token: logits that differ only by the order of a GEMM's sums (another
+    batch, another CPU) then gave other tokens. The result is a float64 running sum's up to the
+    rounding of the float32 block masses (~1e-9 of the total)."""
+    rows, vocab = probs.shape
+    if vocab % CDF_BLOCK:
+        probs = torch.nn.functional.pad(probs, (0, CDF_BLOCK - vocab % CDF_BLOCK))
+    blocks = probs.view(rows, -1, CDF_BLOCK)  # [rows, blocks, CDF_BLOCK]
+    upper = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [rows, blocks] mass up to each block's end
+    total = upper[:, -1:]  # [rows, 1]
+    # Below the total (u * total may round up to it), so that the block found has mass.
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # [rows, 1]
+    block = torch.searchsorted(upper, target, right=True)  # [rows, 1] upper[b - 1] <= target < upper[b]
+    lower = torch.where(block > 0, upper.gather(1, (block - 1).clamp_(min=0)), 0.0)  # [rows, 1]
+    chosen = blocks.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK)).squeeze(1)  # [rows, CDF_BLOCK]
+    running = chosen.cumsum(dim=-1, dtype=torch.float64)  # [rows, CDF_BLOCK]
+    last = running[:, -1:]  # [rows, 1] the block's mass as its running sum rounds it
+    rest = torch.minimum(target - lower, torch.nextafter(last, torch.zeros_like(last)))  # [rows, 1]
+    position = torch.searchsorted(running, rest, right=True)  # [rows, 1]
+    return (block * CDF_BLOCK + position).squeeze(1)
+
+
 # How many most likely tokens a top-k/top-p filter takes per row on the CPU, in turn: a row whose
 # filter keeps all of them goes on to the next count, and last to a sort of the whole row (as on
 # other devices, where sorting is cheap; on the CPU sorting rows of a large vocabulary is what
@@ -167,10 +202,7 @@ class Sampler:
             scaled = scaled.masked_fill(scaled < floor, float("-inf"))
         if batch.any_filter:
             scaled = _filter_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
-        cdf = scaled.softmax(dim=-1).cumsum(dim=-1)  # [rows, vocab]
-        target = uniform_from_keys(batch.seeds, batch.counters).float() * cdf[:, -1]  # [rows]
-        # The first token whose cumulative mass exceeds the target: never one of zero probability.
-        sampled = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+        sampled = invert_cdf(scaled.softmax(dim=-1), uniform_from_keys(batch.seeds, batch.counters))
         return torch.where(is_greedy, greedy, sampled)
 
 

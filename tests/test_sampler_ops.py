@@ -3,6 +3,7 @@ argmax, top-k/top-p filters, seeded draws, penalties, bias, min_tokens, allowed 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loraserve import SamplingParams
@@ -13,6 +14,7 @@ from loraserve.sampler import (
     _filter_sorted,
     _filter_top_k_top_p,
     argmax_rows,
+    invert_cdf,
     uniform_from_keys,
 )
 from loraserve.sequence import Sequence
@@ -99,6 +101,41 @@ def test_sampled_token_depends_only_on_seed_and_output_index() -> None:
     assert together == alone and len(set(together)) > 10
     uniform = uniform_from_keys(torch.arange(10_000), torch.zeros(10_000, dtype=torch.long))
     assert float(uniform.min()) >= 0 and float(uniform.max()) < 1 and abs(float(uniform.mean()) - 0.5) < 0.01
+
+
+def _invert_in_float64(probs: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference twin of ``invert_cdf``, one float64 running sum over each row: the tokens
+    ``[rows]`` and how far each row's target is from the nearest boundary (a share of the mass)."""
+    cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]
+    target = uniform[:, None] * cdf[:, -1:]  # [rows, 1]
+    tokens = torch.searchsorted(cdf, target, right=True)  # [rows, 1]
+    above = cdf.gather(1, tokens.clamp(max=probs.shape[-1] - 1)) - target
+    below = target - torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0)), 0.0)
+    return tokens.squeeze(1), (torch.minimum(above, below) / cdf[:, -1:]).squeeze(1)
+
+
+@pytest.mark.parametrize("vocab", [49_152, 32_001, 130, 5])
+def test_inversion_equals_a_float64_running_sum(vocab: int) -> None:
+    """Equal tokens in every row whose target is more than 1e-8 of the mass from a boundary (the
+    float32 block masses round by ~1e-9; a float32 running sum differs by up to ~1e-5 in a flat
+    49,152-token row, where a change of one unit in the last place of the logits then flips the
+    token); never a zero-probability token, also with masked tokens, whole masked blocks, one
+    token left and uniform numbers next to 1."""
+    generator = torch.Generator().manual_seed(vocab)
+    for chunk in range(4):
+        logits = torch.randn(1024, vocab, generator=generator)  # [rows, vocab]
+        logits[::3, :: max(vocab // 50, 2)] = float("-inf")
+        logits[1::5, vocab // 2 :] = float("-inf")  # the row's last blocks masked
+        logits[2::7, :] = float("-inf")
+        logits[2::7, vocab // 3] = 0.0  # only one token left
+        probs = logits.softmax(dim=-1)
+        uniform = uniform_from_keys(torch.arange(1024) + chunk * 1024, torch.zeros(1024, dtype=torch.long))
+        uniform[::11] = 1 - 2.0**-53  # (next to the last boundary: only the zero-probability check)
+        tokens = invert_cdf(probs, uniform)  # [rows]
+        expected, margin = _invert_in_float64(probs, uniform)
+        clear = margin > 1e-8  # [rows]
+        assert int(clear.sum()) > 900 and torch.equal(tokens[clear], expected[clear])
+        assert bool((probs.gather(1, tokens[:, None]) > 0).all())
 
 
 def _reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
