@@ -49,7 +49,7 @@ CDF_BLOCK = 128
 def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:  # [rows] int64
     """The first token of each row whose cumulative mass exceeds ``uniform * total``: never one of
     zero probability. probs: ``[rows, vocab]`` float32, non-negative, any total; uniform:
-    ``[rows]`` float64 in [0, 1).
+    ``[rows]`` float64 in [0, 1). A row whose mass is not finite gets some token in the vocabulary.
 
     Two levels: float32 block masses, their float64 cumulative sum, then the chosen block's
     float64 running sum (cheaper than one running sum over the row, which is sequential).
@@ -67,13 +67,14 @@ def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:  # [
     # Below the total (u * total may round up to it), so that the block found has mass.
     target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # [rows, 1]
     block = torch.searchsorted(upper, target, right=True)  # [rows, 1] upper[b - 1] <= target < upper[b]
+    block.clamp_(max=upper.shape[1] - 1)  # (past the end only where the mass is not finite)
     lower = torch.where(block > 0, upper.gather(1, (block - 1).clamp_(min=0)), 0.0)  # [rows, 1]
     chosen = blocks.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK)).squeeze(1)  # [rows, CDF_BLOCK]
     running = chosen.cumsum(dim=-1, dtype=torch.float64)  # [rows, CDF_BLOCK]
     last = running[:, -1:]  # [rows, 1] the block's mass as its running sum rounds it
     rest = torch.minimum(target - lower, torch.nextafter(last, torch.zeros_like(last)))  # [rows, 1]
     position = torch.searchsorted(running, rest, right=True)  # [rows, 1]
-    return (block * CDF_BLOCK + position).squeeze(1)
+    return (block * CDF_BLOCK + position).squeeze(1).clamp_(max=vocab - 1)
 
 
 # How many most likely tokens a top-k/top-p filter takes per row on the CPU, in turn: a row whose

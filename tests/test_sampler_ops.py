@@ -138,6 +138,16 @@ def test_inversion_equals_a_float64_running_sum(vocab: int) -> None:
         assert bool((probs.gather(1, tokens[:, None]) > 0).all())
 
 
+def test_inversion_of_rows_without_a_finite_mass_stays_in_the_vocabulary() -> None:
+    """NaN or infinite probabilities (logits overflowed by a penalty) draw some token, not an error."""
+    probs = torch.rand(4, 300)  # [rows, vocab]
+    probs[0, 5] = float("nan")
+    probs[1, 299] = float("inf")
+    probs[2, :] = float("nan")
+    tokens = invert_cdf(probs, torch.tensor([0.0, 0.5, 0.99, 1 - 2.0**-53], dtype=torch.float64))
+    assert bool(((tokens >= 0) & (tokens < 300)).all())
+
+
 def _reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
     """vLLM's definitions, one row, plain loops (the reference twin of LogitsAdjustments.apply)."""
     out = logits.clone()
