@@ -44,7 +44,9 @@ CPU with AMX (``lora_amx()``), segments of 3 or more tokens whose length class i
 before; the last bit: every longer length; -1: every class), long ones too, run on AMX tiles
 instead: bfloat16 products (exact; denormals count as zero) summed in float32, v split in two
 bfloat16 parts (hi + lo, ~16 of its 24 bits) for the expand beyond 8 tokens. The engine sets the
-classes by timing both ways on the CPU (``lora/tile_choice.py``).
+classes by timing both ways on the CPU (``lora/tile_choice.py``). Off the tiles, on a CPU with
+avx512_bf16 (``lora_pair_dots()``), the shrink of segments of 3-32 tokens multiplies a bfloat16 x's
+and A's pairs the same way (no widening).
 
     x:        [num_tokens, in_features] float32 | bfloat16, contiguous
     outputs:  per module of the group, [num_tokens, out_m] x's dtype, contiguous, updated in place
@@ -189,6 +191,15 @@ def lora_amx() -> bool:
     module = load_extension()
     assert module is not None, "lora_amx needs the compiled CPU kernels"
     return bool(module.lora_amx())
+
+
+def lora_pair_dots() -> bool:
+    """Whether segments of 3-32 tokens over a bfloat16 pool, with a bfloat16 x and an even number of
+    inputs, are shrunk by bfloat16 pair dots (``vdpbf16ps``: products exact, denormals as zero,
+    sums float32) instead of widened float32 FMAs: built in where the CPU has avx512_bf16."""
+    module = load_extension()
+    assert module is not None, "lora_pair_dots needs the compiled CPU kernels"
+    return bool(module.lora_pair_dots())
 
 
 def lora_tile_length_bounds() -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 float32 as they are read (or multiplied in bfloat16 pairs on AMX tiles), sums in float32, each
 output rounded once; against the float32 reference on every path, bit for bit on rounding, and in a
 bfloat16 engine with adapters. Segments of 3 or more tokens run both ways where the CPU has AMX: on
-the tiles, and on the vector loops and MKL (the "amx-tiles" cases are skipped by name elsewhere)."""
+the tiles, and on the vector loops and MKL (the "amx-tiles" cases are skipped by name elsewhere);
+where the CPU has avx512_bf16 the vector loops' shrink of 3-32 tokens runs on bfloat16 pair dots."""
 
 from __future__ import annotations
 
@@ -40,11 +41,12 @@ def segment_kernel(request: pytest.FixtureRequest) -> SegmentsKernel:
     return functools.partial(cpu_bfloat16, tile_lengths=cpu.EVERY_TILE_LENGTH if amx else 0)
 
 
-def test_the_amx_tiles_are_used_where_the_cpu_has_them() -> None:
+def test_the_amx_tiles_and_pair_dots_are_used_where_the_cpu_has_them() -> None:
     """Built in and granted on every CPU with AMX bfloat16 tiles (no silent fall back there)."""
     info = cpu_features.cpu_info()
     has_amx = all(info.has(f) for f in ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"))
     assert cpu.lora_amx() is has_amx
+    assert cpu.lora_pair_dots() is info.has("avx512_bf16")  # the vector loops' shrink on pair dots
     assert cpu.lora_tile_length_bounds() == (8, 16, 32, 64, 128, 256, 512)
 
 

@@ -235,6 +235,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
 std::vector<int64_t> lora_meta_layout();
 bool lora_grouped_gemm(bool enable);
 bool lora_amx();
+bool lora_pair_dots();
 std::vector<int64_t> lora_tile_length_bounds();
 // linear_panels.cpp
 std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& panels,
@@ -285,6 +286,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_grouped_gemm", &lora_grouped_gemm,
         "whether long LoRA segments run as MKL grouped GEMMs (enable=False forces the ATen fallback)");
   m.def("lora_amx", &lora_amx, "whether LoRA segments over a bfloat16 pool can run on AMX tiles");
+  m.def("lora_pair_dots", &lora_pair_dots,
+        "whether the tiled loops shrink a bfloat16 x over a bfloat16 pool by pair dots (avx512_bf16)");
   m.def("lora_tile_length_bounds", &lora_tile_length_bounds,
         "the upper bounds of the segment-length classes of lora_segments' tile_lengths (the last: longer)");
   m.def("lora_meta_layout", &lora_meta_layout, "the segment metadata layout: width, max modules, module base, stride");

@@ -276,6 +276,10 @@ bool lora_grouped_gemm(bool enable) {
 // the OS grants the tile state); each call's tile_lengths says which lengths do.
 bool lora_amx() { return amx_available(); }
 
+// Whether the tiled loops shrink a bfloat16 x over a bfloat16 pool by pair dots (lora_pair_dots.h):
+// built in where the CPU has avx512_bf16 (the build targets its own CPU).
+bool lora_pair_dots() { return kPairDots; }
+
 // The upper bounds of the segment-length classes of tile_lengths (the last class: every longer one).
 std::vector<int64_t> lora_tile_length_bounds() {
   return std::vector<int64_t>(std::begin(kTileLengthBounds), std::end(kTileLengthBounds));

@@ -1,6 +1,6 @@
 // Segmented LoRA, short segments: their weight rows in place in an adapter's pages, and the split
 // of their work across threads (included by lora_segments.cpp only; internal to it). The tile
-// loops are in lora_tiles.h.
+// loops are in lora_tiles.h, the bfloat16 pair dots in lora_pair_dots.h.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "lora_pair_dots.h"
 #include "lora_tiles.h"
 #include "scratch.h"
 
@@ -185,13 +186,13 @@ void shrink_rows(const TiledSegment<W>& seg, const float* xt, int64_t in, int64_
       if (kShrinkBlocks == 2 && seg.num - t > kShrinkBlock) {  // two blocks, the second maybe partial
         const int tb = static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t - kShrinkBlock));
         with_rows<kShrinkRows>(rows, [&](auto r) {
-          shrink_tile<decltype(r)::value, 2>(xb, in, seg.a_rows + c, vb, ld_t, tb, pf);
+          shrink_dispatch<decltype(r)::value, 2>(xb, in, seg.a_rows + c, vb, ld_t, tb, pf);
         });
         t += 2 * kShrinkBlock, b += 2;
       } else {
         const int tb = static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t));
         with_rows<kShrinkRows>(rows, [&](auto r) {
-          shrink_tile<decltype(r)::value, 1>(xb, in, seg.a_rows + c, vb, ld_t, tb, pf);
+          shrink_dispatch<decltype(r)::value, 1>(xb, in, seg.a_rows + c, vb, ld_t, tb, pf);
         });
         t += kShrinkBlock, ++b;
       }
@@ -267,8 +268,8 @@ void run_tiled(std::vector<TiledSegment<W>>& segs, const W* x, int64_t in, W* co
         bind_rows(seg, in, num_outputs, row_ptr, scratch_ptr);
         const int64_t ld_t = (seg.num + kShrinkBlock - 1) / kShrinkBlock * kShrinkBlock;
         for (int64_t t = 0, b = 0; t < seg.num; t += kShrinkBlock, ++b) {
-          transpose_tokens(x + (seg.start + t) * in, in, static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t)),
-                           xt_ptr + b * block_elems);
+          transpose_block(x + (seg.start + t) * in, in, static_cast<int>(std::min<int64_t>(kShrinkBlock, seg.num - t)),
+                          xt_ptr + b * block_elems);
         }
         shrink_rows(seg, xt_ptr, in, 0, seg.meta[1], vt_ptr, ld_t);
         for (int64_t module = 0; module < num_outputs; ++module) {
@@ -312,7 +313,7 @@ void run_tiled(std::vector<TiledSegment<W>>& segs, const W* x, int64_t in, W* co
     for (size_t i = 0; i < segs.size(); ++i) {
       for (int64_t t = 0, b = first[i]; t < segs[i].num; t += kShrinkBlock, ++b) {
         const int tb = static_cast<int>(std::min<int64_t>(kShrinkBlock, segs[i].num - t));
-        transpose_tokens(x + (segs[i].start + t) * in, in, tb, xt + b * block_elems);
+        transpose_block(x + (segs[i].start + t) * in, in, tb, xt + b * block_elems);
       }
     }
 #pragma omp for schedule(dynamic, 1)

@@ -1,0 +1,142 @@
+// Segmented LoRA, short segments over a bfloat16 pool with a bfloat16 x on CPUs with AVX512-BF16:
+// the shrink as pair dots (vdpbf16ps: per instruction, two terms of 8 tokens' dots; A's pairs
+// broadcast straight from its rows, neither widened), and the dispatch between them and the float
+// loops of lora_tiles.h (included through lora_tiled.h only; internal to lora_segments.cpp).
+// Measured in benchmarks/RESULTS.md (2026-12-06 16:40).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "lora_tiles.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#endif
+
+namespace loraserve_lora {
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// Whether a bfloat16 x over bfloat16 weights is shrunk by pair dots (vdpbf16ps): each instruction
+// takes two terms of 8 tokens' dots, and A's pairs are broadcast straight from its rows.
+constexpr bool kPairDots = true;
+#else
+constexpr bool kPairDots = false;
+#endif
+
+// xp[(p * 8 + j) * 2 + h] = x[j, 2 * p + h] (bfloat16 bits) for the tb <= 8 rows of x (stride
+// `in`, even); lanes past tb are zero: transpose_tokens on 32-bit words (the pairs), bits moved
+// unchanged.
+inline void transpose_pairs(const bf16_t* x, int64_t in, int tb, bf16_t* xp) {
+  using loraserve_simd::i32x8;
+  const int64_t pairs = in / 2;
+  const int64_t blocked = pairs / 8 * 8;
+  for (int64_t p = 0; p < blocked; p += 8) {
+    f32x8 r[8];
+    for (int j = 0; j < 8; ++j) r[j] = j < tb ? load8(reinterpret_cast<const float*>(x + j * in) + p) : f32x8{};
+    f32x8 t[8], u[8];
+    for (int j = 0; j < 8; j += 2) {
+      t[j] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+      t[j + 1] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int h = 0; h < 8; h += 4) {
+      u[h] = LORASERVE_SHUFFLE2(t[h], t[h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[h + 1] = LORASERVE_SHUFFLE2(t[h], t[h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+      u[h + 2] = LORASERVE_SHUFFLE2(t[h + 1], t[h + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[h + 3] = LORASERVE_SHUFFLE2(t[h + 1], t[h + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    float* out = reinterpret_cast<float*>(xp);
+    for (int c = 0; c < 4; ++c) {
+      store8(out + (p + c) * 8, LORASERVE_SHUFFLE2(u[c], u[4 + c], 0, 1, 2, 3, 8, 9, 10, 11));
+      store8(out + (p + c + 4) * 8, LORASERVE_SHUFFLE2(u[c], u[4 + c], 4, 5, 6, 7, 12, 13, 14, 15));
+    }
+  }
+  if (blocked == pairs) return;
+  std::fill(xp + blocked * 16, xp + pairs * 16, bf16_t{0});
+  for (int j = 0; j < tb; ++j) {
+    for (int64_t p = blocked; p < pairs; ++p) std::memcpy(xp + (p * 8 + j) * 2, x + j * in + 2 * p, 4);
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// shrink_tile for a bfloat16 x (transposed in pairs: transpose_pairs, [NB, in / 2, 8, 2]) and
+// bfloat16 A: vt[i * ld_t + j] = dot(x[j], a_i), summed in chunks of kShrinkChunk terms.
+template <int R, int NB>
+void shrink_tile_pairs(const bf16_t* xp, int64_t in, const bf16_t* const* a, float* vt, int64_t ld_t, int tb_last,
+                       const bf16_t* const* next) {
+  constexpr int64_t kLine = 64 / sizeof(bf16_t);
+  __m256 acc[NB][R];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < in; k0 += kShrinkChunk) {
+    const int64_t k1 = std::min(in, k0 + kShrinkChunk);
+    __m256 part[NB][R];
+    for (int j = 0; j < NB; ++j)
+      for (int i = 0; i < R; ++i) part[j][i] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 2) {
+      if (next != nullptr && k % kLine == 0) {
+        for (int i = 0; i < R; ++i) __builtin_prefetch(next[i] + k, 0, 2);
+      }
+      const int64_t p = k / 2;
+      for (int j = 0; j < NB; ++j) {
+        const __m256bh xv = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * 2 * in * kShrinkBlock + p * 16));
+        for (int i = 0; i < R; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, a[i] + k, sizeof(pair));
+          part[j][i] = _mm256_dpbf16_ps(part[j][i], (__m256bh)_mm256_set1_epi32(pair), xv);
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int i = 0; i < R; ++i) acc[j][i] = _mm256_add_ps(acc[j][i], part[j][i]);
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int tb = j == NB - 1 ? tb_last : kShrinkBlock;
+    for (int i = 0; i < R; ++i) {
+      float* dst = vt + i * ld_t + j * kShrinkBlock;
+      if (tb == kShrinkBlock) {
+        _mm256_storeu_ps(dst, acc[j][i]);
+      } else {
+        float lanes[kShrinkBlock];
+        _mm256_storeu_ps(lanes, acc[j][i]);
+        std::memcpy(dst, lanes, tb * sizeof(float));
+      }
+    }
+  }
+}
+#endif
+
+// Whether a call over a pool of W with `in` inputs shrinks on pair dots (kPairDots: bfloat16 x and
+// weights, an even number of inputs).
+template <typename W>
+bool pair_dots(int64_t in) {
+  return std::is_same_v<W, bf16_t> && kPairDots && in % 2 == 0;
+}
+
+// One block of <= 8 tokens of x transposed into `xt` (a block's room of in * 8 floats): in pairs
+// where pair_dots, else as floats.
+template <typename W>
+void transpose_block(const W* x, int64_t in, int tb, float* xt) {
+  if constexpr (std::is_same_v<W, bf16_t>) {
+    if (pair_dots<W>(in)) return transpose_pairs(x, in, tb, reinterpret_cast<bf16_t*>(xt));
+  }
+  transpose_tokens(x, in, tb, xt);
+}
+
+// shrink_tile, or shrink_tile_pairs on blocks that transpose_block left in pairs.
+template <int R, int NB, typename W>
+void shrink_dispatch(const float* xt, int64_t in, const W* const* a, float* vt, int64_t ld_t, int tb_last,
+                     const W* const* next) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  if constexpr (std::is_same_v<W, bf16_t>) {
+    if (pair_dots<W>(in)) {
+      return shrink_tile_pairs<R, NB>(reinterpret_cast<const bf16_t*>(xt), in, a, vt, ld_t, tb_last, next);
+    }
+  }
+#endif
+  shrink_tile<R, NB>(xt, in, a, vt, ld_t, tb_last, next);
+}
+
+}  // namespace loraserve_lora
