@@ -2,7 +2,7 @@
 // the shrink as pair dots (vdpbf16ps: per instruction, two terms of 8 tokens' dots; A's pairs
 // broadcast straight from its rows, neither widened), and the dispatch between them and the float
 // loops of lora_tiles.h (included through lora_tiled.h only; internal to lora_segments.cpp).
-// Measured in benchmarks/RESULTS.md (2026-12-06 16:40).
+// Measured in benchmarks/RESULTS.md (2026-12-06 15:48).
 #pragma once
 
 #include <algorithm>
