@@ -112,13 +112,16 @@ def test_lora_segments_bfloat16_pool_match_the_float32_reference(
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
-@pytest.mark.parametrize("hidden, outs", [(37, (29, 5, 70)), (576, (192, 17, 1536))], ids=["odd", "wide"])
+@pytest.mark.parametrize(
+    "hidden, outs", [(37, (29, 5, 70)), (38, (29, 5, 70)), (576, (192, 17, 1536))], ids=["odd", "even", "wide"]
+)
 def test_lora_segments_bfloat16_on_every_path(
     hidden: int, outs: tuple[int, ...], scattered: bool, threads: int, segment_kernel: SegmentsKernel
 ) -> None:
     """Every segment length class (1-9, 13, 32 tokens tiled, 33 and 40 on MKL or the AMX tiles) on
-    widths with scalar tails and wide ones, with and without MKL's grouped GEMM: bfloat16 weights
-    widened in the row loops, the tiles and the copies for MKL. The first batch's 9 tiled segments
+    widths with scalar tails (odd: float loops; even: 19 pairs, the pair dots' tail) and wide ones,
+    with and without MKL's grouped GEMM: bfloat16 weights widened in the row loops, the tiles and the
+    copies for MKL. The first batch's 9 tiled segments
     (10 on AMX) run whole per thread on 1 or 2 threads (at least 4 per thread); the second's 3 (5 on
     AMX) run as split phases on 2 threads. On AMX: 1 to 5 blocks of 16 tokens, full and partial;
     segments of 32 or more tokens take the long-segment tiles (x read in place) at the wide hidden
