@@ -27,31 +27,14 @@ constexpr bool kPairDots = false;
 #endif
 
 // xp[(p * 8 + j) * 2 + h] = x[j, 2 * p + h] (bfloat16 bits) for the tb <= 8 rows of x (stride
-// `in`, even); lanes past tb are zero: transpose_tokens on 32-bit words (the pairs), bits moved
-// unchanged.
+// `in`, even); lanes past tb are zero: transpose_tokens' shuffles on 32-bit words (the pairs).
 inline void transpose_pairs(const bf16_t* x, int64_t in, int tb, bf16_t* xp) {
-  using loraserve_simd::i32x8;
   const int64_t pairs = in / 2;
   const int64_t blocked = pairs / 8 * 8;
   for (int64_t p = 0; p < blocked; p += 8) {
     f32x8 r[8];
     for (int j = 0; j < 8; ++j) r[j] = j < tb ? load8(reinterpret_cast<const float*>(x + j * in) + p) : f32x8{};
-    f32x8 t[8], u[8];
-    for (int j = 0; j < 8; j += 2) {
-      t[j] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-      t[j + 1] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-    }
-    for (int h = 0; h < 8; h += 4) {
-      u[h] = LORASERVE_SHUFFLE2(t[h], t[h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-      u[h + 1] = LORASERVE_SHUFFLE2(t[h], t[h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-      u[h + 2] = LORASERVE_SHUFFLE2(t[h + 1], t[h + 3], 0, 1, 8, 9, 4, 5, 12, 13);
-      u[h + 3] = LORASERVE_SHUFFLE2(t[h + 1], t[h + 3], 2, 3, 10, 11, 6, 7, 14, 15);
-    }
-    float* out = reinterpret_cast<float*>(xp);
-    for (int c = 0; c < 4; ++c) {
-      store8(out + (p + c) * 8, LORASERVE_SHUFFLE2(u[c], u[4 + c], 0, 1, 2, 3, 8, 9, 10, 11));
-      store8(out + (p + c + 4) * 8, LORASERVE_SHUFFLE2(u[c], u[4 + c], 4, 5, 6, 7, 12, 13, 14, 15));
-    }
+    transpose8_store(r, reinterpret_cast<float*>(xp) + p * 8);
   }
   if (blocked == pairs) return;
   std::fill(xp + blocked * 16, xp + pairs * 16, bf16_t{0});
@@ -95,14 +78,7 @@ void shrink_tile_pairs(const bf16_t* xp, int64_t in, const bf16_t* const* a, flo
   for (int j = 0; j < NB; ++j) {
     const int tb = j == NB - 1 ? tb_last : kShrinkBlock;
     for (int i = 0; i < R; ++i) {
-      float* dst = vt + i * ld_t + j * kShrinkBlock;
-      if (tb == kShrinkBlock) {
-        _mm256_storeu_ps(dst, acc[j][i]);
-      } else {
-        float lanes[kShrinkBlock];
-        _mm256_storeu_ps(lanes, acc[j][i]);
-        std::memcpy(dst, lanes, tb * sizeof(float));
-      }
+      store_lanes(vt + i * ld_t + j * kShrinkBlock, static_cast<f32x8>(acc[j][i]), tb);
     }
   }
 }

@@ -125,37 +125,52 @@ inline f32x8 load_x8(const bf16_t* p) {
   return loraserve_bf16::load_widened<f32x8, u16x8, u32x8>(p);
 }
 
+// dst[c * 8 + j] = r[j][c] for c, j < 8: an 8 x 8 transpose of 32-bit lanes in three rounds of
+// shuffles (bits moved unchanged).
+inline void transpose8_store(const f32x8 (&r)[8], float* dst) {
+  using loraserve_simd::i32x8;
+  f32x8 t[8], u[8];
+  for (int j = 0; j < 8; j += 2) {  // pairs of rows interleaved
+    t[j] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[j + 1] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int h = 0; h < 8; h += 4) {  // quads of rows: u[h + c] holds columns c and c + 4
+    u[h] = LORASERVE_SHUFFLE2(t[h], t[h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[h + 1] = LORASERVE_SHUFFLE2(t[h], t[h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[h + 2] = LORASERVE_SHUFFLE2(t[h + 1], t[h + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[h + 3] = LORASERVE_SHUFFLE2(t[h + 1], t[h + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int c = 0; c < 4; ++c) {  // the two halves of the rows joined: columns c and c + 4
+    store8(dst + c * 8, LORASERVE_SHUFFLE2(u[c], u[4 + c], 0, 1, 2, 3, 8, 9, 10, 11));
+    store8(dst + (c + 4) * 8, LORASERVE_SHUFFLE2(u[c], u[4 + c], 4, 5, 6, 7, 12, 13, 14, 15));
+  }
+}
+
 // xt[k * 8 + j] = x[j, k] as floats for the `tb` <= 8 rows of x (stride `in`; X: float, or
 // bf16_t widened here, so a bfloat16 x needs no float copy); lanes past tb are zero. Blocks of 8
-// columns go through registers (an 8 x 8 transpose in three rounds of shuffles).
+// columns go through registers (transpose8_store).
 template <typename X>
 void transpose_tokens(const X* x, int64_t in, int tb, float* xt) {
-  using loraserve_simd::i32x8;
   const int64_t blocked = in / 8 * 8;
   for (int64_t k = 0; k < blocked; k += 8) {
     f32x8 r[8];
     for (int j = 0; j < 8; ++j) r[j] = j < tb ? load_x8(x + j * in + k) : f32x8{};
-    f32x8 t[8], u[8];
-    for (int j = 0; j < 8; j += 2) {  // pairs of rows interleaved
-      t[j] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-      t[j + 1] = LORASERVE_SHUFFLE2(r[j], r[j + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-    }
-    for (int h = 0; h < 8; h += 4) {  // quads of rows: u[h + c] holds columns c and c + 4
-      u[h] = LORASERVE_SHUFFLE2(t[h], t[h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-      u[h + 1] = LORASERVE_SHUFFLE2(t[h], t[h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-      u[h + 2] = LORASERVE_SHUFFLE2(t[h + 1], t[h + 3], 0, 1, 8, 9, 4, 5, 12, 13);
-      u[h + 3] = LORASERVE_SHUFFLE2(t[h + 1], t[h + 3], 2, 3, 10, 11, 6, 7, 14, 15);
-    }
-    for (int c = 0; c < 4; ++c) {  // the two halves of the rows joined: columns c and c + 4
-      store8(xt + (k + c) * kShrinkBlock, LORASERVE_SHUFFLE2(u[c], u[4 + c], 0, 1, 2, 3, 8, 9, 10, 11));
-      store8(xt + (k + c + 4) * kShrinkBlock, LORASERVE_SHUFFLE2(u[c], u[4 + c], 4, 5, 6, 7, 12, 13, 14, 15));
-    }
+    transpose8_store(r, xt + k * kShrinkBlock);
   }
   if (blocked == in) return;
   if (tb < kShrinkBlock) std::fill(xt + blocked * kShrinkBlock, xt + in * kShrinkBlock, 0.f);
   for (int j = 0; j < tb; ++j) {
     for (int64_t k = blocked; k < in; ++k) xt[k * kShrinkBlock + j] = widen(x[j * in + k]);
   }
+}
+
+// dst[0:tb] = v's first tb <= 8 lanes: a partial block's neighbouring lanes belong to other
+// segments (other threads).
+inline void store_lanes(float* dst, f32x8 v, int tb) {
+  if (tb == kShrinkBlock) return store8(dst, v);
+  float lanes[kShrinkBlock];
+  store8(lanes, v);
+  std::memcpy(dst, lanes, tb * sizeof(float));
 }
 
 // vt[i * ld_t + j] = dot(x[j], a_i) for R rows of A (W: float, or bf16_t widened a chunk at a time) and NB blocks of <= 8 tokens whose transposes
@@ -198,14 +213,7 @@ void shrink_tile(const float* xt, int64_t in, const W* const* a, float* vt, int6
   for (int j = 0; j < NB; ++j) {
     const int tb = j == NB - 1 ? tb_last : kShrinkBlock;
     for (int i = 0; i < R; ++i) {
-      float* dst = vt + i * ld_t + j * kShrinkBlock;
-      if (tb == kShrinkBlock) {
-        store8(dst, acc[j][i]);
-      } else {  // a partial block: its neighbours' lanes belong to other segments (other threads)
-        float lanes[kShrinkBlock];
-        store8(lanes, acc[j][i]);
-        std::memcpy(dst, lanes, tb * sizeof(float));
-      }
+      store_lanes(vt + i * ld_t + j * kShrinkBlock, acc[j][i], tb);
     }
   }
 }
