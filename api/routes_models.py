@@ -70,7 +70,7 @@ async def health(request: Request) -> JSONResponse:
         body["kernel_fallbacks"] = list(stats.kernel_fallbacks)
     if stats.cpu_gemm:  # the CPU GEMM kernel of each linear layer shape and row bucket, and how it was chosen
         body["cpu_gemm"] = stats.cpu_gemm
-    if stats.cpu_lora:  # whether the compiled LoRA kernel runs each segment length on AMX tiles, and how it was chosen
+    if stats.cpu_lora:  # how the compiled LoRA kernel runs each segment length (tiles, loops, GEMM), and why
         body["cpu_lora"] = stats.cpu_lora
     if stats.cpu_prefill_attention:  # whether the prefill attention runs on AMX tiles, and how it was chosen
         body["cpu_prefill_attention"] = stats.cpu_prefill_attention

@@ -152,7 +152,7 @@ def lora_segments_kernel(plan: LoRAKernelPlan | None) -> str:
     """How the compiled LoRA kernel runs segments of 3 or more tokens in this run."""
     if plan is None:
         return "torch (the compiled kernels could not be built)"
-    return f"{plan.summary()} (amx: AMX tiles; vector: vector loops up to 32 tokens, MKL beyond)"
+    return f"{plan.summary()} (amx: AMX tiles; vector: vector loops, longer segments in pieces; gemm: MKL)"
 
 
 def report(info: dict[str, Any], work: Workload, args: argparse.Namespace, runs: list[Run], rounds: list[list[Run]],

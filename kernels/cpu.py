@@ -35,7 +35,9 @@ segment ``s`` of tokens ``start:end`` using one adapter, ``v = x[seg] @ A_s^T`` 
 place from the pool's storage: no Python loop over adapters. Segments of 1-2 tokens run
 as row loops through the adapter's page table, segments of 3-32 tokens as register-tiled
 shrink and expand loops over row pointers into its pages (work items in parallel), longer
-ones as two grouped MKL GEMM calls (all shrinks, then all expands). float32 or bfloat16: a
+ones as two grouped MKL GEMM calls (all shrinks, then all expands), or, where their length class
+is set in ``loop_lengths`` (classes as below), on the tiled loops in pieces of at most 32 tokens
+(the engine times both per class: ``lora/tile_choice.py``). float32 or bfloat16: a
 bfloat16 pool's weights are widened to float32 as they are read (long segments: as they are
 copied out for MKL), the segments' rows of x are widened once, the sums are float32 and each
 output is rounded once (to nearest even; a NaN to torch's quiet NaN). Over a bfloat16 pool on a
@@ -93,6 +95,7 @@ import torch
 from loraserve.kernels.cpu_build import load_extension as load_extension  # the compiled module, or None
 
 EVERY_TILE_LENGTH = -1  # lora_segments: every segment-length class on AMX tiles (where the CPU has them)
+EVERY_LOOP_LENGTH = -1  # lora_segments: every long segment off the tiles on the tiled loops, in pieces
 
 
 def paged_decode_attention(
@@ -168,12 +171,14 @@ def lora_segments(
     meta: torch.Tensor,  # [num_layers, num_groups, num_segments, 14] int64
     scales: torch.Tensor,  # [num_layers, num_groups, num_segments, 3] float32
     tile_lengths: int = EVERY_TILE_LENGTH,  # bit per segment-length class: on AMX tiles (bfloat16)
+    loop_lengths: int = 0,  # bit per class of 33+ tokens: off the tiles, on the tiled loops (else MKL)
 ) -> None:
     module = load_extension()
     assert module is not None, "lora_segments needs the compiled CPU kernels"
     module.lora_segments(
-        x.contiguous(), list(outputs), storage, layer, group, bounds, page_tables, meta, scales, tile_lengths
-    )
+        x.contiguous(), list(outputs), storage, layer, group, bounds, page_tables, meta, scales, tile_lengths,
+        loop_lengths,
+    )  # fmt: skip
 
 
 def lora_grouped_gemm(enable: bool = True) -> bool:

@@ -49,9 +49,10 @@ class EngineConfig:
     ``cpu_gemm`` picks the GEMM kernel of the linear layers under the ``cpu`` backend: ``auto``
     (timed per layer shape and row count on this CPU at start, the choice cached per CPU kind),
     or ``panels``, ``onednn``, ``torch``, ``dot`` or ``amx`` for every layer (``models/gemm_choice.py``).
-    ``cpu_lora``: under the ``cpu`` backend with a bfloat16 pool on a CPU with AMX, whether LoRA
-    segments of 3 or more tokens run on AMX tiles: ``auto`` (timed per segment length on this CPU at
-    start, cached per CPU kind), ``amx`` (always; an error without AMX) or ``vector`` (never).
+    ``cpu_lora``: under the ``cpu`` backend, how LoRA segments of 3 or more tokens run: ``auto`` (per
+    segment length, the fastest of the vector loops, MKL's GEMM beyond 32 tokens and, with a
+    bfloat16 pool on a CPU with AMX, AMX tiles, timed on this CPU at start and cached per CPU kind),
+    ``amx`` (always the tiles; an error without them) or ``vector`` (always the vector loops).
     ``cpu_prefill_attention``: the same choice for the prefill attention of a bfloat16 model
     (``auto``: timed on the model's head shape at start, cached per CPU kind).
     ``cpu_decode_attention``: the vector width of the compiled decode attention, ``auto`` (timed

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -80,6 +81,53 @@ def test_lora_segments_tiled_whole_segments_and_split_phases(threads: int, num_s
         run_segments(cpu.lora_segments, indices, seed=11, scattered=scattered, layer=1, hidden=200, outs=(64, 16, 640))
     finally:
         torch.set_num_threads(previous)
+
+
+LONG_LENGTHS = [33, 40, 64, 65, 100, 129, 200, 257, 300, 513, 600]  # every class above 32 tokens, twice
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-pages", "scattered-pages"])
+@pytest.mark.parametrize("hidden, outs", [(37, (29, 5, 70)), (576, (192, 17, 1536))], ids=["odd", "wide"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_segments_take_the_loops_or_the_gemm_as_loop_lengths_say(
+    dtype: torch.dtype, hidden: int, outs: tuple[int, ...], scattered: bool
+) -> None:
+    """Segments of 33-600 tokens (every class above 32; lengths that split into equal and unequal
+    pieces) run on the tiled loops in pieces where their class's bit of ``loop_lengths`` is set, else
+    as GEMMs: each segment's outputs are bit for bit those of the same segment in a call with every
+    class on the loops, or none, as its bit says (the two ways round differently), and all match
+    the float32 reference."""
+    mixed = 0b10101000  # classes 33-64, 129-256 and 513+ on the loops
+    class_bounds = cpu.lora_tile_length_bounds()
+    indices = [i % 12 for i, num in enumerate(LONG_LENGTHS) for _ in range(num)]
+    checked: list[int] = []
+
+    def three_ways(x: torch.Tensor, outputs: tuple[torch.Tensor, ...], storage: torch.Tensor, *args: Any) -> None:
+        ways = {}
+        for mask in (mixed, cpu.EVERY_LOOP_LENGTH, 0):
+            ways[mask] = tuple(out.to(dtype, copy=True) for out in outputs)
+            cpu.lora_segments(x.to(dtype), ways[mask], storage.to(dtype), *args, tile_lengths=0, loop_lengths=mask)
+        assert not all(torch.equal(a, b) for a, b in zip(ways[-1], ways[0], strict=True)), "the ways agree bitwise"
+        for start, end, _, _ in args[2].tolist():
+            num = end - start
+            loops = (mixed >> sum(num > b for b in class_bounds)) & 1
+            expected = ways[cpu.EVERY_LOOP_LENGTH if loops else 0]
+            for got, want in zip(ways[mixed], expected, strict=True):
+                assert torch.equal(got[start:end], want[start:end]), f"segment of {num} tokens (loops: {bool(loops)})"
+            checked.append(num)
+        for out, result in zip(outputs, ways[mixed], strict=True):
+            out.copy_(result.float())
+
+    # Off the loops, one ATen GEMM pair per segment: MKL's grouped GEMM may sum a segment in another
+    # order when the group around it differs, which would hide nothing but break the comparison.
+    cpu.lora_grouped_gemm(enable=False)
+    try:
+        atol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+        run_segments(three_ways, indices, seed=7, scattered=scattered, layer=1, hidden=hidden, outs=outs, atol=atol,
+                     dtype=dtype)  # fmt: skip
+    finally:
+        cpu.lora_grouped_gemm(enable=True)
+    assert checked == LONG_LENGTHS
 
 
 def test_lora_segments_without_mkl_grouped_gemm_give_the_same_results() -> None:

@@ -1,9 +1,10 @@
 """The compiled segmented LoRA over a bfloat16 pool (``kernels/cpu.py``): weights widened to
 float32 as they are read (or multiplied in bfloat16 pairs on AMX tiles), sums in float32, each
 output rounded once; against the float32 reference on every path, bit for bit on rounding, and in a
-bfloat16 engine with adapters. Segments of 3 or more tokens run both ways where the CPU has AMX: on
-the tiles, and on the vector loops and MKL (the "amx-tiles" cases are skipped by name elsewhere);
-where the CPU has avx512_bf16 the vector loops' shrink of 3-32 tokens runs on bfloat16 pair dots."""
+bfloat16 engine with adapters. Segments of 3 or more tokens run each way: on the tiles where the
+CPU has AMX (the "amx-tiles" cases are skipped by name elsewhere), on the vector loops and MKL, and on
+the vector loops alone (longer segments in pieces); where the CPU has avx512_bf16 the vector loops'
+shrink runs on bfloat16 pair dots."""
 
 from __future__ import annotations
 
@@ -24,21 +25,29 @@ pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CP
 
 
 def cpu_bfloat16(
-    x: torch.Tensor, outputs: tuple[torch.Tensor, ...], storage: torch.Tensor, *args: Any, tile_lengths: int = 0
+    x: torch.Tensor,
+    outputs: tuple[torch.Tensor, ...],
+    storage: torch.Tensor,
+    *args: Any,
+    tile_lengths: int = 0,
+    loop_lengths: int = 0,
 ) -> None:
     """``kernel_cases.SegmentsKernel`` over ``cpu.lora_segments`` with x, outputs and pool in bfloat16."""
     results = tuple(out.to(torch.bfloat16) for out in outputs)
-    cpu.lora_segments(x.to(torch.bfloat16), results, storage.to(torch.bfloat16), *args, tile_lengths)
+    cpu.lora_segments(x.to(torch.bfloat16), results, storage.to(torch.bfloat16), *args, tile_lengths, loop_lengths)
     for out, result in zip(outputs, results, strict=True):
         out.copy_(result.float())
 
 
-@pytest.fixture(params=[pytest.param("amx-tiles", marks=needs_amx), "vector-loops"])
+@pytest.fixture(params=[pytest.param("amx-tiles", marks=needs_amx), "vector-loops", "loops-in-pieces"])
 def segment_kernel(request: pytest.FixtureRequest) -> SegmentsKernel:
     """``cpu_bfloat16`` with segments of 3 or more tokens on AMX tiles (where built in and granted;
-    the expand of 3-8 tokens on the vector loops), or on the vector loops and MKL (every CPU)."""
+    the expand of 3-8 tokens on the vector loops), on the vector loops and MKL (every CPU), or on the
+    vector loops only (longer segments in pieces of at most 32 tokens)."""
     amx = request.param == "amx-tiles"
-    return functools.partial(cpu_bfloat16, tile_lengths=cpu.EVERY_TILE_LENGTH if amx else 0)
+    loops = request.param == "loops-in-pieces"
+    tiles, pieces = cpu.EVERY_TILE_LENGTH if amx else 0, cpu.EVERY_LOOP_LENGTH if loops else 0
+    return functools.partial(cpu_bfloat16, tile_lengths=tiles, loop_lengths=pieces)
 
 
 def test_the_amx_tiles_and_pair_dots_are_used_where_the_cpu_has_them() -> None:

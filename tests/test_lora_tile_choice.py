@@ -1,5 +1,5 @@
-"""The choice of AMX tiles or vector loops per LoRA segment length (``lora/tile_choice.py``): timed
-on CPUs with AMX and cached per CPU kind, forced by option, refused where it cannot run, and the
+"""The choice of AMX tiles, vector loops or GEMMs per LoRA segment length (``lora/tile_choice.py``):
+timed per dtype and cached per CPU kind, forced by option, refused where it cannot run, and the
 engine's hook and ``/health`` following it."""
 
 from __future__ import annotations
@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from amx_marks import needs_amx
 from fixed_load import QuietLoad
 from loraserve.kernels import cpu, cpu_features
 
 from loraserve import timed_choice
 from loraserve.config import ConfigError, EngineConfig
 from loraserve.lora import tile_choice
-from loraserve.lora.tile_choice import LoRAKernelPolicy, choose_lora_kernels, group_shapes
+from loraserve.lora.tile_choice import LoRAKernelPolicy, LoRAWay, choose_lora_kernels, group_shapes
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
 
@@ -27,52 +26,62 @@ SHAPES = group_shapes({
 })  # fmt: skip
 PAGE_ELEMS = 1024
 EVERY_CLASS = 0b11111111
+LONG_CLASSES = 0b11111000  # 33-64 tokens and longer: the GEMM can run them
 
 
 def test_the_classes_and_the_groups_shapes() -> None:
-    plan = choose_lora_kernels(SHAPES, torch.float32, PAGE_ELEMS, LoRAKernelPolicy())
+    plan = choose_lora_kernels(SHAPES, torch.float32, PAGE_ELEMS, LoRAKernelPolicy("vector"))
     assert plan.class_names() == ["3-8", "9-16", "17-32", "33-64", "65-128", "129-256", "257-512", "513+"]
     assert SHAPES == ((64, (64, 32, 32)), (64, (64,)), (64, (128, 128)), (128, (64,)))
 
 
-def test_float32_and_forced_ways_need_no_timing_and_amx_is_refused_where_it_cannot_run() -> None:
-    float32 = choose_lora_kernels(SHAPES, torch.float32, PAGE_ELEMS, LoRAKernelPolicy())
-    assert (float32.source, float32.tile_lengths) == ("no tiles", 0)
-    assert set(float32.as_dict()["segment_tokens"].values()) == {"vector"}
-    vector = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy("vector"))
-    assert (vector.source, vector.tile_lengths, vector.seconds) == ("forced", 0, 0.0)
+def test_forced_ways_need_no_timing_and_amx_is_refused_where_it_cannot_run() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        vector = choose_lora_kernels(SHAPES, dtype, PAGE_ELEMS, LoRAKernelPolicy("vector"))
+        assert (vector.source, vector.seconds) == ("forced", 0)
+        assert (vector.tile_lengths, vector.loop_lengths) == (0, EVERY_CLASS)
+        assert set(vector.as_dict()["segment_tokens"].values()) == {"vector"}
     with pytest.raises(ValueError, match="cpu_lora='amx' needs a bfloat16 pool on a CPU with AMX tiles"):
         choose_lora_kernels(SHAPES, torch.float32, PAGE_ELEMS, LoRAKernelPolicy("amx"))
     if cpu.lora_amx():
         amx = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy("amx"))
-        assert (amx.source, amx.tile_lengths) == ("forced", EVERY_CLASS)
+        assert (amx.source, amx.tile_lengths, amx.loop_lengths) == ("forced", EVERY_CLASS, 0)
     else:
         with pytest.raises(ValueError, match=r"needs a bfloat16 pool on a CPU with AMX .*this is torch\.bfloat16"):
             choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy("amx"))
-        plain = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy())
-        assert (plain.source, plain.tile_lengths) == ("no tiles", 0)
     with pytest.raises(ValueError, match="cpu_lora must be one of"):
         LoRAKernelPolicy("tiles")
 
 
-@needs_amx
-def test_the_tiles_are_timed_per_length_class_then_read_from_the_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ways_are_timed_per_length_class_then_read_from_the_cache(
+    dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each class is timed on the ways that can run it (the GEMM: above 32 tokens; AMX: bfloat16 on a
+    CPU with the tiles), and a way other than the class's default (the loops, the GEMM above 32
+    tokens) is kept only where more than a tie faster."""
     monkeypatch.setattr(timed_choice, "OtherLoad", QuietLoad)
     monkeypatch.setattr(tile_choice, "_DISTURBED", {})  # this test's own memory of disturbed timings
-    plan = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
+    plan = choose_lora_kernels(SHAPES, dtype, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert plan.source == "measured" and plan.seconds > 0
-    assert all(len(plan.ms[way]) == 8 and min(plan.ms[way]) > 0 for way in ("amx", "vector"))
-    for c, on in enumerate(plan.tiles):  # the tiles only where more than a tie faster
-        assert on == (plan.ms["amx"][c] < plan.ms["vector"][c] * (1 - tile_choice.TIE_TOLERANCE))
+    tiles = dtype == torch.bfloat16 and cpu.lora_amx()
+    assert sorted(plan.ms) == (["amx", "gemm", "vector"] if tiles else ["gemm", "vector"])
+    for c in range(8):
+        long = (LONG_CLASSES >> c) & 1 == 1
+        timed = {way: ms[c] for way, ms in plan.ms.items() if ms[c] > 0}
+        assert set(timed) == ({"amx", "vector"} if tiles else set()) | ({"vector", "gemm"} if long else set())
+        default = "gemm" if long else "vector"
+        best = min(timed, key=timed.__getitem__, default=default)
+        faster = best != default and timed[best] < timed[default] * (1 - tile_choice.TIE_TOLERANCE)
+        assert plan.ways[c] is LoRAWay(best if faster else default)
+    assert plan.tile_lengths | plan.loop_lengths | LONG_CLASSES == EVERY_CLASS  # the GEMM: long classes only
     entries = json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())
     (entry,) = entries.values()
-    assert entry["tiles"] == list(plan.tiles) and entry["cpu"] == cpu_features.summary()
-    again = choose_lora_kernels(SHAPES, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
-    assert (again.source, again.tiles, again.seconds) == ("cached", plan.tiles, 0.0)
+    assert entry["tiles"] == [way.value for way in plan.ways] and entry["cpu"] == cpu_features.summary()
+    again = choose_lora_kernels(SHAPES, dtype, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
+    assert (again.source, again.ways, again.seconds) == ("cached", plan.ways, 0.0)
     wider = ((64, (64, 32, 16)), *SHAPES[1:])  # another model: timed anew, beside the first entry
-    other = choose_lora_kernels(wider, torch.bfloat16, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
+    other = choose_lora_kernels(wider, dtype, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert other.source == "measured" and other.seconds > 0
     assert len(json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())) == 2
 
@@ -90,11 +99,12 @@ def test_the_engine_hook_runs_the_plan_and_health_shows_it(tiny_model_dir: Path)
 
     llm = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu", dtype="bfloat16", cpu_lora="vector")
     hook = llm.engine.runner.lora_hook
-    assert isinstance(hook, CompiledLoRAApplier) and hook.tile_lengths == 0
+    assert isinstance(hook, CompiledLoRAApplier) and (hook.tile_lengths, hook.loop_lengths) == (0, EVERY_CLASS)
     shown = llm.engine.stats().cpu_lora
     assert shown["source"] == "forced" and set(shown["segment_tokens"].values()) == {"vector"}  # type: ignore[union-attr]
     auto = LLM(str(tiny_model_dir), num_pages=64, kernels="cpu", dtype="bfloat16")
     plan = auto.engine.lora_plan
-    assert plan is not None and auto.engine.runner.lora_hook.tile_lengths == plan.tile_lengths  # type: ignore[attr-defined]
-    assert plan.source in (("measured", "cached", "disturbed") if cpu.lora_amx() else ("no tiles",))
+    hook = auto.engine.runner.lora_hook
+    assert plan is not None and (hook.tile_lengths, hook.loop_lengths) == (plan.tile_lengths, plan.loop_lengths)  # type: ignore[attr-defined]
+    assert plan.source in ("measured", "cached", "disturbed")
     assert LLM(str(tiny_model_dir), num_pages=64, kernels="torch", dtype="bfloat16").engine.stats().cpu_lora == {}

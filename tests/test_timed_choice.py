@@ -48,28 +48,24 @@ def _attention(cache_dir: Path) -> Any:
 
 
 CHOICES = [
-    pytest.param(
-        tile_choice,
-        _lora,
-        "LoRA tile",
-        marks=pytest.mark.skipif(BUILT and not cpu.lora_amx(), reason=NO_TILES),
-        id="lora",
-    ),
+    pytest.param(tile_choice, _lora, "LoRA kernel", "time_ways", id="lora"),
     pytest.param(
         attention_choice,
         _attention,
         "prefill attention",
+        "time_both_ways",
         marks=pytest.mark.skipif(BUILT and not cpu.prefill_attention_amx(), reason=NO_TILES),
         id="prefill-attention",
     ),
 ]
 
 
-@pytest.mark.parametrize(("module", "choose", "kind"), CHOICES)
+@pytest.mark.parametrize(("module", "choose", "kind", "timer"), CHOICES)
 def test_a_disturbed_timing_serves_the_process_but_is_not_cached(
     module: ModuleType,
     choose: Callable[[Path], Any],
     kind: str,
+    timer: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -77,20 +73,21 @@ def test_a_disturbed_timing_serves_the_process_but_is_not_cached(
     monkeypatch.setattr(timed_choice, "OtherLoad", BusyLoad)
     monkeypatch.setattr(module, "_DISTURBED", {})  # this test's own memory of disturbed timings
     timings = []
-    real = module.time_both_ways
+    real = getattr(module, timer)
 
     def counting(*args: object) -> dict[str, list[float]]:
         timings.append(args)
         return real(*args)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(module, "time_both_ways", counting)
+    monkeypatch.setattr(module, timer, counting)
     with caplog.at_level(logging.WARNING):
         plan = choose(tmp_path)
     assert plan.source == "disturbed" and len(timings) == 2  # timed again once
     assert f"the {kind} timing was disturbed (other processes kept 1.0 CPUs busy)" in caplog.text
     assert not (tmp_path / f"{cpu_features.signature()}.json").exists()
     again = choose(tmp_path)
-    assert (again.source, again.tiles) == ("disturbed", plan.tiles) and len(timings) == 2
+    choice = "ways" if module is tile_choice else "tiles"
+    assert (again.source, getattr(again, choice)) == ("disturbed", getattr(plan, choice)) and len(timings) == 2
 
 
 def test_the_policies_name_their_option() -> None:

@@ -231,7 +231,7 @@ void silu_and_mul_(at::Tensor& gate, const at::Tensor& up);
 // lora_segments.cpp
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
-                   const at::Tensor& meta, const at::Tensor& scales, int64_t tile_lengths);
+                   const at::Tensor& meta, const at::Tensor& scales, int64_t tile_lengths, int64_t loop_lengths);
 std::vector<int64_t> lora_meta_layout();
 bool lora_grouped_gemm(bool enable);
 bool lora_amx();
@@ -289,7 +289,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_pair_dots", &lora_pair_dots,
         "whether the tiled loops shrink a bfloat16 x over a bfloat16 pool by pair dots (avx512_bf16)");
   m.def("lora_tile_length_bounds", &lora_tile_length_bounds,
-        "the upper bounds of the segment-length classes of lora_segments' tile_lengths (the last: longer)");
+        "the upper bounds of the segment-length classes of lora_segments' tile_lengths and loop_lengths (the last: "
+        "longer)");
   m.def("lora_meta_layout", &lora_meta_layout, "the segment metadata layout: width, max modules, module base, stride");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (see kernels/cpu.py)",
         no_gil());

@@ -169,7 +169,9 @@ namespace loraserve_lora {
 // The segment-length classes of the choice between the tiles and the vector loops (and MKL):
 // class c holds segments of up to kTileLengthBounds[c] tokens (and more than the class before);
 // the last class, kNumTileLengthClasses - 1, every longer one. Segments of 1-2 tokens never
-// reach the tiles. Bit c of a call's `tile_lengths` puts class c on the tiles.
+// reach the tiles. Bit c of a call's `tile_lengths` puts class c on the tiles; bit c of its
+// `loop_lengths`, a class of more than 32 tokens off the tiles on the vector loops (in pieces)
+// instead of MKL (lora_segments.cpp: on_loops).
 constexpr int64_t kTileLengthBounds[] = {8, 16, 32, 64, 128, 256, 512};
 constexpr int kNumTileLengthClasses = static_cast<int>(std::size(kTileLengthBounds)) + 1;
 

@@ -65,13 +65,21 @@ void small_segment(const float* x, int64_t in_features, const AdapterBuffer<W>& 
   }
 }
 
+// Whether a segment of `num` tokens (3 or more, off the AMX tiles) runs on the tiled loops: up to
+// kTiledMax tokens always; longer ones where `loop_lengths` has their length class's bit, in
+// pieces of at most kTiledMax tokens (each piece reads the adapter's rows again, from cache),
+// others as MKL GEMMs (run_long). Which is faster depends on the CPU: lora/tile_choice.py times it.
+bool on_loops(int64_t num, int64_t loop_lengths) {
+  return num <= kTiledMax || ((loop_lengths >> tile_length_class(num)) & 1) != 0;
+}
+
 // Whether a segment of `num` tokens is run by loops that read x as float32 (one or two tokens, and
-// long segments off the AMX tiles); the tiled loops and the tiles read it as given. For a bfloat16
-// x the caller widens only those segments' rows (widening all of them, on one thread while the other
-// waited, was a measurable share of a decode step's LoRA: benchmarks/RESULTS.md, 2026-12-06 14:21).
+// the MKL GEMMs); the tiled loops and the tiles read it as given. For a bfloat16 x the caller
+// widens only those segments' rows (widening all of them, on one thread while the other waited,
+// was a measurable share of a decode step's LoRA: benchmarks/RESULTS.md, 2026-12-06 14:21).
 template <typename W>
-bool read_float_x(int64_t num, int64_t tile_lengths) {
-  return num <= kSmallSegment || (num > kTiledMax && !on_amx_tiles<W>(num, tile_lengths));
+bool read_float_x(int64_t num, int64_t tile_lengths, int64_t loop_lengths) {
+  return num <= kSmallSegment || (!on_amx_tiles<W>(num, tile_lengths) && !on_loops(num, loop_lengths));
 }
 
 // x [num_tokens, in_features] as float32 (the caller's; for a bfloat16 x, a copy of the rows of the
@@ -89,7 +97,7 @@ struct SegmentArgs {
 template <typename W>
 void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t layer, int64_t group,
                   const at::Tensor& bounds, const at::Tensor& page_tables, const at::Tensor& meta,
-                  const at::Tensor& scales, int64_t tile_lengths) {
+                  const at::Tensor& scales, int64_t tile_lengths, int64_t loop_lengths) {
   const int64_t num_segments = bounds.size(0), in_features = args.in_features;
   const int64_t num_outputs = static_cast<int64_t>(args.outs.size());
   const int64_t page_elems = storage.size(2), max_pages = page_tables.size(1), num_pages = storage.size(1);
@@ -111,8 +119,9 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
   // through one pointer, one on scattered pages through its page table (row pointers into its
   // pages, copying only rows that cross a page boundary); so do segments of any length on AMX
   // tiles (bfloat16, their length class chosen in tile_lengths; those of 32+ tokens in
-  // run_long_amx), which read x in place too. Other long ones go to run_long, which copies them
-  // out where MKL cannot read them in place (scattered pages, or bfloat16).
+  // run_long_amx), which read x in place too, and long ones on the loops in pieces (on_loops).
+  // Other long ones go to run_long, which copies them out where MKL cannot read them in place
+  // (scattered pages, or bfloat16).
   std::vector<AdapterBuffer<W>> buffers(num_segments);
   std::vector<TiledSegment<W>> tiled, on_tiles, long_tiles;
   tiled.reserve(num_segments);
@@ -154,18 +163,29 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
       continue;
     }
     if (bound_ptr[s * 4 + 2] == 0) buffer.base = layer_ptr + bound_ptr[s * 4 + 3];
-    const bool amx = on_amx_tiles<W>(num, tile_lengths);
-    if (num <= kTiledMax || amx) {
+    const auto tiled_segment = [&](int64_t start, int64_t count) {
       TiledSegment<W> seg;
-      seg.start = bound_ptr[s * 4];
-      seg.num = num;
+      seg.start = start;
+      seg.num = count;
       seg.meta = m;
       seg.scale = scale_ptr + s * kMaxModules;
       seg.buffer = &buffer;
+      return seg;
+    };
+    const bool amx = on_amx_tiles<W>(num, tile_lengths);
+    if (num <= kTiledMax || amx) {
+      const TiledSegment<W> seg = tiled_segment(bound_ptr[s * 4], num);
       (on_long_tiles<W>(num, in_features, tile_lengths) ? long_tiles : amx ? on_tiles : tiled).push_back(seg);
-      continue;
+    } else if (on_loops(num, loop_lengths)) {  // pieces of equal length (within one token)
+      const int64_t pieces = (num + kTiledMax - 1) / kTiledMax;
+      for (int64_t p = 0, start = bound_ptr[s * 4]; p < pieces; ++p) {
+        const int64_t count = num / pieces + (p < num % pieces ? 1 : 0);
+        tiled.push_back(tiled_segment(start, count));
+        start += count;
+      }
+    } else {
+      large.push_back(s);
     }
-    large.push_back(s);
   }
   if (!small.empty()) {
     const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(small.size())));
@@ -200,7 +220,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
 
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
-                   const at::Tensor& meta, const at::Tensor& scales, int64_t tile_lengths) {
+                   const at::Tensor& meta, const at::Tensor& scales, int64_t tile_lengths, int64_t loop_lengths) {
   const at::ScalarType dtype = storage.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
               "lora_segments takes float32 or bfloat16: x and storage of one dtype");
@@ -251,14 +271,14 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
       const W* x_rows = static_cast<const W*>(x.data_ptr());
       for (int64_t s = 0; s < num_segments; ++s) {
         const int64_t num = bound_ptr[s * 4 + 1] - bound_ptr[s * 4];
-        if (!read_float_x<W>(num, tile_lengths)) continue;  // read in place
+        if (!read_float_x<W>(num, tile_lengths, loop_lengths)) continue;  // read in place
         const int64_t first = bound_ptr[s * 4] * args.in_features, end = bound_ptr[s * 4 + 1] * args.in_features;
         widen_n(x_rows + first, end - first, x_ptr + first);
       }
       args.x = x_ptr;
       args.x_own = x_rows;
     }
-    run_segments<W>(args, storage, layer, group, bounds, page_tables, meta, scales, tile_lengths);
+    run_segments<W>(args, storage, layer, group, bounds, page_tables, meta, scales, tile_lengths, loop_lengths);
     trim(wide_x);
   };
   if (dtype == at::kFloat) return run_as(float{});
@@ -280,7 +300,8 @@ bool lora_amx() { return amx_available(); }
 // built in where the CPU has avx512_bf16 (the build targets its own CPU).
 bool lora_pair_dots() { return kPairDots; }
 
-// The upper bounds of the segment-length classes of tile_lengths (the last class: every longer one).
+// The upper bounds of the segment-length classes of tile_lengths and loop_lengths (the last class:
+// every longer one).
 std::vector<int64_t> lora_tile_length_bounds() {
   return std::vector<int64_t>(std::begin(kTileLengthBounds), std::end(kTileLengthBounds));
 }

@@ -76,9 +76,9 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
         "--cpu-lora",
         "cpu_lora",
         str,
-        f"LoRA of 3+ token segments over a bfloat16 pool on a CPU with AMX, one of {CPU_TILE_CHOICES}: amx "
-        "(tiles), vector (vector loops and MKL); default auto: timed per segment length at the first start, "
-        "cached per CPU kind",
+        f"LoRA of 3+ token segments on the CPU, one of {CPU_TILE_CHOICES}: amx (AMX tiles; a bfloat16 pool on a "
+        "CPU with AMX), vector (vector loops, longer segments in pieces); default auto: per segment length the "
+        "fastest of those and MKL's GEMM (33+ tokens), timed at the first start, cached per CPU kind",
     ),
     (
         "--cpu-prefill-attention",

@@ -1,19 +1,24 @@
-"""Choosing, per segment length, whether LoRA over a bfloat16 pool runs on AMX tiles, by timing it.
+"""Choosing, per segment length, the way the compiled CPU kernel runs LoRA, by timing the ways.
 
-On a CPU with AMX (``cpu.lora_amx()``) the compiled kernel can run a segment of 3 or more tokens
-on the tiles or on the vector loops (and MKL for long ones); which is faster depends on the CPU,
-the model's widths and the segment's length. For each segment-length class of the kernel
-(``cpu.lora_tile_length_bounds()``: up to 8 tokens, 16, 32, 64, 128, 256, 512, longer) both ways are
-timed on the model's four LoRA groups (q/k/v, o, gate/up, down) with adapters of ranks 64/32/16/8,
-segments of the middle of the class, over up to 8 layers of distinct weights, alternating, the
-best of several passes; the tiles are kept for a class only when more than ``TIE_TOLERANCE``
-faster. The choice is cached per CPU signature in ``<cache>/cpu_lora/`` (``choice_file``) and
-shown in ``/health``. A timing that other processes disturbed is repeated once, and if disturbed
-again serves this process without being cached. ``--cpu-lora amx|vector`` forces one way.
+A segment of 3 or more tokens runs on the vector loops (register tiles, the weights read in place;
+segments of more than 32 tokens in pieces of at most 32), on MKL's grouped GEMM (more than 32
+tokens only; the weights copied out, and widened from bfloat16, where MKL cannot read them in
+place), or, over a bfloat16 pool on a CPU with AMX (``cpu.lora_amx()``), on the tiles. Which is
+fastest depends on the CPU, the dtype, the model's widths and the segment's length. For each
+segment-length class of the kernel (``cpu.lora_tile_length_bounds()``: up to 8 tokens, 16, 32, 64,
+128, 256, 512, longer) that more than one way can run, those ways are timed on the model's four
+LoRA groups (q/k/v, o, gate/up, down) with adapters of ranks 64/32/16/8, segments of the middle of
+the class, over up to 8 layers of distinct weights, alternating, the best of several passes; a way
+other than the class's default (the vector loops up to 32 tokens, the GEMM beyond) is kept only
+when more than ``TIE_TOLERANCE`` faster. The choice is cached per CPU signature in
+``<cache>/cpu_lora/`` (``choice_file``) and shown in ``/health``. A timing that other processes
+disturbed is repeated once, and if disturbed again serves this process without being cached.
+``--cpu-lora amx|vector`` forces every class on the tiles, or on the vector loops.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import time
@@ -34,36 +39,59 @@ from loraserve.timed_choice import TilePolicy, timed_choice
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a way per class (1: whether on the tiles)
 RANKS = (64, 16, 32, 8) * 2  # the timed adapters' ranks, in the order segments take them
 TIE_TOLERANCE = 0.03  # the tiles must be this much faster to be kept (noise between passes)
 MAX_LAYERS, LAYER_BYTES = 8, 64 * 2**20  # layers of distinct weights per group, within this many bytes
 MAX_TOKENS = 768  # tokens of one timed call (segments of a class: up to 8 adapters)
+LOOPS_MAX_TOKENS = 32  # segments longer than this may run as GEMMs (kTiledMax, kernels/csrc/lora_tiled.h)
 
 _DISTURBED: dict[str, tuple[bool, ...]] = {}  # choices timed under load in this process, by cache key
 
 
+class LoRAWay(str, enum.Enum):
+    """How the compiled kernel runs the segments of one length class (3 or more tokens)."""
+
+    AMX = "amx"  # AMX tiles (bfloat16 pool)
+    VECTOR = "vector"  # the vector loops; segments of more than 32 tokens in pieces
+    GEMM = "gemm"  # MKL's grouped GEMM (more than 32 tokens; the vector loops below)
+
+
+# The kernel's (tile_lengths, loop_lengths) bits that put a class on each way.
+WAY_MASKS = {
+    LoRAWay.AMX: (cpu.EVERY_TILE_LENGTH, 0),
+    LoRAWay.VECTOR: (0, cpu.EVERY_LOOP_LENGTH),
+    LoRAWay.GEMM: (0, 0),
+}
+
+
 @dataclass(frozen=True)
 class LoRAKernelPolicy(TilePolicy):
-    """``TilePolicy`` of ``--cpu-lora``: ``amx`` puts every segment length on the tiles."""
+    """``TilePolicy`` of ``--cpu-lora``: ``amx`` puts every segment length on the tiles, ``vector``
+    on the vector loops."""
 
     OPTION: ClassVar[str] = "cpu_lora"
 
 
 @dataclass(frozen=True)
 class LoRAKernelPlan:
-    """Per segment-length class (``bounds``, the last class longer), whether it runs on the tiles."""
+    """Per segment-length class (``bounds``, the last class longer), the way it runs."""
 
-    tiles: tuple[bool, ...]
+    ways: tuple[LoRAWay, ...]
     bounds: tuple[int, ...]
-    source: str  # measured | cached | forced | disturbed | no tiles (float32, or a CPU without AMX)
+    source: str  # measured | cached | forced | disturbed
     seconds: float = 0.0  # spent timing
-    ms: dict[str, list[float]] = field(default_factory=dict)  # per way, per class: the timings
+    ms: dict[str, list[float]] = field(default_factory=dict)  # per way, per class: the timings (0: not timed)
 
     @property
     def tile_lengths(self) -> int:
-        """The kernel's ``tile_lengths`` bit mask."""
-        return sum(1 << c for c, on in enumerate(self.tiles) if on)
+        """The kernel's ``tile_lengths`` bit mask: the classes on AMX tiles."""
+        return sum(1 << c for c, way in enumerate(self.ways) if way is LoRAWay.AMX)
+
+    @property
+    def loop_lengths(self) -> int:
+        """The kernel's ``loop_lengths`` bit mask: the classes on the vector loops."""
+        return sum(1 << c for c, way in enumerate(self.ways) if way is LoRAWay.VECTOR)
 
     def class_names(self) -> list[str]:
         lows = [3, *(b + 1 for b in self.bounds)]
@@ -75,9 +103,7 @@ class LoRAKernelPlan:
             "source": self.source,
             "cpu": cpu_features.summary(),
             "timing_seconds": round(self.seconds, 2),
-            "segment_tokens": {
-                name: "amx" if on else "vector" for name, on in zip(self.class_names(), self.tiles, strict=True)
-            },
+            "segment_tokens": {name: way.value for name, way in zip(self.class_names(), self.ways, strict=True)},
         }
 
     def summary(self) -> str:
@@ -112,7 +138,8 @@ def lora_hook_factory(
         return backend.make_lora_hook, None
     plan = choose_lora_kernels(group_shapes(module_shapes), dtype, page_elems, policy)
     logger.info("CPU LoRA kernel by segment length (%.1f s timing): %s", plan.seconds, plan.summary())
-    return functools.partial(backend.make_lora_hook, tile_lengths=plan.tile_lengths), plan
+    hook = functools.partial(backend.make_lora_hook, tile_lengths=plan.tile_lengths, loop_lengths=plan.loop_lengths)
+    return hook, plan
 
 
 def choose_lora_kernels(
@@ -123,22 +150,33 @@ def choose_lora_kernels(
     num_classes = len(bounds) + 1
     has_tiles = dtype == torch.bfloat16 and cpu.lora_amx()
     untimed = policy.untimed(has_tiles, dtype, "a bfloat16 pool")
-    if untimed is not None:
-        return LoRAKernelPlan((untimed[0],) * num_classes, bounds, untimed[1])
-    what = "bfloat16 " + " ".join(f"{i}->{'+'.join(map(str, o))}" for i, o in shapes)
+    if untimed is not None and untimed[1] == "forced":
+        return LoRAKernelPlan(((LoRAWay.AMX if untimed[0] else LoRAWay.VECTOR),) * num_classes, bounds, "forced")
+    ways = (LoRAWay.AMX, LoRAWay.VECTOR, LoRAWay.GEMM) if has_tiles else (LoRAWay.VECTOR, LoRAWay.GEMM)
+    what = f"{str(dtype).removeprefix('torch.')} " + " ".join(f"{i}->{'+'.join(map(str, o))}" for i, o in shapes)
     lengths = [_middle(c, bounds) for c in range(num_classes)]
 
-    def decide(times: dict[str, list[float]]) -> tuple[bool, ...]:  # the tiles where more than a tie faster
-        return tuple(t < v * (1 - TIE_TOLERANCE) for t, v in zip(times["amx"], times["vector"], strict=True))
+    def decide(times: dict[str, list[float]]) -> tuple[LoRAWay, ...]:  # another way where more than a tie faster
+        chosen = []
+        for c, length in enumerate(lengths):
+            default = LoRAWay.GEMM if length > LOOPS_MAX_TOKENS else LoRAWay.VECTOR
+            timed = [way for way in ways if times[way.value][c] > 0]
+            best = min(timed, key=lambda way: times[way.value][c], default=default)
+            faster = times[best.value][c] < times[default.value][c] * (1 - TIE_TOLERANCE)
+            chosen.append(best if faster else default)
+        return tuple(chosen)
 
-    def read(tiles: Any) -> tuple[bool, ...] | None:
-        return tuple(bool(t) for t in tiles) if isinstance(tiles, list) and len(tiles) == num_classes else None
+    def read(entry: Any) -> tuple[LoRAWay, ...] | None:
+        known = {way.value for way in ways}
+        if not isinstance(entry, list) or len(entry) != num_classes or not all(e in known for e in entry):
+            return None
+        return tuple(LoRAWay(e) for e in entry)
 
     choice = timed_choice(
-        ChoiceFile(policy.cache_dir, "LoRA tile"),
+        ChoiceFile(policy.cache_dir, "LoRA kernel"),
         build_key(what, CACHE_FORMAT),
         _DISTURBED,
-        lambda: time_both_ways(shapes, page_elems, lengths),
+        lambda: time_ways(shapes, dtype, page_elems, lengths, ways),
         decide,
         read,
     )
@@ -153,21 +191,27 @@ def _middle(length_class: int, bounds: tuple[int, ...]) -> int:
     return (low + high + 1) // 2
 
 
-def time_both_ways(shapes: tuple[GroupShape, ...], page_elems: int, lengths: list[int]) -> dict[str, list[float]]:
-    """Seconds of one pass over every group and timed layer, per way ("amx", "vector") and length:
-    the best of several passes, the ways alternating (a drift of the machine slows both alike)."""
+def time_ways(
+    shapes: tuple[GroupShape, ...], dtype: torch.dtype, page_elems: int, lengths: list[int], ways: tuple[LoRAWay, ...]
+) -> dict[str, list[float]]:
+    """Seconds of one pass over every group and timed layer, per way and length: the best of several
+    passes, the ways alternating (a drift of the machine slows both alike). Only the ways that can
+    run a length are timed (the GEMM: more than 32 tokens), and only lengths that more than one way
+    can run; the others get 0."""
     gen = torch.Generator().manual_seed(0)
-    groups = [_GroupCase(in_features, outs, page_elems, gen) for in_features, outs in shapes]
-    times: dict[str, list[float]] = {"amx": [], "vector": []}
-    ways = {"amx": cpu.EVERY_TILE_LENGTH, "vector": 0}
+    groups = [_GroupCase(in_features, outs, dtype, page_elems, gen) for in_features, outs in shapes]
+    times: dict[str, list[float]] = {way.value: [] for way in ways}
     with torch.no_grad():
         for length in lengths:
-            calls = [case.call(length, gen) for case in groups]
-            best = best_alternating_passes(
-                {way: functools.partial(_one_pass, calls, mask) for way, mask in ways.items()}
-            )
+            runnable = [way for way in ways if way is not LoRAWay.GEMM or length > LOOPS_MAX_TOKENS]
+            best: dict[str, float] = {}
+            if len(runnable) > 1:
+                calls = [case.call(length, gen) for case in groups]
+                best = best_alternating_passes(
+                    {way.value: functools.partial(_one_pass, calls, *WAY_MASKS[way]) for way in runnable}
+                )
             for way in ways:
-                times[way].append(best[way])
+                times[way.value].append(best.get(way.value, 0.0))
     return times
 
 
@@ -175,28 +219,32 @@ class Call(NamedTuple):
     """One timed call of ``cpu.lora_segments`` for each of ``layers`` layers (group 0)."""
 
     layers: int
-    x: torch.Tensor  # [tokens, in_features] bfloat16
-    outs: tuple[torch.Tensor, ...]  # each [tokens, width] bfloat16
-    storage: torch.Tensor  # [layers, pages, page_elems] bfloat16
+    x: torch.Tensor  # [tokens, in_features] of the pool's dtype
+    outs: tuple[torch.Tensor, ...]  # each [tokens, width] of the pool's dtype
+    storage: torch.Tensor  # [layers, pages, page_elems] float32 | bfloat16
     bounds: torch.Tensor  # [segments, 4] int64
     tables: torch.Tensor  # [segments, pages] int64
     meta: torch.Tensor  # [layers, 1, segments, 14] int64
     scales: torch.Tensor  # [layers, 1, segments, 3] float32
 
 
-def _one_pass(calls: list[Call], mask: int) -> float:
+def _one_pass(calls: list[Call], tile_lengths: int, loop_lengths: int) -> float:
     start = time.perf_counter()
     for c in calls:
         for layer in range(c.layers):
-            cpu.lora_segments(c.x, c.outs, c.storage, layer, 0, c.bounds, c.tables, c.meta, c.scales, mask)
+            cpu.lora_segments(
+                c.x, c.outs, c.storage, layer, 0, c.bounds, c.tables, c.meta, c.scales, tile_lengths, loop_lengths
+            )
     return time.perf_counter() - start
 
 
 class _GroupCase:
-    """Random bfloat16 adapters of ``RANKS`` for one group, each on its own consecutive pages."""
+    """Random adapters of ``RANKS`` for one group in a pool of ``dtype``, each on its own consecutive pages."""
 
-    def __init__(self, in_features: int, outs: tuple[int, ...], page_elems: int, gen: torch.Generator) -> None:
-        self.in_features, self.outs = in_features, outs
+    def __init__(
+        self, in_features: int, outs: tuple[int, ...], dtype: torch.dtype, page_elems: int, gen: torch.Generator
+    ) -> None:
+        self.in_features, self.outs, self.dtype = in_features, outs, dtype
         flats: list[torch.Tensor] = []
         metas: list[list[int]] = []
         for rank in RANKS:
@@ -210,9 +258,9 @@ class _GroupCase:
             flats.append(torch.cat(parts))
             metas.append(meta + [0, 0, 0, 0] * (3 - len(outs)))
         self.pages = max(-(-f.numel() // page_elems) for f in flats)  # pages per adapter
-        layer_bytes = 2 * self.pages * page_elems * len(RANKS)
+        layer_bytes = dtype.itemsize * self.pages * page_elems * len(RANKS)
         self.layers = max(1, min(MAX_LAYERS, LAYER_BYTES // layer_bytes))
-        storage = torch.zeros(self.layers, len(RANKS) * self.pages, page_elems, dtype=torch.bfloat16)
+        storage = torch.zeros(self.layers, len(RANKS) * self.pages, page_elems, dtype=dtype)
         for i, flat in enumerate(flats):
             padded = torch.zeros(self.pages * page_elems)
             padded[: flat.numel()] = flat
@@ -229,6 +277,6 @@ class _GroupCase:
         tables = torch.tensor([[a * self.pages + p for p in range(self.pages)] for a in adapters])
         meta = torch.tensor([self.metas[a] for a in adapters])[None, None].expand(self.layers, 1, -1, -1)
         scales = torch.ones(self.layers, 1, num, 3)
-        x = torch.randn(num * length, self.in_features, generator=gen).to(torch.bfloat16)
-        outs = tuple(torch.zeros(num * length, width, dtype=torch.bfloat16) for width in self.outs)
+        x = torch.randn(num * length, self.in_features, generator=gen).to(self.dtype)
+        outs = tuple(torch.zeros(num * length, width, dtype=self.dtype) for width in self.outs)
         return Call(self.layers, x, outs, self.storage, bounds, tables, meta.contiguous(), scales)
