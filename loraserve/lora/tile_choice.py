@@ -41,12 +41,12 @@ logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 2  # 2: a way per class (1: whether on the tiles)
 RANKS = (64, 16, 32, 8) * 2  # the timed adapters' ranks, in the order segments take them
-TIE_TOLERANCE = 0.03  # the tiles must be this much faster to be kept (noise between passes)
+TIE_TOLERANCE = 0.03  # a way other than the default must be this much faster to be kept (noise between passes)
 MAX_LAYERS, LAYER_BYTES = 8, 64 * 2**20  # layers of distinct weights per group, within this many bytes
 MAX_TOKENS = 768  # tokens of one timed call (segments of a class: up to 8 adapters)
 LOOPS_MAX_TOKENS = 32  # segments longer than this may run as GEMMs (kTiledMax, kernels/csrc/lora_tiled.h)
 
-_DISTURBED: dict[str, tuple[bool, ...]] = {}  # choices timed under load in this process, by cache key
+_DISTURBED: dict[str, tuple[LoRAWay, ...]] = {}  # choices timed under load in this process, by cache key
 
 
 class LoRAWay(str, enum.Enum):
