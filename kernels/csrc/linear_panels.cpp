@@ -133,7 +133,6 @@ using loraserve_simd::store16;
 constexpr int kWideRows = 12;  // 12 x 2 accumulators + 2 weight vectors + 1 broadcast: 27 of 32 registers
 constexpr int kQuadRows = 6;   // 6 x 4 accumulators + 4 weight vectors + 1 broadcast: 29 of 32 registers
 
-
 template <int R>
 inline void store_tile(const f32x16* acc, const PanelOut& out) {
   for (int i = 0; i < R; ++i) {

@@ -27,8 +27,9 @@ constexpr int64_t kModuleStride = 4;  // column, rank, b_offset, out_features
 constexpr int64_t kMetaWidth = kModuleBase + kModuleStride * kMaxModules;
 // Segments of 3 up to this many tokens (decode steps, short prefills) run as the register-tiled
 // loops below, which read each weight row of the segment's adapter once, in place in its pages;
-// longer ones go to MKL's grouped GEMM. (Over a bfloat16 pool on AMX, segments of any length go
-// to lora_amx.h instead.) Measured on SmolLM2 shapes (8 adapters, ranks 8-64, all
+// longer ones go to MKL's grouped GEMM, or to these loops in pieces of at most this many tokens
+// where the call's loop_lengths says (lora_segments.cpp: on_loops). (Over a bfloat16 pool on AMX,
+// segments of any length go to lora_amx.h instead.) Measured on SmolLM2 shapes (8 adapters, ranks 8-64, all
 // four groups, weights cold in cache), tiled time / MKL time: 0.7 at 4 tokens per segment, 0.85
 // at 8, about 1 at 24-32; on scattered pages, which MKL needs copied out first, 0.25-0.8.
 constexpr int64_t kTiledMax = 32;
