@@ -18,7 +18,7 @@ from benchmarks._workload import Workload, adapter_name
 SCOPE = "cpu_perf::"
 MATMULS = frozenset(  # the base model's GEMM ops, including oneDNN's on prepacked weights (its bfloat16 path)
     {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "cpu_kernels.linear_panels",
-     "cpu_kernels.linear_dot", "cpu_kernels.linear_amx", "mkldnn::_linear_pointwise",
+     "cpu_kernels.linear_pair_panels", "cpu_kernels.linear_dot", "cpu_kernels.linear_amx", "mkldnn::_linear_pointwise",
      "mkldnn::_linear_pointwise.binary"}
 )  # fmt: skip
 PARTS = ("attention", "base matmuls", "lora", "sampling", "other ops", "python overhead")
@@ -60,8 +60,8 @@ def profiler_scopes(engine: Any) -> Iterator[None]:
         wrap(layer.self_attn, "decode_attention", "attention")
     extension = cpu.load_extension()
     if extension is not None:
-        names = ("paged_decode_attention", "lora_segments", "linear_panels", "linear_dot", "linear_amx", "rms_norm",
-                 "rope_", "write_kv_", "silu_and_mul_")  # fmt: skip
+        names = ("paged_decode_attention", "lora_segments", "linear_panels", "linear_pair_panels", "linear_dot",
+                 "linear_amx", "rms_norm", "rope_", "write_kv_", "silu_and_mul_")  # fmt: skip
         for name in names:
             if not hasattr(extension, name):
                 continue

@@ -34,6 +34,7 @@ _SOURCES = (
     "elementwise.cpp",
     "lora_segments.cpp",
     "linear_panels.cpp",
+    "linear_pair_panels.cpp",
     "linear_dot.cpp",
     "linear_amx.cpp",
     "prefill_attention.cpp",

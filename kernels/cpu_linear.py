@@ -1,11 +1,12 @@
-"""loraserve's bfloat16 linear layers on the weights as nn.Linear stores them (no packed copy),
-from the compiled CPU kernels (``cpu.load_extension``). Both compute
+"""loraserve's bfloat16 linear layers, from the compiled CPU kernels (``cpu.load_extension``):
+``linear_dot`` and ``linear_amx`` on the weights as nn.Linear stores them (no packed copy),
+``linear_pair_panels`` on a packed copy (``pack_pair_panels``). All compute
 
     out_i[m, n] = bf16( sum_k x[m, k] * W_i[n, k]  (+ b_i[n]) )
 
 with the products of bfloat16 pairs exact, the sums float32 and each output rounded once to
 nearest even; they differ in how they reach the weights, so the measured GEMM choice
-(``loraserve/models/gemm_choice.py``) times both where the CPU has them.
+(``loraserve/models/gemm_choice.py``) times them where the CPU has them.
 """
 
 from __future__ import annotations
@@ -56,3 +57,54 @@ def linear_amx_available() -> bool:
     """Whether this build has ``linear_amx`` and the OS granted the AMX tile state."""
     module = cpu.load_extension()
     return module is not None and bool(module.linear_amx_available())
+
+
+PAIR_PANEL_WIDTH = 16  # output columns per panel of linear_pair_panels
+
+
+def pack_pair_panels(
+    weights: list[torch.Tensor],  # each [out_i, in_features] bfloat16
+    biases: list[torch.Tensor | None] | None = None,  # each [out_i] or None
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [num_panels, ceil(in / 2), 32] bf16, [num_panels * 16] f32
+    """The panels of ``linear_pair_panels``, the weights one after another: ``panels[p, q, 2 j + h]
+    = W[16 p + j, 2 q + h]`` (zero past a weight's rows or ``in_features``), and the biases widened
+    to float32 and padded alike (None when no layer has one)."""
+    panels: list[torch.Tensor] = []
+    padded_biases: list[torch.Tensor] = []
+    given = biases if biases is not None else [None] * len(weights)
+    for weight, given_bias in zip(weights, given, strict=True):
+        out_features, in_features = weight.shape
+        num_panels, num_pairs = -(-out_features // PAIR_PANEL_WIDTH), -(-in_features // 2)
+        padded = weight.new_zeros(num_panels * PAIR_PANEL_WIDTH, 2 * num_pairs)  # [num_panels * 16, 2 * num_pairs]
+        padded[:out_features, :in_features] = weight
+        pairs = padded.view(num_panels, PAIR_PANEL_WIDTH, num_pairs, 2).transpose(1, 2)  # [panels, pairs, 16, 2]
+        panels.append(pairs.reshape(num_panels, num_pairs, 2 * PAIR_PANEL_WIDTH))
+        bias = torch.zeros(num_panels * PAIR_PANEL_WIDTH)  # [num_panels * 16] float32
+        if given_bias is not None:
+            bias[:out_features] = given_bias.float()
+        padded_biases.append(bias)
+    has_bias = any(b is not None for b in given)
+    return torch.cat(panels).contiguous(), torch.cat(padded_biases) if has_bias else None
+
+
+def linear_pair_panels(
+    x: torch.Tensor,  # [num_rows, in_features] bfloat16
+    panels: torch.Tensor,  # [num_panels, ceil(in_features / 2), 32] bfloat16 from pack_pair_panels
+    bias: torch.Tensor | None,  # [num_panels * 16] float32 from pack_pair_panels
+    out_sizes: list[int],
+) -> list[torch.Tensor]:  # each [num_rows, out_i] bfloat16, contiguous
+    """The float32 panel GEMM's tiling (``cpu.linear_panels``) with a k pair for each k: tiles of
+    6 rows by four panels of 16 columns, each step one AVX512-BF16 dot product (two k terms) per
+    row and panel, the bias starting the sums (kernels/csrc/linear_pair_panels.cpp). Made for the
+    tens of rows of a decode step, where the weights are read once per block of 144 rows. Built
+    where the CPU has avx512_bf16 (``linear_pair_panels_available``)."""
+    module = cpu.load_extension()
+    assert module is not None, "linear_pair_panels needs the compiled CPU kernels"
+    outputs: list[torch.Tensor] = module.linear_pair_panels(x.contiguous(), panels, bias, out_sizes)
+    return outputs
+
+
+def linear_pair_panels_available() -> bool:
+    """Whether this build has ``linear_pair_panels`` (its target has avx512_bf16)."""
+    module = cpu.load_extension()
+    return module is not None and bool(module.linear_pair_panels_available())

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from fixed_load import BusyLoad, QuietLoad
-from loraserve.kernels import cpu, cpu_features
+from loraserve.kernels import cpu, cpu_features, cpu_linear
 from torch import nn
 
 from loraserve.config import ConfigError, EngineConfig
@@ -189,8 +189,15 @@ def test_a_forced_kernel_runs_everywhere_and_is_checked() -> None:
     plan = pack_linears(model, GemmPolicy("onednn"))
     assert plan.source == "forced" and set(plan.choices.values()) == {(D,)}
     assert model["layers"][0].qk_packed.onednn_weights and model["layers"][0].qk_packed.panels is None
-    with pytest.raises(ValueError, match=r"cannot run torch\.bfloat16"):
-        pack_linears(_model().bfloat16(), GemmPolicy("panels"))
+    if not cpu_linear.linear_pair_panels_available():  # bfloat16 panels need avx512_bf16
+        with pytest.raises(ValueError, match=r"cannot run torch\.bfloat16"):
+            pack_linears(_model().bfloat16(), GemmPolicy("panels"))
+    else:
+        bf16 = _model().bfloat16()
+        pack_linears(bf16, GemmPolicy("panels"))
+        group = bf16["layers"][0].qk_packed
+        assert isinstance(group, PackedLinearGroup) and group.panels is not None and not group.onednn_weights
+        assert group.panels.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"cpu_gemm='dot' cannot run torch\.float32"):  # dot is bfloat16 only
         pack_linears(_model(), GemmPolicy("dot"))
     with pytest.raises(ValueError, match=r"cpu_gemm='amx' cannot run torch\.float32"):  # so is amx
@@ -221,7 +228,7 @@ def test_every_forced_kernel_generates_the_same_greedy_tokens(tiny_model_dir: Pa
 
 
 def test_bfloat16_weights_run_on_onednn_and_follow_the_float32_model(tiny_model_dir: Path) -> None:
-    """bfloat16 has no panel kernel; oneDNN (AMX or AVX-512-BF16 where the CPU has them) runs it."""
+    """oneDNN (AMX or AVX-512-BF16 where the CPU has them) runs bfloat16 weights when forced."""
     from loraserve import LLM, SamplingParams
 
     if not cpu_features.cpu_info().onednn_bfloat16:

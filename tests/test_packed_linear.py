@@ -162,7 +162,8 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_weights_shared() -> N
     onednn_bf16 = (GemmKernel.ONEDNN,) if cpu_features.cpu_info().onednn_bfloat16 else ()  # (needs AVX-512/NE)
     dot = (GemmKernel.DOT,) if cpu_linear.linear_dot_available() else ()  # (needs avx512_bf16)
     amx = (GemmKernel.AMX,) if cpu_linear.linear_amx_available() else ()  # (needs amx_bf16 and the OS's grant)
-    assert kernels_for(torch.bfloat16) == (*onednn_bf16, GemmKernel.TORCH, *dot, *amx)  # panels are float32 only
+    pairs = (GemmKernel.PANELS,) if cpu_linear.linear_pair_panels_available() else ()  # (bfloat16 panels: avx512_bf16)
+    assert kernels_for(torch.bfloat16) == (*pairs, *onednn_bf16, GemmKernel.TORCH, *dot, *amx)
 
 
 class _SharedInput(nn.Module):
@@ -208,8 +209,8 @@ def test_a_group_runs_each_row_bucket_on_its_kernel_and_packs_only_those(monkeyp
     assert ran == [kernels[i] for i in (0, 1, 1, 2, 2, 3, 3)]
     assert [bucket_index(r) for r in (1, 2, 3, 7, 9, 100, 180, 1448, 1449, 4096)] == [0, 0, 1, 1, 2, 3, 4, 5, 6, 6]
     assert ROW_BUCKETS[bucket_index(64)] == 64  # (the edges are log midpoints: 1,448 ~ sqrt(1,024 * 2,048))
-    with pytest.raises(ValueError, match=r"cannot run torch\.bfloat16"):
-        PackedLinearGroup([nn.Linear(8, 8).bfloat16()], (GemmKernel.PANELS,))
+    with pytest.raises(ValueError, match=r"cannot run torch\.float16"):
+        PackedLinearGroup([nn.Linear(8, 8).half()], (GemmKernel.PANELS,))
 
 
 def test_pack_linears_builds_declared_groups_and_packs_the_rest() -> None:

@@ -1,6 +1,6 @@
 // Compiled CPU kernels of loraserve: paged decode attention, the KV write, and the module
 // definition (segmented LoRA is in lora_segments.cpp, linear layers in linear_panels.cpp,
-// linear_dot.cpp and linear_amx.cpp, the fused elementwise ops in elementwise.cpp, prefill
+// linear_pair_panels.cpp, linear_dot.cpp and linear_amx.cpp, the fused elementwise ops in elementwise.cpp, prefill
 // attention in prefill_attention.cpp). Semantics and argument shapes are documented in
 // kernels/cpu.py and kernels/cpu_linear.py; the torch references they are
 // tested against are kernels/paged_attention.py, models/llama.py and F.linear.
@@ -242,6 +242,10 @@ std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& pan
                                       const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes,
                                       const std::string& variant);
 std::vector<std::string> linear_panels_variants();
+// linear_pair_panels.cpp
+std::vector<at::Tensor> linear_pair_panels(const at::Tensor& x, const at::Tensor& panels,
+                                           const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes);
+bool linear_pair_panels_available();
 // linear_dot.cpp
 std::vector<at::Tensor> linear_dot(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                    const std::vector<c10::optional<at::Tensor>>& biases);
@@ -299,6 +303,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "store K and V rows in their slots (see kernels/cpu.py)", no_gil());
   m.def("linear_panels", &linear_panels, "linear layers on 16-column weight panels (see kernels/cpu.py)", no_gil());
   m.def("linear_panels_variants", &linear_panels_variants, "the panel tilings compiled in, widest first");
+  m.def("linear_pair_panels", &linear_pair_panels,
+        "bfloat16 linear layers on 16-column panels of k pairs (see kernels/cpu_linear.py)", no_gil());
+  m.def("linear_pair_panels_available", &linear_pair_panels_available,
+        "whether linear_pair_panels is built in (avx512_bf16)");
   m.def("linear_dot", &linear_dot, "bfloat16 linear layers of few rows by dot products (see kernels/cpu_linear.py)",
         no_gil());
   m.def("linear_dot_available", &linear_dot_available, "whether linear_dot is built in (avx512_bf16)");

@@ -20,12 +20,7 @@
 // a layer; into L1, ~3 % longer; two lines a step, or the run spread over all K steps, longer
 // still. linear_panels_variants() names the tilings compiled in.
 //
-// Threads: each owns a contiguous range of panels (its chunks: groups of four, then two and one
-// at its end; single panels for the 8-lane tiling) and runs row block x chunk units of its own
-// in order; a thread that runs out takes the others' last units (work_lists.h). On 2 cores the
-// server's event loop or a client often takes one core for a while mid-call; with fixed halves
-// the other thread then waited (measured: benchmarks/RESULTS.md, 2026-12-06 14:21, EPYC Zen 4).
-// Which thread runs a unit does not change its output bits.
+// Threads and their units: panel_units.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -35,9 +30,9 @@
 #include <string>
 #include <vector>
 
+#include "panel_units.h"
 #include "simd16.h"
 #include "simd8.h"
-#include "work_lists.h"
 
 namespace {
 
@@ -45,7 +40,7 @@ using loraserve_simd::f32x8;
 using loraserve_simd::load8;
 using loraserve_simd::splat8;
 using loraserve_simd::store8;
-using loraserve_work::run_units;
+using loraserve_panels::Chunk;
 
 constexpr int64_t kPanel = 16;     // output columns per panel: two 8-lane vectors
 constexpr int kTileRows = 6;       // 6 x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of 16 registers
@@ -115,12 +110,6 @@ struct PanelOut {
   float* c;
   int64_t ldc;
   int64_t num_cols;
-};
-
-// A run of `count` panels from `panel` that one tile call covers.
-struct Chunk {
-  int64_t panel;
-  int64_t count;
 };
 
 #if defined(__AVX512F__)
@@ -234,18 +223,13 @@ std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& pan
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == x.size(1),
               "panels must be a contiguous [num_panels, in_features, 16] matching x");
   const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0);
+  const loraserve_panels::PanelOwners owners(out_sizes, kPanel, num_panels, "linear_panels");
   std::vector<at::Tensor> outputs;
   std::vector<float*> out_ptrs;
-  std::vector<int64_t> owner, first_panel;  // the output of each panel, the first panel of each output
-  for (size_t i = 0; i < out_sizes.size(); ++i) {
-    TORCH_CHECK(out_sizes[i] > 0, "out_sizes must be positive");
-    first_panel.push_back(static_cast<int64_t>(owner.size()));
-    owner.insert(owner.end(), (out_sizes[i] + kPanel - 1) / kPanel, static_cast<int64_t>(i));
-    outputs.push_back(at::empty({M, out_sizes[i]}, x.options()));
+  for (const int64_t size : out_sizes) {
+    outputs.push_back(at::empty({M, size}, x.options()));
     out_ptrs.push_back(outputs.back().data_ptr<float>());
   }
-  TORCH_CHECK(static_cast<int64_t>(owner.size()) == num_panels, "out_sizes need ", owner.size(), " panels, got ",
-              num_panels);
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == num_panels * kPanel,
@@ -255,35 +239,15 @@ std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& pan
   if (M == 0) return outputs;
   const float* a = x.data_ptr<float>();
   const float* w = panels.data_ptr<float>();
-  const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_panels)));
-  const int64_t per_thread = (num_panels + num_threads - 1) / num_threads;
-  const int64_t num_row_blocks = (M + kRowBlock - 1) / kRowBlock;
-  // Each thread's chunks of panels (its range, as at::parallel_for splits it, in groups of 4, then
-  // 2 and 1 at its end; single panels for the 8-lane tiling); its units: row block x chunk.
-  std::vector<std::vector<Chunk>> chunks(num_threads);
-  std::vector<int64_t> num_units(num_threads);
-  for (int t = 0; t < num_threads; ++t) {
-    const int64_t begin = std::min(num_panels, t * per_thread), end = std::min(num_panels, begin + per_thread);
-    for (int64_t p = begin; p < end;) {
-      const int64_t np = !wide ? 1 : p + 4 <= end ? 4 : p + 2 <= end ? 2 : 1;
-      chunks[t].push_back(Chunk{p, np});
-      p += np;
-    }
-    num_units[t] = num_row_blocks * static_cast<int64_t>(chunks[t].size());
-    TORCH_CHECK(num_units[t] < (int64_t{1} << 32), "linear_panels: too many rows x panels for one call");
-  }
   auto out_of = [&](int64_t p, int64_t row) {
-    const int64_t out = owner[p], col = (p - first_panel[out]) * kPanel, width = out_sizes[out];
-    return PanelOut{w + p * K * kPanel, bias_ptr ? bias_ptr + p * kPanel : nullptr, out_ptrs[out] + row * width + col,
-                    width, std::min(kPanel, width - col)};
+    const auto where = owners.at(p);
+    return PanelOut{w + p * K * kPanel, bias_ptr ? bias_ptr + p * kPanel : nullptr,
+                    out_ptrs[where.output] + row * where.width + where.column, where.width,
+                    std::min(kPanel, where.width - where.column)};
   };
-  run_units(num_threads, num_units, [&](int list, int64_t unit, bool stolen) {
-    const auto& mine = chunks[list];
-    const int64_t num_chunks = static_cast<int64_t>(mine.size());
-    const int64_t row = unit / num_chunks * kRowBlock, rows = std::min(kRowBlock, M - row);
-    const Chunk chunk = mine[unit % num_chunks];
-    // The owner fetches the chunk it runs next; a thread taking units from the back does not.
-    const Chunk* next = !stolen && unit % num_chunks + 1 < num_chunks ? &mine[unit % num_chunks + 1] : nullptr;
+  // Chunks of 4, 2 and 1 panels for the wide tiling, single panels for the 8-lane one.
+  loraserve_panels::run_panel_units(M, kRowBlock, num_panels, wide, [&](int64_t row, int64_t rows, Chunk chunk,
+                                                                        const Chunk* next) {
 #if defined(LORASERVE_PANELS_AVX512)
     if (wide) {
       const float* fetch = next != nullptr ? w + next->panel * K * kPanel : nullptr;

@@ -2,8 +2,9 @@
 
 Five kernels compute ``y = x @ W^T + b`` (``GemmKernel``):
 
-* ``panels``: loraserve's register-tiled GEMM (``kernels/cpu.py: linear_panels``) on weights
-  packed once into 16-column panels; float32.
+* ``panels``: loraserve's register-tiled GEMM on weights packed once into 16-column panels:
+  float32 (``kernels/cpu.py: linear_panels``), and bfloat16 where the CPU has avx512_bf16, its
+  panels holding k pairs for dot products (``kernels/cpu_linear.py: linear_pair_panels``).
 * ``onednn``: oneDNN on weights reordered once into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``); float32, and bfloat16
   on AMX or AVX-512-BF16 where the CPU has them.
@@ -75,6 +76,8 @@ def kernels_for(dtype: torch.dtype) -> tuple[GemmKernel, ...]:
     available: list[GemmKernel] = []
     if dtype == torch.float32 and cpu.load_extension() is not None:
         available.append(GemmKernel.PANELS)
+    if dtype == torch.bfloat16 and cpu_linear.linear_pair_panels_available():
+        available.append(GemmKernel.PANELS)
     onednn_dtype = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_features.cpu_info().onednn_bfloat16)
     if onednn_dtype and torch.backends.mkldnn.is_available():
         available.append(GemmKernel.ONEDNN)
@@ -124,13 +127,16 @@ class PackedLinearGroup(nn.Module):
             raise ValueError("only a group of two outputs of one width can run SiLU-and-mul in oneDNN's epilogue")
         if any(on and k not in EPILOGUE_KERNELS for on, k in zip(self.silu_epilogue, self.kernels, strict=True)):
             raise ValueError("SiLU-and-mul runs in the epilogue only in buckets of the onednn or torch kernel")
-        self.panels: torch.Tensor | None = None  # [num_panels, in_features, 16]
-        self.panel_bias: torch.Tensor | None = None  # [num_panels * 16]
+        # float32 [num_panels, in_features, 16]; bfloat16 [num_panels, ceil(in_features / 2), 32] (k pairs)
+        self.panels: torch.Tensor | None = None
+        self.panel_bias: torch.Tensor | None = None  # [num_panels * 16] float32
         self.onednn_weights: list[torch.Tensor] = []  # each oneDNN's blocked copy of W_i
         with torch.no_grad():
             weights = [w.detach() for w in self.weights]
             biases = [b.detach() if b is not None else None for b in self.biases]
-            if GemmKernel.PANELS in self.kernels:
+            if GemmKernel.PANELS in self.kernels and dtype == torch.bfloat16:
+                self.panels, self.panel_bias = cpu_linear.pack_pair_panels(weights, biases)
+            elif GemmKernel.PANELS in self.kernels:
                 self.panels, self.panel_bias = cpu.pack_panels(weights, biases)
             if GemmKernel.ONEDNN in self.kernels:
                 reorder = torch.ops.mkldnn._reorder_linear_weight
@@ -145,6 +151,8 @@ class PackedLinearGroup(nn.Module):
         """The group's outputs for ``x`` ``[num_rows, in_features]`` on ``kernel`` (one this group packed)."""
         if kernel is GemmKernel.PANELS:
             assert self.panels is not None, "this group has no panels"
+            if self.panels.dtype == torch.bfloat16:
+                return tuple(cpu_linear.linear_pair_panels(x, self.panels, self.panel_bias, self.out_sizes))
             return tuple(cpu.linear_panels(x, self.panels, self.panel_bias, self.out_sizes))
         if kernel is GemmKernel.ONEDNN and x.shape[0] > 0:
             assert self.onednn_weights, "this group has no oneDNN weights"

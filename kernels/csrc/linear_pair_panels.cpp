@@ -1,0 +1,210 @@
+// Linear layers over bfloat16 weights packed into 16-column panels of k pairs, by AVX512-BF16
+// dot products (vdpbf16ps):
+//
+//   out_i[m, n] = bf16( b_i[n] + sum_k x[m, k] * W_i[n, k] )
+//
+// x [M, K] bfloat16, contiguous; panels [P, ceil(K / 2), 32] bfloat16 with
+// panels[p, q, 2 j + h] = W[16 p + j, 2 q + h] (zero past a weight's rows or K), the outputs'
+// weights one after another (kernels/cpu_linear.py packs them); bias float32 [P * 16] or absent;
+// each out_i [M, N_i] bfloat16. Products of bfloat16 pairs are exact and summed in float32 lanes,
+// two k terms an instruction, in k order per lane pair; the bias starts the sums; each output is
+// rounded once to nearest even (torch's rounding; a NaN becomes 0x7FC0).
+//
+// The tiling is the float32 panels' (linear_panels.cpp) with a k pair where that has one k: four
+// panels side by side for 6 rows (24 accumulators of the 32 registers; each k pair step loads 4
+// weight vectors and broadcasts one 32-bit pair of x per row: 24 dot products), two or one panel
+// for 12 rows at a thread's end; a panel's line is one k pair row (64 bytes); the tiles passing
+// over a group of panels fetch the next group into L2 between them; threads own ranges of panels
+// and take over each other's last units (work_lists.h). Built where the target has avx512_bf16;
+// elsewhere linear_pair_panels_available() is false and linear_pair_panels refuses.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include "bf16_bits.h"
+#include "panel_units.h"
+
+namespace {
+
+using loraserve_panels::Chunk;
+constexpr int64_t kPanel = 16;     // output columns per panel
+constexpr int64_t kLine = 2 * kPanel;  // bfloat16 values per k pair row of a panel (one cache line)
+constexpr int kWideRows = 12;      // rows of a one- or two-panel tile
+constexpr int kQuadRows = 6;       // rows of a four-panel tile
+constexpr int64_t kRowBlock = 144;  // a multiple of 6 and 12 (as linear_panels.cpp)
+
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+
+// Where one panel's tile goes.
+struct PairOut {
+  const uint16_t* panel;
+  const float* bias;
+  uint16_t* c;
+  int64_t ldc;
+  int64_t num_cols;
+};
+
+// x[i, 2q], x[i, 2q + 1] as one 32-bit lane pattern, broadcast.
+inline __m512bh pair_at(const uint16_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(bits)));
+}
+
+inline void store_rounded(const __m512& acc, const PairOut& out, int64_t row) {
+  const u32x16 rounded = loraserve_bf16::rounded_bits<u32x16>(acc);  // each lane's low half
+  const __m256i words = _mm512_cvtepi32_epi16(reinterpret_cast<const __m512i&>(rounded));
+  uint16_t* dst = out.c + row * out.ldc;
+  if (out.num_cols == kPanel) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), words);
+  } else {
+    _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << out.num_cols) - 1), words);
+  }
+}
+
+// R rows times NP panels side by side over all k pairs; tile `first` of the `every` tiles over
+// these panels prefetches its share of the `fetch_lines` lines at `fetch`.
+template <int R, int NP>
+void pair_tile(const uint16_t* a, int64_t lda, const PairOut* outs, int64_t K, const uint16_t* fetch,
+               int64_t fetch_lines, int64_t every, int64_t first) {
+  __m512 acc[NP][R];
+  for (int j = 0; j < NP; ++j) {
+    const __m512 b = outs[j].bias != nullptr ? _mm512_loadu_ps(outs[j].bias) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) acc[j][i] = b;
+  }
+  const int64_t share = (fetch_lines + every - 1) / every;
+  const int64_t begin = std::min(fetch_lines, first * share);
+  const int64_t fetch_end = std::min(fetch_lines, begin + share);
+  const uint16_t* line = fetch + begin * kLine;
+  const int64_t pairs = K / 2;
+  for (int64_t q = 0, fetched = begin; q < pairs; ++q) {
+    if (fetched < fetch_end) {
+      __builtin_prefetch(line, 0, 2);
+      line += kLine;
+      ++fetched;
+    }
+    __m512bh w[NP];
+    for (int j = 0; j < NP; ++j) w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(outs[j].panel + q * kLine));
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i) {
+      const __m512bh x = pair_at(a + i * lda + 2 * q);
+      for (int j = 0; j < NP; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], x, w[j]);
+    }
+  }
+  if (K % 2 != 0) {  // the last k alone: its pair's second half is zero in x (and in the panel)
+    __m512bh w[NP];
+    for (int j = 0; j < NP; ++j) w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(outs[j].panel + pairs * kLine));
+    for (int i = 0; i < R; ++i) {
+      const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(a[i * lda + K - 1]));
+      for (int j = 0; j < NP; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], x, w[j]);
+    }
+  }
+  for (int j = 0; j < NP; ++j) {
+    for (int i = 0; i < R; ++i) store_rounded(acc[j][i], outs[j], i);
+  }
+}
+
+using PairTileFn = void (*)(const uint16_t*, int64_t, const PairOut*, int64_t, const uint16_t*, int64_t, int64_t,
+                            int64_t);
+template <int NP, size_t... R>
+constexpr std::array<PairTileFn, sizeof...(R) + 1> tiles_of(std::index_sequence<R...>) {
+  return {nullptr, &pair_tile<static_cast<int>(R) + 1, NP>...};
+}
+template <int NP>
+constexpr auto kPairTiles = tiles_of<NP>(std::make_index_sequence<NP == 4 ? kQuadRows : kWideRows>{});
+
+// Rows [0, m) of a times the NP panels of outs, in tiles of kQuadRows rows (four panels) or
+// kWideRows (one or two); the tiles prefetch the `fetch_lines` lines at `fetch` between them.
+template <int NP>
+void pair_rows(const uint16_t* a, int64_t lda, int64_t m, const PairOut* outs, int64_t K, const uint16_t* fetch,
+               int64_t fetch_lines) {
+  constexpr int64_t tile_rows = NP == 4 ? kQuadRows : kWideRows;
+  const int64_t num_tiles = (m + tile_rows - 1) / tile_rows;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t row = t * tile_rows, rows = std::min<int64_t>(tile_rows, m - row);
+    PairOut shifted[NP];
+    for (int j = 0; j < NP; ++j) {
+      shifted[j] = outs[j];
+      shifted[j].c += row * outs[j].ldc;
+    }
+    kPairTiles<NP>[rows](a + row * lda, lda, shifted, K, fetch, fetch_lines, num_tiles, t);
+  }
+}
+
+}  // namespace
+
+bool linear_pair_panels_available() { return true; }
+
+std::vector<at::Tensor> linear_pair_panels(const at::Tensor& x, const at::Tensor& panels,
+                                           const c10::optional<at::Tensor>& bias,
+                                           const std::vector<int64_t>& out_sizes) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "linear_pair_panels: x must be a contiguous bfloat16 [num_rows, in_features]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
+                  panels.size(1) == (K + 1) / 2 && panels.size(2) == kLine,
+              "linear_pair_panels: panels must be a contiguous bfloat16 [num_panels, ceil(in_features / 2), 32] "
+              "matching x");
+  const int64_t num_panels = panels.size(0);
+  const loraserve_panels::PanelOwners owners(out_sizes, kPanel, num_panels, "linear_pair_panels");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == num_panels * kPanel,
+                "linear_pair_panels: bias must be a contiguous float32 [num_panels * 16]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  std::vector<at::Tensor> outputs;
+  std::vector<uint16_t*> out_ptrs;
+  for (const int64_t size : out_sizes) {
+    outputs.push_back(at::empty({M, size}, x.options()));
+    out_ptrs.push_back(reinterpret_cast<uint16_t*>(outputs.back().data_ptr()));
+  }
+  if (M == 0) return outputs;
+  const auto* a = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  const int64_t panel_elems = panels.size(1) * kLine;
+  auto out_of = [&](int64_t p, int64_t row) {
+    const auto where = owners.at(p);
+    return PairOut{w + p * panel_elems, bias_ptr ? bias_ptr + p * kPanel : nullptr,
+                   out_ptrs[where.output] + row * where.width + where.column, where.width,
+                   std::min(kPanel, where.width - where.column)};
+  };
+  loraserve_panels::run_panel_units(M, kRowBlock, num_panels, true, [&](int64_t row, int64_t rows, Chunk chunk,
+                                                                       const Chunk* next) {
+    const uint16_t* fetch = next != nullptr ? w + next->panel * panel_elems : nullptr;
+    const int64_t lines = next != nullptr ? next->count * panels.size(1) : 0;
+    const int64_t p = chunk.panel;
+    const uint16_t* rows_a = a + row * K;
+    if (chunk.count == 4) {
+      const PairOut outs[4] = {out_of(p, row), out_of(p + 1, row), out_of(p + 2, row), out_of(p + 3, row)};
+      pair_rows<4>(rows_a, K, rows, outs, K, fetch, lines);
+    } else if (chunk.count == 2) {
+      const PairOut outs[2] = {out_of(p, row), out_of(p + 1, row)};
+      pair_rows<2>(rows_a, K, rows, outs, K, fetch, lines);
+    } else {
+      const PairOut outs[1] = {out_of(p, row)};
+      pair_rows<1>(rows_a, K, rows, outs, K, fetch, lines);
+    }
+  });
+  return outputs;
+}
+
+#else
+
+bool linear_pair_panels_available() { return false; }
+
+std::vector<at::Tensor> linear_pair_panels(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                           const std::vector<int64_t>&) {
+  TORCH_CHECK(false, "linear_pair_panels: this build's target has no avx512_bf16");
+}
+
+#endif
