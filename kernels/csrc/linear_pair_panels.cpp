@@ -122,24 +122,6 @@ constexpr std::array<PairTileFn, sizeof...(R) + 1> tiles_of(std::index_sequence<
 template <int NP>
 constexpr auto kPairTiles = tiles_of<NP>(std::make_index_sequence<NP == 4 ? kQuadRows : kWideRows>{});
 
-// Rows [0, m) of a times the NP panels of outs, in tiles of kQuadRows rows (four panels) or
-// kWideRows (one or two); the tiles prefetch the `fetch_lines` lines at `fetch` between them.
-template <int NP>
-void pair_rows(const uint16_t* a, int64_t lda, int64_t m, const PairOut* outs, int64_t K, const uint16_t* fetch,
-               int64_t fetch_lines) {
-  constexpr int64_t tile_rows = NP == 4 ? kQuadRows : kWideRows;
-  const int64_t num_tiles = (m + tile_rows - 1) / tile_rows;
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t row = t * tile_rows, rows = std::min<int64_t>(tile_rows, m - row);
-    PairOut shifted[NP];
-    for (int j = 0; j < NP; ++j) {
-      shifted[j] = outs[j];
-      shifted[j].c += row * outs[j].ldc;
-    }
-    kPairTiles<NP>[rows](a + row * lda, lda, shifted, K, fetch, fetch_lines, num_tiles, t);
-  }
-}
-
 }  // namespace
 
 bool linear_pair_panels_available() { return true; }
@@ -182,18 +164,11 @@ std::vector<at::Tensor> linear_pair_panels(const at::Tensor& x, const at::Tensor
                                                                        const Chunk* next) {
     const uint16_t* fetch = next != nullptr ? w + next->panel * panel_elems : nullptr;
     const int64_t lines = next != nullptr ? next->count * panels.size(1) : 0;
-    const int64_t p = chunk.panel;
-    const uint16_t* rows_a = a + row * K;
-    if (chunk.count == 4) {
-      const PairOut outs[4] = {out_of(p, row), out_of(p + 1, row), out_of(p + 2, row), out_of(p + 3, row)};
-      pair_rows<4>(rows_a, K, rows, outs, K, fetch, lines);
-    } else if (chunk.count == 2) {
-      const PairOut outs[2] = {out_of(p, row), out_of(p + 1, row)};
-      pair_rows<2>(rows_a, K, rows, outs, K, fetch, lines);
-    } else {
-      const PairOut outs[1] = {out_of(p, row)};
-      pair_rows<1>(rows_a, K, rows, outs, K, fetch, lines);
-    }
+    loraserve_panels::with_chunk_outs(chunk, row, out_of, [&](const PairOut* outs, auto np) {
+      constexpr int NP = decltype(np)::value;
+      loraserve_panels::run_tile_rows<NP>(a + row * K, K, rows, outs, K, fetch, lines,
+                                          NP == 4 ? kQuadRows : kWideRows, kPairTiles<NP>.data());
+    });
   });
   return outputs;
 }

@@ -178,24 +178,6 @@ template <>
 constexpr WideTileFn kWideTiles<4>[kWideRows + 1] = {
     nullptr, wide_tile<1, 4>, wide_tile<2, 4>, wide_tile<3, 4>, wide_tile<4, 4>, wide_tile<5, 4>, wide_tile<6, 4>};
 
-// Rows [0, m) of a times the NP panels of outs (their tiles' output pointers at row 0), in
-// tiles of kQuadRows rows for four panels, kWideRows for one or two; the tiles prefetch the
-// `fetch_lines` lines at `fetch` between them.
-template <int NP>
-void wide_rows(const float* a, int64_t lda, int64_t m, const PanelOut* outs, int64_t K, const float* fetch,
-               int64_t fetch_lines) {
-  constexpr int64_t tile_rows = NP == 4 ? kQuadRows : kWideRows;
-  const int64_t num_tiles = (m + tile_rows - 1) / tile_rows;
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t row = t * tile_rows, rows = std::min<int64_t>(tile_rows, m - row);
-    PanelOut shifted[NP];
-    for (int j = 0; j < NP; ++j) {
-      shifted[j] = outs[j];
-      shifted[j].c += row * outs[j].ldc;
-    }
-    kWideTiles<NP>[rows](a + row * lda, lda, shifted, K, fetch, fetch_lines, num_tiles, t);
-  }
-}
 #endif
 
 }  // namespace
@@ -252,17 +234,11 @@ std::vector<at::Tensor> linear_panels(const at::Tensor& x, const at::Tensor& pan
     if (wide) {
       const float* fetch = next != nullptr ? w + next->panel * K * kPanel : nullptr;
       const int64_t lines = next != nullptr ? next->count * K : 0;
-      const int64_t p = chunk.panel;
-      if (chunk.count == 4) {
-        const PanelOut outs[4] = {out_of(p, row), out_of(p + 1, row), out_of(p + 2, row), out_of(p + 3, row)};
-        wide_rows<4>(a + row * K, K, rows, outs, K, fetch, lines);
-      } else if (chunk.count == 2) {
-        const PanelOut outs[2] = {out_of(p, row), out_of(p + 1, row)};
-        wide_rows<2>(a + row * K, K, rows, outs, K, fetch, lines);
-      } else {
-        const PanelOut outs[1] = {out_of(p, row)};
-        wide_rows<1>(a + row * K, K, rows, outs, K, fetch, lines);
-      }
+      loraserve_panels::with_chunk_outs(chunk, row, out_of, [&](const PanelOut* outs, auto np) {
+        constexpr int NP = decltype(np)::value;
+        loraserve_panels::run_tile_rows<NP>(a + row * K, K, rows, outs, K, fetch, lines,
+                                            NP == 4 ? kQuadRows : kWideRows, kWideTiles<NP>);
+      });
       return;
     }
 #endif

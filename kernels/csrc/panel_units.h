@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "work_lists.h"
@@ -85,6 +86,42 @@ void run_panel_units(int64_t M, int64_t row_block, int64_t num_panels, bool wide
     const Chunk* next = !stolen && index + 1 < num_chunks ? &mine[index + 1] : nullptr;
     run(row, std::min(row_block, M - row), mine[index], next);
   });
+}
+
+// Calls f(outs, std::integral_constant<int, NP>) with the outputs out_of(panel, row) of the chunk's
+// NP (1, 2 or 4) panels, side by side.
+template <typename OutOf, typename F>
+void with_chunk_outs(Chunk chunk, int64_t row, const OutOf& out_of, const F& f) {
+  using Out = decltype(out_of(chunk.panel, row));
+  const int64_t p = chunk.panel;
+  if (chunk.count == 4) {
+    const Out outs[4] = {out_of(p, row), out_of(p + 1, row), out_of(p + 2, row), out_of(p + 3, row)};
+    f(outs, std::integral_constant<int, 4>{});
+  } else if (chunk.count == 2) {
+    const Out outs[2] = {out_of(p, row), out_of(p + 1, row)};
+    f(outs, std::integral_constant<int, 2>{});
+  } else {
+    const Out outs[1] = {out_of(p, row)};
+    f(outs, std::integral_constant<int, 1>{});
+  }
+}
+
+// Rows [0, m) of a (stride lda) times the NP panels of outs (their output pointers `c`, stride
+// `ldc`, at row 0), in tiles of tile_rows rows: tiles[r] runs a tile of r rows, and tile t of the
+// call's tiles prefetches its share of the `fetch_lines` lines at `fetch` (the next chunk's).
+template <int NP, typename A, typename Out, typename Tile>
+void run_tile_rows(const A* a, int64_t lda, int64_t m, const Out* outs, int64_t K, const A* fetch,
+                   int64_t fetch_lines, int64_t tile_rows, const Tile* tiles) {
+  const int64_t num_tiles = (m + tile_rows - 1) / tile_rows;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t row = t * tile_rows, rows = std::min<int64_t>(tile_rows, m - row);
+    Out shifted[NP];
+    for (int j = 0; j < NP; ++j) {
+      shifted[j] = outs[j];
+      shifted[j].c += row * outs[j].ldc;
+    }
+    tiles[rows](a + row * lda, lda, shifted, K, fetch, fetch_lines, num_tiles, t);
+  }
 }
 
 }  // namespace loraserve_panels
