@@ -15,7 +15,7 @@
 // weight vectors and broadcasts one 32-bit pair of x per row: 24 dot products), two or one panel
 // for 12 rows at a thread's end; a panel's line is one k pair row (64 bytes); the tiles passing
 // over a group of panels fetch the next group into L2 between them; threads own ranges of panels
-// and take over each other's last units (work_lists.h). Built where the target has avx512_bf16;
+// and take over each other's last units (panel_units.h). Built where the target has avx512_bf16;
 // elsewhere linear_pair_panels_available() is false and linear_pair_panels refuses.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
