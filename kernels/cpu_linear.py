@@ -12,6 +12,7 @@ nearest even; they differ in how they reach the weights, so the measured GEMM ch
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from loraserve.kernels import cpu
 
 
@@ -59,32 +60,19 @@ def linear_amx_available() -> bool:
     return module is not None and bool(module.linear_amx_available())
 
 
-PAIR_PANEL_WIDTH = 16  # output columns per panel of linear_pair_panels
-
-
 def pack_pair_panels(
     weights: list[torch.Tensor],  # each [out_i, in_features] bfloat16
     biases: list[torch.Tensor | None] | None = None,  # each [out_i] or None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [num_panels, ceil(in / 2), 32] bf16, [num_panels * 16] f32
-    """The panels of ``linear_pair_panels``, the weights one after another: ``panels[p, q, 2 j + h]
-    = W[16 p + j, 2 q + h]`` (zero past a weight's rows or ``in_features``), and the biases widened
-    to float32 and padded alike (None when no layer has one)."""
-    panels: list[torch.Tensor] = []
-    padded_biases: list[torch.Tensor] = []
-    given = biases if biases is not None else [None] * len(weights)
-    for weight, given_bias in zip(weights, given, strict=True):
-        out_features, in_features = weight.shape
-        num_panels, num_pairs = -(-out_features // PAIR_PANEL_WIDTH), -(-in_features // 2)
-        padded = weight.new_zeros(num_panels * PAIR_PANEL_WIDTH, 2 * num_pairs)  # [num_panels * 16, 2 * num_pairs]
-        padded[:out_features, :in_features] = weight
-        pairs = padded.view(num_panels, PAIR_PANEL_WIDTH, num_pairs, 2).transpose(1, 2)  # [panels, pairs, 16, 2]
-        panels.append(pairs.reshape(num_panels, num_pairs, 2 * PAIR_PANEL_WIDTH))
-        bias = torch.zeros(num_panels * PAIR_PANEL_WIDTH)  # [num_panels * 16] float32
-        if given_bias is not None:
-            bias[:out_features] = given_bias.float()
-        padded_biases.append(bias)
-    has_bias = any(b is not None for b in given)
-    return torch.cat(panels).contiguous(), torch.cat(padded_biases) if has_bias else None
+    """The panels of ``linear_pair_panels``: ``cpu.pack_panels``' panels with each two k rows
+    interleaved, ``panels[p, q, 2 j + h] = W[16 p + j, 2 q + h]`` (zero past a weight's rows or
+    ``in_features``), and its padded bias widened to float32 (None when no layer has one)."""
+    panels, bias = cpu.pack_panels(weights, biases)  # [num_panels, in_features, 16], [num_panels * 16]
+    if panels.shape[1] % 2:
+        panels = F.pad(panels, (0, 0, 0, 1))  # a zero k row: [num_panels, in_features + 1, 16]
+    num_panels, _, width = panels.shape
+    pairs = panels.view(num_panels, -1, 2, width).transpose(2, 3)  # [num_panels, pairs, 16, 2]
+    return pairs.reshape(num_panels, -1, 2 * width).contiguous(), None if bias is None else bias.float()
 
 
 def linear_pair_panels(
