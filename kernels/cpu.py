@@ -63,6 +63,9 @@ and A's pairs the same way (no widening).
     meta:     [num_layers, num_groups, num_segments, 14] int64: a_offset, num_rows, then
               (column, rank, b_offset, out_features) for up to 3 modules (rank 0: absent)
     scales:   [num_layers, num_groups, num_segments, 3] float32
+    expand_rank_block: the tiled loops' expand streams B's rows this many at a time (0: all of
+              the rank at once); the result is the same for every value, the speed is the CPU's
+              (the engine times it: ``lora/tile_choice.py``)
 
 ``write_kv_`` stores each token's K and V rows in its slot, as ``paged_attention.write_kv``
 (any dtype; slots are checked to lie inside the pages).
@@ -96,6 +99,7 @@ from loraserve.kernels.cpu_build import load_extension as load_extension  # the 
 
 EVERY_TILE_LENGTH = -1  # lora_segments: every segment-length class on AMX tiles (where the CPU has them)
 EVERY_LOOP_LENGTH = -1  # lora_segments: every long segment off the tiles on the tiled loops, in pieces
+EXPAND_RANK_BLOCK = 8  # lora_segments: B's rows streamed together by the tiled loops' expand (0: the whole rank)
 
 
 def paged_decode_attention(
@@ -172,12 +176,13 @@ def lora_segments(
     scales: torch.Tensor,  # [num_layers, num_groups, num_segments, 3] float32
     tile_lengths: int = EVERY_TILE_LENGTH,  # bit per segment-length class: on AMX tiles (bfloat16)
     loop_lengths: int = 0,  # bit per class of 33+ tokens: off the tiles, on the tiled loops (else MKL)
+    expand_rank_block: int = EXPAND_RANK_BLOCK,  # B rows the tiled loops' expand streams at once (0: all)
 ) -> None:
     module = load_extension()
     assert module is not None, "lora_segments needs the compiled CPU kernels"
     module.lora_segments(
         x.contiguous(), list(outputs), storage, layer, group, bounds, page_tables, meta, scales, tile_lengths,
-        loop_lengths,
+        loop_lengths, expand_rank_block,
     )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
-"""The choice of AMX tiles, vector loops or GEMMs per LoRA segment length (``lora/tile_choice.py``):
-timed per dtype and cached per CPU kind, forced by option, refused where it cannot run, and the
-engine's hook and ``/health`` following it."""
+"""The choice of AMX tiles, vector loops or GEMMs per LoRA segment length, and of the vector expand's
+rank block (``lora/tile_choice.py``): timed per dtype and cached per CPU kind, forced by option,
+refused where it cannot run, and the engine's hook and ``/health`` following it."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_the_classes_and_the_groups_shapes() -> None:
 def test_forced_ways_need_no_timing_and_amx_is_refused_where_it_cannot_run() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         vector = choose_lora_kernels(SHAPES, dtype, PAGE_ELEMS, LoRAKernelPolicy("vector"))
-        assert (vector.source, vector.seconds) == ("forced", 0)
+        assert (vector.source, vector.seconds, vector.expand_rank_block) == ("forced", 0, cpu.EXPAND_RANK_BLOCK)
         assert (vector.tile_lengths, vector.loop_lengths) == (0, EVERY_CLASS)
         assert set(vector.as_dict()["segment_tokens"].values()) == {"vector"}
     with pytest.raises(ValueError, match="cpu_lora='amx' needs a bfloat16 pool on a CPU with AMX tiles"):
@@ -65,21 +65,30 @@ def test_the_ways_are_timed_per_length_class_then_read_from_the_cache(
     plan = choose_lora_kernels(SHAPES, dtype, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert plan.source == "measured" and plan.seconds > 0
     tiles = dtype == torch.bfloat16 and cpu.lora_amx()
-    assert sorted(plan.ms) == (["amx", "gemm", "vector"] if tiles else ["gemm", "vector"])
+    blocks = {f"expand rank block {b}": b for b in (cpu.EXPAND_RANK_BLOCK, "whole")}
+    assert sorted(plan.ms) == sorted((["amx", "gemm", "vector"] if tiles else ["gemm", "vector"]) + list(blocks))
     for c in range(8):
         long = (LONG_CLASSES >> c) & 1 == 1
-        timed = {way: ms[c] for way, ms in plan.ms.items() if ms[c] > 0}
+        timed = {way: ms[c] for way, ms in plan.ms.items() if way not in blocks and ms[c] > 0}
         assert set(timed) == ({"amx", "vector"} if tiles else set()) | ({"vector", "gemm"} if long else set())
         default = "gemm" if long else "vector"
         best = min(timed, key=timed.__getitem__, default=default)
         faster = best != default and timed[best] < timed[default] * (1 - tile_choice.TIE_TOLERANCE)
         assert plan.ways[c] is LoRAWay(best if faster else default)
     assert plan.tile_lengths | plan.loop_lengths | LONG_CLASSES == EVERY_CLASS  # the GEMM: long classes only
+    # The rank block: the whole rank only where more than a tie faster over both timed lengths.
+    totals = {key: sum(plan.ms[key]) for key in blocks}
+    assert all(len(plan.ms[key]) == len(tile_choice.RANK_BLOCK_LENGTHS) for key in blocks)
+    whole = totals["expand rank block whole"] < totals[f"expand rank block {cpu.EXPAND_RANK_BLOCK}"] * 0.97
+    assert plan.expand_rank_block == (0 if whole else cpu.EXPAND_RANK_BLOCK)
+    assert plan.as_dict()["expand_rank_block"] == ("whole rank" if whole else cpu.EXPAND_RANK_BLOCK)
     entries = json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())
     (entry,) = entries.values()
-    assert entry["tiles"] == [way.value for way in plan.ways] and entry["cpu"] == cpu_features.summary()
+    assert entry["tiles"] == [[way.value for way in plan.ways], plan.expand_rank_block]
+    assert entry["cpu"] == cpu_features.summary()
     again = choose_lora_kernels(SHAPES, dtype, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert (again.source, again.ways, again.seconds) == ("cached", plan.ways, 0.0)
+    assert again.expand_rank_block == plan.expand_rank_block
     wider = ((64, (64, 32, 16)), *SHAPES[1:])  # another model: timed anew, beside the first entry
     other = choose_lora_kernels(wider, dtype, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert other.source == "measured" and other.seconds > 0
@@ -106,5 +115,13 @@ def test_the_engine_hook_runs_the_plan_and_health_shows_it(tiny_model_dir: Path)
     plan = auto.engine.lora_plan
     hook = auto.engine.runner.lora_hook
     assert plan is not None and (hook.tile_lengths, hook.loop_lengths) == (plan.tile_lengths, plan.loop_lengths)  # type: ignore[attr-defined]
+    assert hook.expand_rank_block == plan.expand_rank_block  # type: ignore[attr-defined]
     assert plan.source in ("measured", "cached", "disturbed")
     assert LLM(str(tiny_model_dir), num_pages=64, kernels="torch", dtype="bfloat16").engine.stats().cpu_lora == {}
+
+
+def test_the_whole_rank_is_kept_only_where_more_than_a_tie_faster() -> None:
+    default, whole = (f"expand rank block {b}" for b in (cpu.EXPAND_RANK_BLOCK, "whole"))
+    assert tile_choice.pick_rank_block({default: [1.0, 4.0], whole: [0.9, 3.8]}) == 0  # 6 % faster in all
+    assert tile_choice.pick_rank_block({default: [1.0, 4.0], whole: [0.5, 4.4]}) == cpu.EXPAND_RANK_BLOCK  # 2 %
+    assert tile_choice.pick_rank_block({default: [1.0, 4.0], whole: [1.1, 4.2]}) == cpu.EXPAND_RANK_BLOCK

@@ -201,15 +201,16 @@ void shrink_rows(const TiledSegment<W>& seg, const float* xt, int64_t in, int64_
   }
 }
 
-// Columns [o0, o1) of a segment's module output from its v (as shrink_rows left it).
+// Columns [o0, o1) of a segment's module output from its v (as shrink_rows left it), B's rows
+// streamed `rank_block` at a time (expand_tile).
 template <typename W>
 void expand_columns(const TiledSegment<W>& seg, int64_t module, int64_t o0, int64_t o1, const float* vt,
-                    int64_t ld_t, W* out, int64_t width, float* tmp) {
+                    int64_t ld_t, W* out, int64_t width, float* tmp, int64_t rank_block) {
   const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
   const int64_t column = mm[0], rank = mm[1];
   for_token_blocks(seg.num, [&](auto tb, int64_t t) {
     expand_tile<decltype(tb)::value>(vt + column * ld_t + t, ld_t, seg.b_rows[module], rank, o0, o1,
-                                     seg.scale[module], out + (seg.start + t) * width, width, tmp,
+                                     seg.scale[module], out + (seg.start + t) * width, width, tmp, rank_block,
                                      seg.num <= kTokenBlock);
   });
 }
@@ -221,11 +222,11 @@ void expand_columns(const TiledSegment<W>& seg, int64_t module, int64_t o0, int6
 constexpr int64_t kSegmentsPerThread = 4;
 
 // All short segments of one call (their rows not yet bound), x [tokens, in] of the pool's type read
-// in place. Scratch is per thread and reused across calls: at small hidden sizes a call's setup
+// in place; the expands stream B's rows `rank_block` at a time (expand_tile). Scratch is per thread and reused across calls: at small hidden sizes a call's setup
 // costs as much as its arithmetic.
 template <typename W>
 void run_tiled(std::vector<TiledSegment<W>>& segs, const W* x, int64_t in, W* const* outs,
-               const int64_t* out_widths, int64_t num_outputs) {
+               const int64_t* out_widths, int64_t num_outputs, int64_t rank_block) {
   int64_t max_chunk = 0, max_rows = 0, total_blocks = 0, max_blocks = 0;
   for (int64_t module = 0; module < num_outputs; ++module) {
     max_chunk = std::max(max_chunk, expand_chunk(out_widths[module]));
@@ -277,7 +278,8 @@ void run_tiled(std::vector<TiledSegment<W>>& segs, const W* x, int64_t in, W* co
           if (seg.meta[kModuleBase + 1 + kModuleStride * module] == 0) continue;
           const int64_t width = out_widths[module], chunk = expand_chunk(width);
           for (int64_t o = 0; o < width; o += chunk) {
-            expand_columns(seg, module, o, std::min(width, o + chunk), vt_ptr, ld_t, outs[module], width, tmp_ptr);
+            expand_columns(seg, module, o, std::min(width, o + chunk), vt_ptr, ld_t, outs[module], width, tmp_ptr,
+                           rank_block);
           }
         }
       }
@@ -329,7 +331,7 @@ void run_tiled(std::vector<TiledSegment<W>>& segs, const W* x, int64_t in, W* co
       const auto [s, module, o] = expands[i];
       const int64_t width = out_widths[module];
       expand_columns(segs[s], module, o, std::min(width, o + expand_chunk(width)), vt + segs[s].start, ld_t,
-                     outs[module], width, tmp_ptr);
+                     outs[module], width, tmp_ptr, rank_block);
     }
   }
 }

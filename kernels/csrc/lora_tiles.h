@@ -110,7 +110,6 @@ constexpr int kTokenBlock = 4;
 constexpr int64_t kShrinkItemRows = 48;  // A rows per shrink work item
 constexpr int64_t kExpandCols = 2 * kLanes;  // output columns per expand tile (two vectors)
 constexpr int64_t kExpandBlock = 512;  // output columns per expand work item (at most)
-constexpr int64_t kRankBlock = 8;     // rank rows streamed together
 constexpr int64_t kSmallExpand = 8192;  // rank x columns of a B small enough to sum in registers
 
 using loraserve_simd::f32x8;
@@ -228,22 +227,23 @@ void with_rows(int n, F&& f) {
 }
 
 // out[j, o0:o1] += scale * sum_r vt[r, j] * b_r[o0:o1] for TB tokens; `b` holds `rank` row
-// pointers (W: float, or bf16_t widened as loaded; the output is of type W too); `tmp` has room for TB * (o1 - o0) floats. The rank is walked in blocks of kRankBlock
-// rows so that only that many rows are streamed at once (the hardware prefetchers follow a few
-// sequential streams, not one per rank row); sums between blocks wait in `tmp`, the last block
-// adds to the output. Each column tile prefetches into L2 the next tile's columns of its rows (a
-// small B streams as one column strip per tile, which the prefetchers do not follow either) and
-// its own columns of the next rank block's rows, which are read one pass over the columns later.
+// pointers (W: float, or bf16_t widened as loaded; the output is of type W too); `tmp` has room for
+// TB * (o1 - o0) floats. The rank is walked in blocks of `rank_block` rows (0: the whole rank), so
+// that only that many rows are streamed at once; sums between blocks wait in `tmp`, the last block
+// adds to the output. Which block size keeps the memory busiest depends on the CPU's prefetchers
+// (the engine times it: lora/tile_choice.py); the sums' order, and so the result, is the same for
+// every block size. Each column tile prefetches into L2 the next tile's columns of its rows (a
+// small B streams as one column strip per tile, which the prefetchers do not follow) and its own
+// columns of the next rank block's rows, which are read one pass over the columns later.
 template <int TB, typename W>
 void expand_tile(const float* vt, int64_t ld_t, const W* const* b, int64_t rank, int64_t o0, int64_t o1,
-                 float scale, W* out, int64_t ld_out, float* tmp, bool read_once) {
+                 float scale, W* out, int64_t ld_out, float* tmp, int64_t rank_block, bool read_once) {
   const int64_t n = o1 - o0, vectorized = n / kExpandCols * kExpandCols;
-  // A small B read once (the segment's only token block): no sums wait in `tmp`. With more
-  // blocks, B's rows are streamed by rank blocks, which suits the reads that come again.
-  const int64_t rank_block = read_once && rank * n <= kSmallExpand ? rank : kRankBlock;
+  // A small B read once (the segment's only token block) is summed in registers whatever the block.
+  const int64_t block = rank_block == 0 || (read_once && rank * n <= kSmallExpand) ? rank : rank_block;
   const vecf s = splatv(scale);
-  for (int64_t r0 = 0; r0 < rank; r0 += rank_block) {
-    const int64_t r1 = std::min(rank, r0 + rank_block);
+  for (int64_t r0 = 0; r0 < rank; r0 += block) {
+    const int64_t r1 = std::min(rank, r0 + block);
     const bool first = r0 == 0, last = r1 == rank;
     for (int64_t o = 0; o < vectorized; o += kExpandCols) {
       vecf acc[TB][2] = {};
@@ -254,7 +254,7 @@ void expand_tile(const float* vt, int64_t ld_t, const W* const* b, int64_t rank,
         }
       }
       const bool prefetch = o + kExpandCols < vectorized;
-      for (int64_t r = r1; r < std::min(rank, r1 + rank_block); ++r) {  // the next rank block's
+      for (int64_t r = r1; r < std::min(rank, r1 + block); ++r) {  // the next rank block's
         __builtin_prefetch(b[r] + o0 + o, 0, 2);
         __builtin_prefetch(b[r] + o0 + o + kLanes, 0, 2);
       }

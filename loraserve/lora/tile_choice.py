@@ -10,10 +10,14 @@ segment-length class of the kernel (``cpu.lora_tile_length_bounds()``: up to 8 t
 LoRA groups (q/k/v, o, gate/up, down) with adapters of ranks 64/32/16/8, segments of the middle of
 the class, over up to 8 layers of distinct weights, alternating, the best of several passes; a way
 other than the class's default (the vector loops up to 32 tokens, the GEMM beyond) is kept only
-when more than ``TIE_TOLERANCE`` faster. The choice is cached per CPU signature in
+when more than ``TIE_TOLERANCE`` faster. How many of B's rows the vector loops' expand streams at
+once (``EXPAND_RANK_BLOCKS``: a few, or the whole rank; the results are the same) is timed with them,
+on segments of ``RANK_BLOCK_LENGTHS`` tokens; the whole rank is kept only when more than a tie
+faster. The choice is cached per CPU signature in
 ``<cache>/cpu_lora/`` (``choice_file``) and shown in ``/health``. A timing that other processes
 disturbed is repeated once, and if disturbed again serves this process without being cached.
-``--cpu-lora amx|vector`` forces every class on the tiles, or on the vector loops.
+``--cpu-lora amx|vector`` forces every class on the tiles, or on the vector loops (with the default
+rank block: a forced plan times nothing).
 """
 
 from __future__ import annotations
@@ -39,14 +43,16 @@ from loraserve.timed_choice import TilePolicy, timed_choice
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2  # 2: a way per class (1: whether on the tiles)
+CACHE_FORMAT = 3  # 3: a way per class and the expand's rank block (2: the ways; 1: whether on the tiles)
 RANKS = (64, 16, 32, 8) * 2  # the timed adapters' ranks, in the order segments take them
 TIE_TOLERANCE = 0.03  # a way other than the default must be this much faster to be kept (noise between passes)
 MAX_LAYERS, LAYER_BYTES = 8, 64 * 2**20  # layers of distinct weights per group, within this many bytes
 MAX_TOKENS = 768  # tokens of one timed call (segments of a class: up to 8 adapters)
 LOOPS_MAX_TOKENS = 32  # segments longer than this may run as GEMMs (kTiledMax, kernels/csrc/lora_tiled.h)
+EXPAND_RANK_BLOCKS = (cpu.EXPAND_RANK_BLOCK, 0)  # the vector expand's rank blocks timed (0: the whole rank)
+RANK_BLOCK_LENGTHS = (8, LOOPS_MAX_TOKENS)  # segment lengths they are timed on: one token block (decode), four
 
-_DISTURBED: dict[str, tuple[LoRAWay, ...]] = {}  # choices timed under load in this process, by cache key
+_DISTURBED: dict[str, LoRAChoice] = {}  # choices timed under load in this process, by cache key
 
 
 class LoRAWay(str, enum.Enum):
@@ -65,6 +71,17 @@ WAY_MASKS = {
 }
 
 
+class LoRAChoice(NamedTuple):
+    """A timed (or cached) choice: the way per segment-length class, the expand's rank block."""
+
+    ways: tuple[LoRAWay, ...]
+    expand_rank_block: int
+
+
+def _rank_block_key(block: int) -> str:  # the name of a rank block's timings
+    return f"expand rank block {block or 'whole'}"
+
+
 @dataclass(frozen=True)
 class LoRAKernelPolicy(TilePolicy):
     """``TilePolicy`` of ``--cpu-lora``: ``amx`` puts every segment length on the tiles, ``vector``
@@ -80,8 +97,10 @@ class LoRAKernelPlan:
     ways: tuple[LoRAWay, ...]
     bounds: tuple[int, ...]
     source: str  # measured | cached | forced | disturbed
+    expand_rank_block: int = cpu.EXPAND_RANK_BLOCK  # B's rows the vector expand streams at once (0: all)
     seconds: float = 0.0  # spent timing
-    ms: dict[str, list[float]] = field(default_factory=dict)  # per way, per class: the timings (0: not timed)
+    # Per way, per class: the timings (0: not timed); per rank block, per RANK_BLOCK_LENGTHS length.
+    ms: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def tile_lengths(self) -> int:
@@ -104,13 +123,15 @@ class LoRAKernelPlan:
             "cpu": cpu_features.summary(),
             "timing_seconds": round(self.seconds, 2),
             "segment_tokens": {name: way.value for name, way in zip(self.class_names(), self.ways, strict=True)},
+            "expand_rank_block": self.expand_rank_block or "whole rank",
         }
 
     def summary(self) -> str:
         by_length: dict[str, str] = self.as_dict()["segment_tokens"]
+        block = f"; expand rank block: {self.as_dict()['expand_rank_block']}"
         if len(set(by_length.values())) == 1:
-            return f"{self.source}; every length: {next(iter(by_length.values()))}"
-        return f"{self.source}; " + ", ".join(f"{name}: {way}" for name, way in by_length.items())
+            return f"{self.source}; every length: {next(iter(by_length.values()))}{block}"
+        return f"{self.source}; " + ", ".join(f"{name}: {way}" for name, way in by_length.items()) + block
 
 
 GroupShape = tuple[int, tuple[int, ...]]  # (in_features, out widths of the group's modules)
@@ -138,7 +159,12 @@ def lora_hook_factory(
         return backend.make_lora_hook, None
     plan = choose_lora_kernels(group_shapes(module_shapes), dtype, page_elems, policy)
     logger.info("CPU LoRA kernel by segment length (%.1f s timing): %s", plan.seconds, plan.summary())
-    hook = functools.partial(backend.make_lora_hook, tile_lengths=plan.tile_lengths, loop_lengths=plan.loop_lengths)
+    hook = functools.partial(
+        backend.make_lora_hook,
+        tile_lengths=plan.tile_lengths,
+        loop_lengths=plan.loop_lengths,
+        expand_rank_block=plan.expand_rank_block,
+    )
     return hook, plan
 
 
@@ -156,7 +182,7 @@ def choose_lora_kernels(
     what = f"{str(dtype).removeprefix('torch.')} " + " ".join(f"{i}->{'+'.join(map(str, o))}" for i, o in shapes)
     lengths = [_middle(c, bounds) for c in range(num_classes)]
 
-    def decide(times: dict[str, list[float]]) -> tuple[LoRAWay, ...]:  # another way where more than a tie faster
+    def decide(times: dict[str, list[float]]) -> LoRAChoice:  # another way where more than a tie faster
         chosen = []
         for c, length in enumerate(lengths):
             default = LoRAWay.GEMM if length > LOOPS_MAX_TOKENS else LoRAWay.VECTOR
@@ -164,23 +190,36 @@ def choose_lora_kernels(
             best = min(timed, key=lambda way: times[way.value][c], default=default)
             faster = times[best.value][c] < times[default.value][c] * (1 - TIE_TOLERANCE)
             chosen.append(best if faster else default)
-        return tuple(chosen)
+        return LoRAChoice(tuple(chosen), pick_rank_block(times))
 
-    def read(entry: Any) -> tuple[LoRAWay, ...] | None:
+    def read(entry: Any) -> LoRAChoice | None:
         known = {way.value for way in ways}
-        if not isinstance(entry, list) or len(entry) != num_classes or not all(e in known for e in entry):
+        if not isinstance(entry, list) or len(entry) != 2 or entry[1] not in EXPAND_RANK_BLOCKS:
             return None
-        return tuple(LoRAWay(e) for e in entry)
+        names, block = entry
+        if not isinstance(names, list) or len(names) != num_classes or not all(e in known for e in names):
+            return None
+        return LoRAChoice(tuple(LoRAWay(e) for e in names), block)
 
     choice = timed_choice(
         ChoiceFile(policy.cache_dir, "LoRA kernel"),
         build_key(what, CACHE_FORMAT),
         _DISTURBED,
-        lambda: time_ways(shapes, dtype, page_elems, lengths, ways),
+        lambda: time_ways(shapes, dtype, page_elems, lengths, ways) | time_rank_blocks(shapes, dtype, page_elems),
         decide,
         read,
     )
-    return LoRAKernelPlan(choice.value, bounds, choice.source, choice.seconds, choice.ms)
+    ways_chosen, block = choice.value
+    return LoRAKernelPlan(ways_chosen, bounds, choice.source, block, choice.seconds, choice.ms)
+
+
+def pick_rank_block(times: dict[str, list[float]]) -> int:
+    """The expand's rank block: the default unless another is more than a tie faster in all (summed
+    over the timed lengths)."""
+    default = sum(times[_rank_block_key(EXPAND_RANK_BLOCKS[0])])
+    totals = {block: sum(times[_rank_block_key(block)]) for block in EXPAND_RANK_BLOCKS}
+    best = min(totals, key=totals.__getitem__)
+    return best if totals[best] < default * (1 - TIE_TOLERANCE) else EXPAND_RANK_BLOCKS[0]
 
 
 def _middle(length_class: int, bounds: tuple[int, ...]) -> int:
@@ -215,6 +254,26 @@ def time_ways(
     return times
 
 
+def time_rank_blocks(shapes: tuple[GroupShape, ...], dtype: torch.dtype, page_elems: int) -> dict[str, list[float]]:
+    """Seconds of one pass over every group and timed layer on the vector loops, per expand rank
+    block (``_rank_block_key``) and ``RANK_BLOCK_LENGTHS`` length, as ``time_ways`` times the ways."""
+    gen = torch.Generator().manual_seed(1)
+    groups = [_GroupCase(in_features, outs, dtype, page_elems, gen) for in_features, outs in shapes]
+    times: dict[str, list[float]] = {_rank_block_key(block): [] for block in EXPAND_RANK_BLOCKS}
+    with torch.no_grad():
+        for length in RANK_BLOCK_LENGTHS:
+            calls = [case.call(length, gen) for case in groups]
+            best = best_alternating_passes(
+                {
+                    _rank_block_key(block): functools.partial(_one_pass, calls, *WAY_MASKS[LoRAWay.VECTOR], block)
+                    for block in EXPAND_RANK_BLOCKS
+                }
+            )
+            for key, seconds in best.items():
+                times[key].append(seconds)
+    return times
+
+
 class Call(NamedTuple):
     """One timed call of ``cpu.lora_segments`` for each of ``layers`` layers (group 0)."""
 
@@ -228,13 +287,16 @@ class Call(NamedTuple):
     scales: torch.Tensor  # [layers, 1, segments, 3] float32
 
 
-def _one_pass(calls: list[Call], tile_lengths: int, loop_lengths: int) -> float:
+def _one_pass(
+    calls: list[Call], tile_lengths: int, loop_lengths: int, expand_rank_block: int = cpu.EXPAND_RANK_BLOCK
+) -> float:
     start = time.perf_counter()
     for c in calls:
         for layer in range(c.layers):
             cpu.lora_segments(
-                c.x, c.outs, c.storage, layer, 0, c.bounds, c.tables, c.meta, c.scales, tile_lengths, loop_lengths
-            )
+                c.x, c.outs, c.storage, layer, 0, c.bounds, c.tables, c.meta, c.scales, tile_lengths, loop_lengths,
+                expand_rank_block,
+            )  # fmt: skip
     return time.perf_counter() - start
 
 
