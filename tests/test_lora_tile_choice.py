@@ -14,7 +14,7 @@ from loraserve.kernels import cpu, cpu_features
 
 from loraserve import timed_choice
 from loraserve.config import ConfigError, EngineConfig
-from loraserve.lora import tile_choice
+from loraserve.lora import lora_timing, tile_choice
 from loraserve.lora.tile_choice import LoRAKernelPolicy, LoRAWay, choose_lora_kernels, group_shapes
 
 pytestmark = pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
@@ -78,7 +78,7 @@ def test_the_ways_are_timed_per_length_class_then_read_from_the_cache(
     assert plan.tile_lengths | plan.loop_lengths | LONG_CLASSES == EVERY_CLASS  # the GEMM: long classes only
     # The rank block: the whole rank only where more than a tie faster over both timed lengths.
     totals = {key: sum(plan.ms[key]) for key in blocks}
-    assert all(len(plan.ms[key]) == len(tile_choice.RANK_BLOCK_LENGTHS) for key in blocks)
+    assert all(len(plan.ms[key]) == len(lora_timing.RANK_BLOCK_LENGTHS) for key in blocks)
     whole = totals["expand rank block whole"] < totals[f"expand rank block {cpu.EXPAND_RANK_BLOCK}"] * 0.97
     assert plan.expand_rank_block == (0 if whole else cpu.EXPAND_RANK_BLOCK)
     assert plan.as_dict()["expand_rank_block"] == ("whole rank" if whole else cpu.EXPAND_RANK_BLOCK)

@@ -222,8 +222,8 @@ void expand_columns(const TiledSegment<W>& seg, int64_t module, int64_t o0, int6
 constexpr int64_t kSegmentsPerThread = 4;
 
 // All short segments of one call (their rows not yet bound), x [tokens, in] of the pool's type read
-// in place; the expands stream B's rows `rank_block` at a time (expand_tile). Scratch is per thread and reused across calls: at small hidden sizes a call's setup
-// costs as much as its arithmetic.
+// in place; the expands stream B's rows `rank_block` at a time (expand_tile). Scratch is per thread
+// and reused across calls: at small hidden sizes a call's setup costs as much as its arithmetic.
 template <typename W>
 void run_tiled(std::vector<TiledSegment<W>>& segs, const W* x, int64_t in, W* const* outs,
                const int64_t* out_widths, int64_t num_outputs, int64_t rank_block) {
