@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from loraserve.outputs import CompletionOutput, RequestOutput
 
 from .async_engine import EngineDeadError, EngineStepError, RequestAbortedError, RequestFailedError, RequestStream
-from .errors import APIError, error_body
+from .errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -37,19 +37,24 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {data}\n\n"
 
 
+def request_error(error: BaseException) -> APIError:
+    """The error a request gets when it fails after it was accepted, streamed or not: 503 for an
+    engine that stopped (or an adapter registry that was unreachable), else 500, with the reason."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, RequestFailedError):  # 503 when the adapter registry was unreachable
+        retry = {"Retry-After": "1"} if error.status_code == 503 else None
+        return APIError(error.status_code, str(error), headers=retry)
+    if isinstance(error, EngineDeadError):
+        return APIError(503, str(error))
+    if isinstance(error, EngineStepError | RequestAbortedError):
+        return APIError(500, str(error))
+    return APIError(500, f"internal error: {type(error).__name__}")
+
+
 def sse_error(error: BaseException) -> str:
     """The SSE event for an error after the stream started (the official client raises on it)."""
-    if isinstance(error, APIError):
-        return sse_event(error.body())
-    status = 503 if isinstance(error, EngineDeadError) else 500
-    if isinstance(error, RequestFailedError):  # 503 when the adapter registry was unreachable
-        status = error.status_code
-    message = (
-        str(error)
-        if isinstance(error, EngineStepError | RequestAbortedError | EngineDeadError | RequestFailedError)
-        else (f"internal error: {type(error).__name__}")
-    )
-    return sse_event(error_body(message, status))
+    return sse_event(request_error(error).body())
 
 
 class SSEResponse(StreamingResponse):
@@ -124,11 +129,10 @@ async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
         async for index, output in merge_streams(streams):
             if output.finished:
                 finals[index] = output
-    except RequestFailedError as error:
-        retry = {"Retry-After": "1"} if error.status_code == 503 else None  # the registry was unreachable
-        raise APIError(error.status_code, str(error), headers=retry) from None
+    except (RequestFailedError, EngineDeadError, EngineStepError, RequestAbortedError) as error:
+        raise request_error(error) from None
     if any(final is None for final in finals):
-        raise RequestAbortedError("a request ended without a final output")
+        raise request_error(RequestAbortedError("a request ended without a final output"))
     return [final for final in finals if final is not None]
 
 

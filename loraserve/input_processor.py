@@ -13,10 +13,11 @@ class RequestError(ValueError):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids  # banned until min_tokens, as the sampler bans them
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids (a text tokenized, ids checked against the vocabulary)."""
@@ -46,6 +47,23 @@ class InputProcessor:
             raise RequestError(
                 f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length of {self.max_model_len} tokens"
+            )
+
+    def check_samplable(self, params: SamplingParams, bad_words: tuple[tuple[int, ...], ...]) -> None:
+        """``RequestError`` if ``allowed_token_ids`` leaves no token that may be sampled: all of
+        them one-token bad words, or, while ``min_tokens`` holds, EOS or stop token ids (which the
+        sampler bans until then). A row with every logit masked would otherwise sample a token
+        outside the allowed set."""
+        if params.allowed_token_ids is None:
+            return
+        allowed = set(params.allowed_token_ids) - {word[0] for word in bad_words if len(word) == 1}
+        if not allowed:
+            raise RequestError("every token of allowed_token_ids is a bad word: no token could be generated")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.min_tokens > 0 and not allowed - stops:
+            raise RequestError(
+                f"allowed_token_ids leaves only EOS or stop token ids, which min_tokens ({params.min_tokens}) "
+                "bans until then: no token could be generated"
             )
 
     def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:

@@ -77,7 +77,8 @@ class LLMEngine:
             chosen.gemm_policy,
             max_positions=self.max_model_len,
         )
-        self.inputs = InputProcessor(self.tokenizer, int(self.hf_config.vocab_size), self.max_model_len)
+        eos_token_ids = model_eos_token_ids(self.model_dir, self.tokenizer)
+        self.inputs = InputProcessor(self.tokenizer, int(self.hf_config.vocab_size), self.max_model_len, eos_token_ids)
         self.layout = PageLayout.for_model(self.hf_config, config.block_size)
         shapes = BaseModelShapes.from_hf_config(self.hf_config)
         memory = EngineMemory.build(config, self.layout, shapes)
@@ -88,7 +89,6 @@ class LLMEngine:
         # threads stop before a private registry directory is removed, so they never see it vanish.
         self._finalizer = weakref.finalize(self, close_adapters, self.adapters, self.private_registry_dir)
         self.detokenizer = Detokenizer(self.tokenizer)
-        eos_token_ids = model_eos_token_ids(self.model_dir, self.tokenizer)
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_seqs,
@@ -164,6 +164,7 @@ class LLMEngine:
         token_ids = self.inputs.encode(prompt)
         self.inputs.check(len(token_ids), params)
         bad_words = self.inputs.bad_words_token_ids(params.bad_words)
+        self.inputs.check_samplable(params, bad_words)
         adapter_id = self._resolve_adapter(adapter_name)
         error = self.scheduler.admission.fit_error(len(token_ids), params.max_tokens, adapter_id)  # with its adapter
         if error is not None:

@@ -219,6 +219,12 @@ def test_prompt_logprobs_allowed_token_ids_and_bad_words_over_http(http: httpx.C
     assert spaced.choices[0].text == plain.choices[0].text  # a fast tokenizer: no spaces either way, as in vLLM
     bad = {"model": MODEL, "prompt": "x", "allowed_token_ids": [10**7]}
     assert "allowed_token_ids" in assert_openai_error(http.post("/v1/completions", json=bad), 400)["message"]
+    only_stop = {"model": MODEL, "prompt": "x", "min_tokens": 2, "stop_token_ids": [44], "allowed_token_ids": [44]}
+    as_chat = {**{k: v for k, v in only_stop.items() if k != "prompt"}, "messages": [{"role": "user", "content": "x"}]}
+    for route, body in (("/v1/completions", only_stop), ("/v1/chat/completions", as_chat)):
+        for stream in (False, True):
+            error = assert_openai_error(http.post(route, json={**body, "stream": stream}), 400)
+            assert "allowed_token_ids leaves only EOS or stop token ids" in error["message"]
 
 
 # Every parameter of the openai client's create methods (openai 3.x): a value that differs from

@@ -259,6 +259,36 @@ def test_allowed_token_ids_and_bad_words_change_the_output(llm: LLM) -> None:
         SamplingParams(allowed_token_ids=())
 
 
+def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused(llm: LLM) -> None:
+    """Only EOS or stop ids allowed while min_tokens bans them, or only bad words: every logit
+    would be masked, so the request is refused by name instead of sampling outside the set."""
+    prompt = ["The capital of France is"]
+    eos = min(llm.engine.inputs.eos_token_ids)
+    only_eos = SamplingParams(temperature=0.7, max_tokens=8, min_tokens=3, allowed_token_ids=(eos,))
+    with pytest.raises(RequestError, match=r"only EOS or stop token ids, which min_tokens \(3\)"):
+        llm.generate(prompt, only_eos, use_tqdm=False)
+    only_stop = SamplingParams(
+        max_tokens=8, min_tokens=1, ignore_eos=True, stop_token_ids=[44], allowed_token_ids=(44,)
+    )
+    with pytest.raises(RequestError, match="only EOS or stop token ids"):
+        llm.generate(prompt, only_stop, use_tqdm=False)
+    word = next(w for w in ("the", "cat", "dog") if len(llm.engine.inputs.bad_words_token_ids((w,))[0]) == 1)
+    banned = tuple(ids[0] for ids in llm.engine.inputs.bad_words_token_ids((word,)) if len(ids) == 1)
+    with pytest.raises(RequestError, match="every token of allowed_token_ids is a bad word"):
+        llm.generate(prompt, SamplingParams(max_tokens=4, allowed_token_ids=banned, bad_words=(word,)), use_tqdm=False)
+    # The same sets are served where something is left: EOS once min_tokens is past, ids beside the bad word.
+    (ended,) = _tokens(llm, prompt, SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=(eos,)))
+    assert ended == [eos]
+    (padded,) = _tokens(
+        llm, prompt, SamplingParams(temperature=0.0, max_tokens=3, min_tokens=2, allowed_token_ids=(eos, 44))
+    )
+    assert padded[:2] == [44, 44] and set(padded) <= {44, eos}
+    (kept,) = _tokens(
+        llm, prompt, SamplingParams(max_tokens=4, ignore_eos=True, allowed_token_ids=(*banned, 1000), bad_words=(word,))
+    )
+    assert set(kept) == {1000}
+
+
 def test_prompt_logprobs_match_the_model(tiny_model_dir: Path, tiny_hf_model: Any) -> None:
     """Each prompt token's logprob and rank, and the top ones, from Hugging Face's logits of the
     same prompt; with the prompt split into chunks, and again when its blocks are cached (a
