@@ -28,9 +28,9 @@ ROUTES = (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT))
 def served_fixture(tiny_model_dir: Path) -> Iterator[tuple[httpx.Client, LLMEngine]]:
     config = EngineConfig(model=str(tiny_model_dir), kernels="torch", num_pages=64, max_num_seqs=4)
     engine = LLMEngine(config)
-    with ServerThread(create_app(engine, ServerSettings(model_id=MODEL))) as server:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
-            yield http, engine
+    server = ServerThread(create_app(engine, ServerSettings(model_id=MODEL)))
+    with server, httpx.Client(base_url=server.url, timeout=60) as http:
+        yield http, engine
 
 
 def _fail_next_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, error: BaseException, times: int) -> None:

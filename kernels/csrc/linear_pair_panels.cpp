@@ -36,6 +36,7 @@
 namespace {
 
 using loraserve_panels::Chunk;
+using loraserve_panels::LinePrefetcher;
 constexpr int64_t kPanel = 16;     // output columns per panel
 constexpr int64_t kLine = 2 * kPanel;  // bfloat16 values per k pair row of a panel (one cache line)
 constexpr int kWideRows = 12;      // rows of a one- or two-panel tile
@@ -81,17 +82,10 @@ void pair_tile(const uint16_t* a, int64_t lda, const PairOut* outs, int64_t K, c
     const __m512 b = outs[j].bias != nullptr ? _mm512_loadu_ps(outs[j].bias) : _mm512_setzero_ps();
     for (int i = 0; i < R; ++i) acc[j][i] = b;
   }
-  const int64_t share = (fetch_lines + every - 1) / every;
-  const int64_t begin = std::min(fetch_lines, first * share);
-  const int64_t fetch_end = std::min(fetch_lines, begin + share);
-  const uint16_t* line = fetch + begin * kLine;
+  LinePrefetcher<uint16_t> prefetch(fetch, fetch_lines, kLine, every, first);
   const int64_t pairs = K / 2;
-  for (int64_t q = 0, fetched = begin; q < pairs; ++q) {
-    if (fetched < fetch_end) {
-      __builtin_prefetch(line, 0, 2);
-      line += kLine;
-      ++fetched;
-    }
+  for (int64_t q = 0; q < pairs; ++q) {
+    prefetch.step();
     __m512bh w[NP];
     for (int j = 0; j < NP; ++j) w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(outs[j].panel + q * kLine));
 #pragma GCC unroll 12

@@ -41,6 +41,7 @@ using loraserve_simd::load8;
 using loraserve_simd::splat8;
 using loraserve_simd::store8;
 using loraserve_panels::Chunk;
+using loraserve_panels::LinePrefetcher;
 
 constexpr int64_t kPanel = 16;     // output columns per panel: two 8-lane vectors
 constexpr int kTileRows = 6;       // 6 x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of 16 registers
@@ -147,16 +148,9 @@ void wide_tile(const float* a, int64_t lda, const PanelOut* outs, int64_t K, con
     const f32x16 b = outs[j].bias != nullptr ? load16(outs[j].bias) : splat16(0.f);
     for (int i = 0; i < R; ++i) acc[j][i] = b;
   }
-  const int64_t share = (fetch_lines + every - 1) / every;
-  const int64_t begin = std::min(fetch_lines, first * share);
-  const int64_t fetch_end = std::min(fetch_lines, begin + share);
-  const float* line = fetch + begin * kPanel;  // a line is one k row of a panel: 16 floats
-  for (int64_t k = 0, fetched = begin; k < K; ++k) {
-    if (fetched < fetch_end) {
-      __builtin_prefetch(line, 0, 2);
-      line += kPanel;
-      ++fetched;
-    }
+  LinePrefetcher<float> prefetch(fetch, fetch_lines, kPanel, every, first);  // a line: one k row of a panel
+  for (int64_t k = 0; k < K; ++k) {
+    prefetch.step();
     f32x16 w[NP];
     for (int j = 0; j < NP; ++j) w[j] = load16(outs[j].panel + k * kPanel);
 #pragma GCC unroll 12

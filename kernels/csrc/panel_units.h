@@ -106,6 +106,31 @@ void with_chunk_outs(Chunk chunk, int64_t row, const OutOf& out_of, const F& f) 
   }
 }
 
+// One tile's share of the next chunk's lines, prefetched into L2 one line per step() (per k step): of
+// `fetch_lines` lines of `line_elems` elements at `fetch`, split evenly over `every` tiles, tile
+// `first`'s part.
+template <typename E>
+struct LinePrefetcher {
+  const E* line;
+  int64_t left;
+  int64_t line_elems;
+
+  LinePrefetcher(const E* fetch, int64_t fetch_lines, int64_t line_elems, int64_t every, int64_t first)
+      : line_elems(line_elems) {
+    const int64_t share = (fetch_lines + every - 1) / every;
+    const int64_t begin = std::min(fetch_lines, first * share);
+    line = fetch + begin * line_elems;
+    left = std::min(fetch_lines, begin + share) - begin;
+  }
+  __attribute__((always_inline)) inline void step() {
+    if (left > 0) {
+      __builtin_prefetch(line, 0, 2);
+      line += line_elems;
+      --left;
+    }
+  }
+};
+
 // Rows [0, m) of a (stride lda) times the NP panels of outs (their output pointers `c`, stride
 // `ldc`, at row 0), in tiles of tile_rows rows: tiles[r] runs a tile of r rows, and tile t of the
 // call's tiles prefetches its share of the `fetch_lines` lines at `fetch` (the next chunk's).
