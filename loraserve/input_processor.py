@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loraserve.logits_adjustments import bad_word_bans, min_tokens_bans
 from loraserve.sampling_params import SamplingParams
 
 
@@ -56,11 +57,10 @@ class InputProcessor:
         outside the allowed set."""
         if params.allowed_token_ids is None:
             return
-        allowed = set(params.allowed_token_ids) - {word[0] for word in bad_words if len(word) == 1}
+        allowed = set(params.allowed_token_ids) - set(bad_word_bans(bad_words, []))  # the one-token words
         if not allowed:
             raise RequestError("every token of allowed_token_ids is a bad word: no token could be generated")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        if params.min_tokens > 0 and not allowed - stops:
+        if params.min_tokens > 0 and not allowed - set(min_tokens_bans(params, self.eos_token_ids)):
             raise RequestError(
                 f"allowed_token_ids leaves only EOS or stop token ids, which min_tokens ({params.min_tokens}) "
                 "bans until then: no token could be generated"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import Sequence
 
 NUM_PARTS = 12  # arrays in host_parts / views in from_views
@@ -59,11 +60,11 @@ class LogitsAdjustments:
             (i, t)
             for i, (seq, p) in enumerate(zip(seqs, params, strict=True))
             if seq.num_output_tokens < p.min_tokens
-            for t in (*(() if p.ignore_eos else sorted(eos_token_ids)), *p.stop_token_ids)
+            for t in min_tokens_bans(p, eos_token_ids)
         ]
         for i, seq in enumerate(seqs):
             if seq.bad_words_token_ids:
-                banned += [(i, t) for t in _bad_word_bans(seq)]
+                banned += [(i, t) for t in bad_word_bans(seq.bad_words_token_ids, seq.output_token_ids)]
         allowed = [(i, t) for i, p in enumerate(params) for t in p.allowed_token_ids or ()]
         penalized = [seq.params.has_penalties for seq in seqs]
         return [
@@ -124,12 +125,17 @@ class LogitsAdjustments:
         return logits
 
 
-def _bad_word_bans(seq: Sequence) -> list[int]:
-    """Tokens a sequence must not sample next: a one-token bad word always, a longer one's last
+def min_tokens_bans(params: SamplingParams, eos_token_ids: frozenset[int]) -> tuple[int, ...]:
+    """Tokens banned while the output is shorter than ``min_tokens``: EOS (unless ignored) and the
+    stop token ids."""
+    return (*(() if params.ignore_eos else sorted(eos_token_ids)), *params.stop_token_ids)
+
+
+def bad_word_bans(words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
+    """Tokens an output must not continue with: a one-token bad word always, a longer one's last
     token when the output so far ends with its other tokens."""
-    output = seq.output_token_ids
     bans = []
-    for word in seq.bad_words_token_ids:
+    for word in words:
         prefix = word[:-1]
         if not prefix or (len(output) >= len(prefix) and tuple(output[len(output) - len(prefix) :]) == prefix):
             bans.append(word[-1])
