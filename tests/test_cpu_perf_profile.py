@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from adapter_factory import make_peft_adapter
+from engine_steps import step_until_decoding
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.cpu_perf_profile import SCOPE, profiler_scopes
@@ -24,7 +25,8 @@ def test_profiler_scopes_record_lora_and_leave_the_hook_as_it_was(
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
     for i in range(3):
         engine.add_request(str(i), list(range(40, 46 + i)), params, "a" if i else None)
-    engine.step()
+    step_until_decoding(engine)
+    assert any(request.adapter_name == "a" for request in engine.requests.values())
     hook = engine.runner.lora_hook
     methods = {name: getattr(hook, name) for name in ("prepare", "apply", "upload_parts")}
     with profiler_scopes(engine), profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from adapter_factory import make_peft_adapter
+from engine_steps import step_until_decoding
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loraserve import LLM, SamplingParams
@@ -67,6 +68,8 @@ def _run_prompts(llm: LLM) -> list[list[int]]:
     prompts = [system + p for p in ("Hi", "Name a color", "Count to three", "Why?", "Hi")]
     names: list[str | None] = [None, "r4-qv", "r24-all", "r24-all", "r4-qv", None, "r4-qv"]
     prompts += ["A much longer prompt that the small token budget splits into chunks " * 2, "Bye"]
+    # The shared prefix cached before: hits do not hang on which requests' adapters loaded first.
+    llm.generate([system], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), adapters=names, use_tqdm=False
     )
@@ -119,8 +122,7 @@ def _decoding(model_dir: Path, adapters: dict[str, Path], count: int, offset: in
     for i in range(count):
         tokens = list(range(40 + offset + i, 47 + 2 * offset + 2 * i))
         llm.engine.add_request(str(i), tokens, params, names[(i + offset) % 3])
-    for _ in range(3):
-        llm.engine.step()
+    step_until_decoding(llm.engine, min_steps=3)
     return llm.engine
 
 

@@ -31,9 +31,10 @@ def adapter_dirs(tiny_hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -
 def run(llm: LLM, adapter_dirs: dict[str, Path], watch: Any = None) -> list[list[int]]:
     """Every prompt on each adapter in turn, all queued at once; ``watch(engine)`` after each step."""
     names = list(adapter_dirs)
+    engine = llm.engine
     for name, path in adapter_dirs.items():
         llm.add_adapter(name, path)
-    engine = llm.engine
+        engine.adapters.resolver.resolve(name)  # in host memory first: runs differ by policy, not by read timing
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS * 2):
         engine.add_request(str(i), prompt, params, names[i % len(names)])

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from adapter_factory import make_peft_adapter
+from engine_steps import step_until_decoding
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loraserve import LLM, SamplingParams
@@ -79,9 +80,7 @@ def decoding_engine(model_dir: Path, kernels: str, adapters: dict[str, Path]) ->
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=1)
     for i in range(4):
         engine.add_request(str(i), list(range(40, 46 + i)), params, names[i % len(names)])
-    for _ in range(3):
-        engine.step()
-    assert all(seq.num_output_tokens >= 1 for request in engine.requests.values() for seq in request.seqs)
+    step_until_decoding(engine, min_steps=3)
     return engine
 
 
