@@ -4,6 +4,8 @@
   body larger than ``max_request_body_bytes``, whether it announces its length or streams it
   chunked, before any route parses it. Adapter uploads are exempt: they have their own, larger,
   limit (``max_upload_bytes``, checked while the upload streams in).
+* ``body_limit`` and ``read_body_within``: the same limits where a body is read whole before it
+  is passed on (the Ray Serve ingress, ``loraserve/entrypoints/ray_serve.py``).
 * ``InFlightLimiter``: completion requests in flight per API key (the server's API key and its
   admin key each have a bucket; every other request, whatever bearer token it sends when no key is
   checked, shares one); past the limit a request gets 429 at once and nothing is queued.
@@ -18,9 +20,12 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from fastapi import Request
 from fastapi.security.utils import get_authorization_scheme_param
 
 from .errors import APIError, error_body
+from .settings import ServerSettings
+from .uploads import FORM_OVERHEAD_BYTES, upload_too_large
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -71,11 +76,7 @@ class RequestBodyLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send: Send) -> None:
-        body = json.dumps(
-            error_body(
-                f"request body larger than this server's limit of {self.max_bytes} bytes (--max-request-body-mb)", 413
-            )
-        ).encode()
+        body = json.dumps(error_body(_body_too_large_message(self.max_bytes), 413)).encode()
         await send(
             {
                 "type": "http.response.start",
@@ -84,6 +85,36 @@ class RequestBodyLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def _body_too_large_message(max_bytes: int) -> str:
+    return f"request body larger than this server's limit of {max_bytes} bytes (--max-request-body-mb)"
+
+
+def body_limit(path: str, settings: ServerSettings) -> tuple[int, APIError]:
+    """The most bytes a request body to ``path`` may have, and the 413 past it: an adapter upload
+    its limit plus the multipart framing (the upload's own check is exact), any other request
+    ``max_request_body_bytes``."""
+    if path in UPLOAD_PATHS:
+        return settings.max_upload_bytes + FORM_OVERHEAD_BYTES, upload_too_large(settings.max_upload_bytes)
+    limit = settings.max_request_body_bytes
+    return limit, APIError(413, _body_too_large_message(limit))
+
+
+async def read_body_within(request: Request, max_bytes: int) -> bytes | None:
+    """``request``'s body, or None as soon as it announces or has sent more than ``max_bytes``
+    (a chunked body is counted while it arrives, never buffered past the limit)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class InFlightLimiter:

@@ -22,7 +22,7 @@ from .errors import APIError
 
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-_FORM_OVERHEAD_BYTES = 64 * 1024  # multipart boundaries, headers and the name field
+FORM_OVERHEAD_BYTES = 64 * 1024  # multipart boundaries, headers and the name field
 _MAX_FORM_FILES = 4
 _MAX_FORM_FIELDS = 8
 
@@ -37,7 +37,7 @@ class AdapterUpload:
     files: dict[str, bytes]
 
 
-def _too_large(limit: int) -> APIError:
+def upload_too_large(limit: int) -> APIError:
     return APIError(413, f"the upload exceeds the limit of {limit} bytes")
 
 
@@ -54,10 +54,10 @@ async def read_adapter_upload(request: Request, limit: int) -> AdapterUpload:
             "send multipart/form-data with a `name` field and the files adapter_config.json and "
             "adapter_model.safetensors (or one .zip/.tar.gz of the adapter directory)",
         )
-    body_limit = limit + _FORM_OVERHEAD_BYTES
+    body_limit = limit + FORM_OVERHEAD_BYTES
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > body_limit:
-        raise _too_large(limit)
+        raise upload_too_large(limit)
     received = 0
 
     async def limited_receive() -> Message:
@@ -73,7 +73,7 @@ async def read_adapter_upload(request: Request, limit: int) -> AdapterUpload:
     try:
         form = await limited.form(max_files=_MAX_FORM_FILES, max_fields=_MAX_FORM_FIELDS)
     except _BodyTooLargeError:
-        raise _too_large(limit) from None
+        raise upload_too_large(limit) from None
     except (MultiPartException, HTTPException) as error:
         detail = getattr(error, "message", None) or getattr(error, "detail", str(error))
         raise APIError(400, f"malformed multipart body: {detail}") from None
@@ -92,7 +92,7 @@ async def read_adapter_upload(request: Request, limit: int) -> AdapterUpload:
             raw[file_name] = await upload.read()
         total = sum(len(data) for data in raw.values())
         if total > limit:
-            raise _too_large(limit)
+            raise upload_too_large(limit)
         return AdapterUpload(name, await _adapter_files(raw, limit))
     finally:
         await form.close()
@@ -175,6 +175,6 @@ def read_confined_adapter_dir(path: str, allowed_dirs: Sequence[str], limit: int
             if not stat.S_ISREG(info.st_mode):
                 raise APIError(400, f"{file_name} in {path!r} is not a regular file", param="lora_path")
             if info.st_size + sum(len(data) for data in files.values()) > limit:
-                raise _too_large(limit)
+                raise upload_too_large(limit)
             files[file_name] = handle.read(limit + 1)
     return files

@@ -4,10 +4,11 @@ First ``loraserve serve --ray-address local`` as a process, signalled as a proce
 SIGTERM drains the replica (the stream in flight finishes, new requests get 503) and it exits 0.
 Then one ``ray.init(num_cpus=2)`` in this process (the module fixture): two engine replicas (the
 tiny model) behind the ingress, one shared directory registry. The API answers as one process does,
-streams arrive chunk by chunk, an adapter uploaded through the ingress is servable and deleted
-everywhere, requests for one adapter stay on the replica that holds it (Serve's multiplexed
-routing; read from the merged ``/metrics``: ``loraserve_adapter_loads_total{replica}``), and a
-replica killed mid-run (``ray.kill`` on its actor) is replaced while no request is lost."""
+the ingress refuses a body past the limits before it reads it whole, streams arrive chunk by chunk,
+an adapter uploaded through the ingress is servable and deleted everywhere, requests for one adapter
+stay on the replica that holds it (Serve's multiplexed routing; read from the merged ``/metrics``:
+``loraserve_adapter_loads_total{replica}``), and a replica killed mid-run (``ray.kill`` on its
+actor) is replaced while no request is lost."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ serve = pytest.importorskip("ray.serve")
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 ROUTING_PROPAGATION_S = 5.0
+BODY_LIMIT = 2**20  # the fixture's request body and upload limits
 APP = "default"  # the fixture's serve.run application
 
 
@@ -140,7 +142,7 @@ def url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         options = {"registry": f"dir:{registry}", "kernels": "torch", "num_pages": 200, "num_threads": 1}
-        settings = {"model_id": "base"}
+        settings = {"model_id": "base", "max_request_body_bytes": BODY_LIMIT, "max_upload_bytes": BODY_LIMIT}
         serve.run(build_app(str(tiny_model_dir), options, settings, num_replicas=2), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -162,6 +164,24 @@ def test_the_api_through_the_ingress(url: str) -> None:
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(url + "/health", timeout=60).status_code == 200
     assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=60).json()["data"]] == ["base"]
+
+
+def test_the_ingress_refuses_a_body_past_the_limits_before_it_reads_it_whole(url: str) -> None:
+    """413 from the ingress itself (no replica header): announced, chunked, and an upload past its
+    own limit plus the multipart framing; then the next request is served."""
+    oversized = json.dumps({"model": "base", "prompt": "x" * (BODY_LIMIT + 1)}).encode()
+    announced = httpx.post(url + "/v1/completions", content=oversized, timeout=60,
+                           headers={"content-type": "application/json"})  # fmt: skip
+    chunked = httpx.post(url + "/v1/completions", content=iter([oversized[:1000], oversized[1000:]]), timeout=60,
+                         headers={"content-type": "application/json"})  # fmt: skip
+    upload = httpx.post(url + "/v1/adapters", data={"name": "huge"}, timeout=60,
+                        files=[("files", (WEIGHTS, b"\0" * (2 * BODY_LIMIT), "application/octet-stream"))])  # fmt: skip
+    for reply, limit in ((announced, BODY_LIMIT), (chunked, BODY_LIMIT), (upload, BODY_LIMIT)):
+        assert reply.status_code == 413 and "x-loraserve-replica" not in reply.headers, reply.text
+        assert reply.json()["error"]["code"] == 413 and f"{limit} bytes" in reply.json()["error"]["message"]
+    assert "content-length" not in chunked.request.headers  # sent chunked: counted while it arrives
+    body = {"model": "base", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 200
 
 
 def test_metrics_of_every_replica_through_the_ingress(url: str) -> None:

@@ -12,8 +12,10 @@ cached) when there is one, and otherwise to a lightly loaded replica; requests f
 spread by load. Streams come back chunk by chunk through a streaming handle. Every replica uses
 the same adapter registry (``--registry redis://...``, or the default directory on this machine
 for ``local``), so an adapter uploaded or deleted through any replica is seen by all. Auth, limits
-and errors are the replicas' own (the same code as one process). Ray is optional: this module is
-imported only with ``--ray-address`` (``pip install 'loraserve[ray]'``).
+and errors are the replicas' own (the same code as one process); the ingress, which reads a body
+whole before it forwards it, refuses one past the body limits first (413, as a replica would).
+Ray is optional: this module is imported only with ``--ray-address`` (``pip install
+'loraserve[ray]'``).
 
 Faults and operations:
 
@@ -47,6 +49,9 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
+from loraserve.api.errors import error_response
+from loraserve.api.limits import body_limit, read_body_within
+from loraserve.api.settings import ServerSettings
 from loraserve.entrypoints.fleet_metrics import (
     each_answer,
     live_replica_ids,
@@ -194,9 +199,10 @@ class Ingress:
     """Forwards every request to an engine replica, adapter requests by multiplexed model id
     (``route_by_adapter=False``: by load only, for comparison); ``/metrics`` of all replicas."""
 
-    def __init__(self, replicas: DeploymentHandle, base_model: str, route_by_adapter: bool = True) -> None:
+    def __init__(self, replicas: DeploymentHandle, settings: dict[str, Any], route_by_adapter: bool = True) -> None:
         self.replicas = replicas
-        self.base_model = base_model
+        self.settings = ServerSettings(**settings)  # the replicas' too: the body limits are checked here first
+        self.base_model = self.settings.model_id
         self.route_by_adapter = route_by_adapter
         self.registry = CollectorRegistry()
         self.in_flight = Gauge("loraserve_ingress_requests_in_flight", "Requests the ingress is forwarding",
@@ -229,7 +235,10 @@ class Ingress:
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
     async def forward(self, path: str, request: Request) -> Response:
-        body = await request.body()
+        limit, too_large = body_limit("/" + path, self.settings)
+        body = await read_body_within(request, limit)  # a body past the limit is not buffered whole
+        if body is None:
+            return error_response(too_large)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
         adapter, stream = adapter_and_stream(body, request.headers.get("content-type", ""), self.base_model)
@@ -309,4 +318,4 @@ def build_app(model: str | None, engine_options: dict[str, Any], settings: dict[
     """The Serve application: ``num_replicas`` engine replicas behind the ingress."""
     # (serve.deployment turns the classes into Deployments: options/bind are theirs.)
     replicas = EngineReplica.options(num_replicas=num_replicas).bind(model, engine_options, settings)  # type: ignore[attr-defined]
-    return Ingress.bind(replicas, settings["model_id"], route_by_adapter)  # type: ignore[attr-defined]
+    return Ingress.bind(replicas, settings, route_by_adapter)  # type: ignore[attr-defined]
