@@ -4,8 +4,8 @@
   body larger than ``max_request_body_bytes``, whether it announces its length or streams it
   chunked, before any route parses it. Adapter uploads are exempt: they have their own, larger,
   limit (``max_upload_bytes``, checked while the upload streams in).
-* ``body_limit`` and ``read_body_within``: the same limits where a body is read whole before it
-  is passed on (the Ray Serve ingress, ``loraserve/entrypoints/ray_serve.py``).
+* ``read_body_within``: a body read whole unless it passes a limit (the middleware's, and the Ray
+  Serve ingress's, ``loraserve/entrypoints/ray_serve.py``, whose limit for a path is ``body_limit``).
 * ``InFlightLimiter``: completion requests in flight per API key (the server's API key and its
   admin key each have a bucket; every other request, whatever bearer token it sends when no key is
   checked, shares one); past the limit a request gets 429 at once and nothing is queued.
@@ -20,7 +20,6 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from fastapi import Request
 from fastapi.security.utils import get_authorization_scheme_param
 
 from .errors import APIError, error_body
@@ -45,32 +44,18 @@ class RequestBodyLimit:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD") or scope["path"] in UPLOAD_PATHS:
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        body = await read_body_within(receive, declared.decode("latin-1") if declared else None, self.max_bytes)
+        if body is None:
             await self._too_large(send)
             return
-        # Read the body here (it is small by definition), so a chunked one is bounded too.
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break  # a disconnect: the route sees it
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._too_large(send)
-                return
-            if not message.get("more_body", False):
-                break
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
@@ -101,19 +86,24 @@ def body_limit(path: str, settings: ServerSettings) -> tuple[int, APIError]:
     return limit, APIError(413, _body_too_large_message(limit))
 
 
-async def read_body_within(request: Request, max_bytes: int) -> bytes | None:
-    """``request``'s body, or None as soon as it announces or has sent more than ``max_bytes``
-    (a chunked body is counted while it arrives, never buffered past the limit)."""
-    declared = request.headers.get("content-length")
+async def read_body_within(receive: Receive, declared: str | None, max_bytes: int) -> bytes | None:
+    """The body that ``receive`` (ASGI) delivers, or None as soon as its declared length
+    (Content-Length) or what has arrived is more than ``max_bytes``: a chunked body is counted
+    while it arrives, never buffered past the limit. A disconnect ends it early (the route sees it)."""
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         return None
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
         if size > max_bytes:
             return None
-        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
     return b"".join(chunks)
 
 

@@ -236,7 +236,7 @@ class Ingress:
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
     async def forward(self, path: str, request: Request) -> Response:
         limit, too_large = body_limit("/" + path, self.settings)
-        body = await read_body_within(request, limit)  # a body past the limit is not buffered whole
+        body = await read_body_within(request.receive, request.headers.get("content-length"), limit)
         if body is None:
             return error_response(too_large)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}

@@ -111,9 +111,7 @@ class Call(NamedTuple):
     scales: torch.Tensor  # [layers, 1, segments, 3] float32
 
 
-def _one_pass(
-    calls: list[Call], tile_lengths: int, loop_lengths: int, expand_rank_block: int = cpu.EXPAND_RANK_BLOCK
-) -> float:
+def _one_pass(calls: list[Call], tile_lengths: int, loop_lengths: int, expand_rank_block: int) -> float:
     start = time.perf_counter()
     for c in calls:
         for layer in range(c.layers):

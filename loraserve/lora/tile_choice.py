@@ -196,10 +196,10 @@ def choose_lora_kernels(
 def pick_rank_block(times: dict[str, list[float]]) -> int:
     """The expand's rank block: the default unless another is more than a tie faster in all (summed
     over the timed lengths)."""
-    default = sum(times[rank_block_key(EXPAND_RANK_BLOCKS[0])])
     totals = {block: sum(times[rank_block_key(block)]) for block in EXPAND_RANK_BLOCKS}
+    default = EXPAND_RANK_BLOCKS[0]
     best = min(totals, key=totals.__getitem__)
-    return best if totals[best] < default * (1 - TIE_TOLERANCE) else EXPAND_RANK_BLOCKS[0]
+    return best if totals[best] < totals[default] * (1 - TIE_TOLERANCE) else default
 
 
 def _middle(length_class: int, bounds: tuple[int, ...]) -> int:
