@@ -130,6 +130,7 @@ def sampling_params(
             top_k=-1 if request.top_k in (None, 0) else int(request.top_k),
             seed=request.seed,
             max_tokens=max_tokens,
+            lower_max_tokens_to_pool=True,  # the rule output_budgets states, with the adapter's pages
             stop=tuple(stop),
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,

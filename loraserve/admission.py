@@ -10,8 +10,11 @@ adapter manager keep their own state.
 
 from __future__ import annotations
 
+import dataclasses
+
 from loraserve.kv_cache_manager import KVCacheManager
 from loraserve.lora.residency import AdapterManager
+from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import Sequence
 
 
@@ -26,9 +29,7 @@ class PoolAdmission:
 
     def fit_error(self, num_prompt_tokens: int, max_tokens: int, adapter_id: str | None) -> str | None:
         """Why a request of this size cannot run even alone (None if it can)."""
-        adapter_pages = 0
-        if self.adapters is not None and adapter_id is not None and self.unified:
-            adapter_pages = self.adapters.num_pages(adapter_id)  # a fixed region's slots take no KV pages
+        adapter_pages = self._adapter_pages(adapter_id)
         if num_prompt_tokens + max_tokens + adapter_pages * self.kv_manager.block_size <= self.max_seq_tokens:
             return None
         return (
@@ -36,6 +37,29 @@ class PoolAdmission:
             f"{adapter_pages} pages needs more pages than the pool holds ({self.max_seq_tokens} tokens); "
             "raise num_pages"
         )
+
+    def fitted(
+        self, params: SamplingParams, num_prompt_tokens: int, adapter_id: str | None
+    ) -> tuple[SamplingParams, str | None]:
+        """The parameters a request runs with, or why it cannot run even alone: ``max_tokens``
+        lowered to what the pool holds with the prompt and the adapter's pages where the request
+        allows it (``lower_max_tokens_to_pool``), else unchanged."""
+        if params.lower_max_tokens_to_pool:
+            room = self.max_seq_tokens - self._adapter_pages(adapter_id) * self.kv_manager.block_size
+            room -= num_prompt_tokens
+            if 1 <= room < params.max_tokens:
+                if params.min_tokens > room:
+                    return params, (
+                        f"min_tokens ({params.min_tokens}) is more than the pool holds after the prompt "
+                        f"({num_prompt_tokens} tokens) and the adapter's pages: {room} tokens; raise num_pages"
+                    )
+                return dataclasses.replace(params, max_tokens=room), None
+        return params, self.fit_error(num_prompt_tokens, params.max_tokens, adapter_id)
+
+    def _adapter_pages(self, adapter_id: str | None) -> int:
+        if self.adapters is not None and adapter_id is not None and self.unified:
+            return self.adapters.num_pages(adapter_id)  # a fixed region's slots take no KV pages
+        return 0
 
     def can_admit(self, seq: Sequence, num_new: int) -> bool:
         """Whether a waiting sequence's next ``num_new`` tokens and its adapter fit above the watermark."""

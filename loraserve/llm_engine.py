@@ -166,7 +166,7 @@ class LLMEngine:
         bad_words = self.inputs.bad_words_token_ids(params.bad_words)
         self.inputs.check_samplable(params, bad_words)
         adapter_id = self._resolve_adapter(adapter_name)
-        error = self.scheduler.admission.fit_error(len(token_ids), params.max_tokens, adapter_id)  # with its adapter
+        params, error = self.scheduler.admission.fitted(params, len(token_ids), adapter_id)  # with its adapter
         if error is not None:
             raise RequestError(error)
         seqs = [

@@ -24,7 +24,9 @@ class SamplingParams:
     tokens, nor a stop string before more than that many. ``output_kind`` is vLLM's: ``cumulative`` reports the
     request at every step that changes it; ``final_only`` only when it finishes, which also lets
     the engine detokenize it once at the end when it has no stop strings (``LLM.generate``
-    uses it).
+    uses it). ``lower_max_tokens_to_pool``: where the prompt, ``max_tokens`` and the adapter's pages
+    cannot fit in the KV pool even alone, run with ``max_tokens`` lowered to what fits (the HTTP
+    server's rule) instead of refusing the request; the adapter's size counts once it is known.
     """
 
     n: int = 1
@@ -50,6 +52,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # the tokenizer's decode option (fast tokenizers: no effect)
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     bad_words: tuple[str, ...] = ()  # never generated (vLLM's rule: see InputProcessor.bad_words_token_ids)
+    lower_max_tokens_to_pool: bool = False
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -117,7 +117,7 @@ class Scheduler:
                 adapter_id = self.adapters.resolve_nowait(seq.adapter_name)
                 if adapter_id is None:
                     continue  # still being read
-                error = self.admission.fit_error(seq.num_prompt_tokens, seq.params.max_tokens, adapter_id)
+                params, error = self.admission.fitted(seq.params, seq.num_prompt_tokens, adapter_id)
                 code = REQUEST_TOO_LARGE if error is not None else None
             except AdapterError as failure:  # AdapterNotFoundError: removed meanwhile
                 error = f"adapter {seq.adapter_name!r} could not be loaded: {failure}"
@@ -129,7 +129,7 @@ class Scheduler:
                 batch.aborted.append((seq, error, code))
                 continue
             for sample in (seq, *self._forks.get(seq.seq_id, ())):
-                sample.adapter_id = adapter_id
+                sample.adapter_id, sample.params = adapter_id, params  # max_tokens lowered to fit, if allowed
             self._count_live(seq)
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)

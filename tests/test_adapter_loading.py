@@ -7,6 +7,7 @@ idle, the loader thread parses the files too (the manager-level tests at the end
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from pathlib import Path
@@ -133,6 +134,38 @@ def test_a_request_too_large_with_its_adapter_ends_with_a_request_error(
         engine.add_request("big-again", PROMPT, too_large, "roomy")
     engine.add_request("base", PROMPT, too_large)  # the same size fits without the adapter's pages
     engine.abort_request("base")
+    assert not engine.requests
+    engine.close()
+
+
+def test_max_tokens_lowered_to_the_pool_counts_the_adapters_pages(tiny_model_dir: Path, adapter_dir: Path) -> None:
+    """``lower_max_tokens_to_pool`` (the HTTP server's rule): the same request runs, with max_tokens
+    lowered to what the pool holds after the prompt and the adapter's pages, whether the adapter's
+    size is known at arrival or only once it is read; a min_tokens past that room is refused."""
+    llm = LLM(str(tiny_model_dir), num_pages=64)
+    engine = llm.engine
+    llm.add_adapter("roomy", adapter_dir, overwrite=True)
+    prompt_len = len(engine.tokenizer.encode(PROMPT))
+    lowered = SamplingParams(
+        temperature=0.0, max_tokens=engine.max_seq_tokens - prompt_len, ignore_eos=True, lower_max_tokens_to_pool=True
+    )
+    release = hold_loader(llm)
+    try:
+        engine.add_request("loading", PROMPT, lowered, "roomy")  # the adapter's size is not known yet
+    finally:
+        release.set()
+    finished = run(llm)
+    adapter_id = engine.adapters.resolver.resolve("roomy")
+    room = engine.max_seq_tokens - engine.adapters.num_pages(adapter_id) * engine.config.block_size - prompt_len
+    assert 1 <= room < lowered.max_tokens
+    assert finished["loading"].error is None and len(finished["loading"].outputs[0].token_ids) == room
+    engine.add_request("known", PROMPT, lowered, "roomy")  # the adapter's size known at arrival
+    finished = run(llm)
+    assert finished["known"].error is None and len(finished["known"].outputs[0].token_ids) == room
+    engine.add_request("base", PROMPT, dataclasses.replace(lowered, max_tokens=3))  # nothing to lower
+    assert len(run(llm)["base"].outputs[0].token_ids) == 3
+    with pytest.raises(RequestError, match=f"min_tokens \\({room + 1}\\) is more than the pool holds"):
+        engine.add_request("min", PROMPT, dataclasses.replace(lowered, min_tokens=room + 1), "roomy")
     assert not engine.requests
     engine.close()
 

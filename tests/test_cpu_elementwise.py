@@ -60,6 +60,23 @@ def test_rms_norm_bfloat16_rounds_where_the_model_norm_rounds() -> None:
         cpu.rms_norm(x.half(), norm.weight.data.half(), 1e-5)
 
 
+def test_bfloat16_rounding_keeps_torch_bits_for_denormals_and_nans() -> None:
+    """Where the CPU has AVX512-BF16 the kernels round with VCVTNEPS2BF16, which flushes float32
+    denormals to zero; lanes holding a denormal or a NaN take the integer rounding, so the residual
+    sum has torch's bits on every CPU (NaNs stay NaNs: the kernels write 0x7FC0, torch 0xFFFF)."""
+    gen = torch.Generator().manual_seed(10)
+    x = (torch.randn(4, 576, generator=gen) * 1e-39).to(torch.bfloat16)  # float32 denormals
+    residual = (torch.randn(4, 576, generator=gen) * 1e-39).to(torch.bfloat16)
+    x[1, 5], residual[2, 17] = -float("nan"), float("nan")
+    x[3], residual[3] = torch.randn(576, generator=gen).to(torch.bfloat16), torch.randn(576, generator=gen)
+    expected = residual.clone().add_(x)
+    assert (expected[0] != 0).sum() > 100  # sums that stay denormal
+    cpu.rms_norm(x, torch.ones(576, dtype=torch.bfloat16), 1e-5, residual)
+    nan = expected.isnan()
+    assert nan.sum() == 2 and torch.equal(residual.isnan(), nan)
+    assert torch.equal(residual.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
 def test_rope_bfloat16_in_place_equals_the_model_rope_bit_for_bit() -> None:
     from loraserve.models.rope import RotaryEmbedding
 

@@ -1,12 +1,19 @@
 // bfloat16 as the high half of a float32's bits, one value or GCC/Clang vectors of any lane count: widened
-// by a shift; narrowed by rounding to nearest even, as torch rounds (a NaN becomes torch's quiet
-// NaN, 0x7FC0). Shared by the fused elementwise ops and the LoRA kernels.
+// by a shift; narrowed by rounding to nearest even, as torch rounds (a NaN becomes the quiet NaN
+// 0x7FC0, c10's scalar one). Shared by the fused elementwise ops, the LoRA kernels and the bfloat16 GEMMs.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <utility>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define LORASERVE_BF16_CONVERT 1
+#endif
 
 namespace loraserve_bf16 {
 
@@ -26,15 +33,31 @@ inline uint16_t rounded_bits(float v) {
   return (v != v) ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
 }
 
+// N bfloat16 (their bits, a vector U16) as a vector F of N floats.
+template <typename F, typename U16, typename U32>
+inline F widened_words(U16 half) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(U16) == 32 && sizeof(F) == 64) {  // one VPMOVZXWD (GCC 12 splits the generic one in four)
+    __m256i words;
+    std::memcpy(&words, &half, sizeof(words));
+    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16);
+    F out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+  }
+#endif
+  const U32 bits = __builtin_convertvector(half, U32) << 16;
+  F out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 // The N bfloat16 values at p as a vector F of N floats (U16, U32: vectors of N uint16 / uint32).
 template <typename F, typename U16, typename U32>
 inline F load_widened(const void* p) {
   U16 half;
   std::memcpy(&half, p, sizeof(half));
-  const U32 bits = __builtin_convertvector(half, U32) << 16;
-  F out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
+  return widened_words<F, U16, U32>(half);
 }
 
 // The bfloat16 nearest to each float of v, as its 16 bits in the low half of each lane of U32.
@@ -45,6 +68,38 @@ inline U32 rounded_bits(F v) {
   const U32 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   return (v != v) ? U32{} + 0x7FC0u : rounded;
 }
+
+// The bfloat16 nearest to each float of v, as a vector U16 of its bits: rounded_bits narrowed. Where
+// the CPU has AVX512-BF16, one VCVTNEPS2BF16 (round to nearest even, as here) does it for 8 or 16
+// lanes, unless a lane is a NaN (which it keeps signed) or a float32 denormal (which it flushes
+// to zero): then the integer rounding. The same bits either way.
+template <typename U16, typename U32, typename F>
+inline U16 rounded_words(F v) {
+#if defined(LORASERVE_BF16_CONVERT)
+  constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // VFPCLASSPS: quiet NaN, denormal, signalling NaN
+  if constexpr (sizeof(F) == 64 && sizeof(U16) == 32) {
+    __m512 x;
+    std::memcpy(&x, &v, sizeof(x));
+    if (_mm512_fpclass_ps_mask(x, kNanOrDenormal) == 0) {
+      const __m256bh h = _mm512_cvtneps_pbh(x);
+      U16 out;
+      std::memcpy(&out, &h, sizeof(out));
+      return out;
+    }
+  } else if constexpr (sizeof(F) == 32 && sizeof(U16) == 16) {
+    __m256 x;
+    std::memcpy(&x, &v, sizeof(x));
+    if (_mm256_fpclass_ps_mask(x, kNanOrDenormal) == 0) {
+      const __m128bh h = _mm256_cvtneps_pbh(x);
+      U16 out;
+      std::memcpy(&out, &h, sizeof(out));
+      return out;
+    }
+  }
+#endif
+  return __builtin_convertvector(rounded_bits<U32>(v), U16);
+}
+
 
 // ---- 2N bfloat16 values as two vectors of N floats, each word unpacked under a zero word: one
 // shuffle a vector, which leaves the FMA ports to the arithmetic (a zero extension and a shift

@@ -36,24 +36,76 @@ inline at::BFloat16 store_f<at::BFloat16>(float v) {
 template <typename T>
 inline float round_f(float v) { return load_f(store_f<T>(v)); }
 
+// One vector register of lanes (16 with AVX-512: measured faster than 8 there, figures in
+// benchmarks/RESULTS.md).
+constexpr int64_t kLanes = loraserve_simd::kNativeLanes;
+using VecF = loraserve_simd::native_f32;
+using VecI = loraserve_simd::native_i32;
+using VecU32 = loraserve_simd::native_u32;
+using VecU16 = loraserve_simd::native_u16;
+
+inline VecF splat_v(float x) { return VecF{} + x; }
+
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return loraserve_attention::exp_of_remainder(x, n) * scale;
+}
+
+inline VecF exp_v_clamped(VecF x) {
+  const VecF high = splat_v(88.0f);
+  x = x > high ? high : x;  // (exp_lanes_nonpositive clamps below at -87)
+  return loraserve_attention::exp_lanes_nonpositive<VecF, VecI>(x, splat_v(-87.0f), splat_v(12582912.0f));
+}
+
+// kLanes elements in float and back, bfloat16 through its bits as load_f / store_f do one.
+inline VecF load_v(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline VecF load_v(const at::BFloat16* p) { return loraserve_bf16::load_widened<VecF, VecU16, VecU32>(p); }
+inline void store_v(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_v(at::BFloat16* p, VecF v) {
+  const VecU16 half = loraserve_bf16::rounded_words<VecU16, VecU32>(v);
+  std::memcpy(p, &half, sizeof(half));
+}
+inline VecF round_v(VecF v, const float*) { return v; }
+inline VecF round_v(VecF v, const at::BFloat16*) {
+  return loraserve_bf16::widened_words<VecF, VecU16, VecU32>(loraserve_bf16::rounded_words<VecU16, VecU32>(v));
+}
+
+
 template <typename T>
 void rms_norm_impl(const T* x_ptr, const T* w_ptr, T* sum_ptr, T* out_ptr, int64_t rows, int64_t hidden, float eps) {
+  const int64_t vector_end = hidden - hidden % kLanes;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* src = x_ptr + t * hidden;
       if (sum_ptr != nullptr) {
         T* acc = sum_ptr + t * hidden;
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) acc[i] = store_f<T>(load_f(acc[i]) + load_f(src[i]));
+        for (int64_t i = 0; i < vector_end; i += kLanes) store_v(acc + i, load_v(acc + i) + load_v(src + i));
+        for (int64_t i = vector_end; i < hidden; ++i) acc[i] = store_f<T>(load_f(acc[i]) + load_f(src[i]));
         src = acc;
       }
+      VecF lanes{};
+      for (int64_t i = 0; i < vector_end; i += kLanes) {
+        const VecF v = load_v(src + i);
+        lanes += v * v;
+      }
       float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < hidden; ++i) squares += load_f(src[i]) * load_f(src[i]);
+      for (int64_t lane = 0; lane < kLanes; ++lane) squares += lanes[lane];
+      for (int64_t i = vector_end; i < hidden; ++i) squares += load_f(src[i]) * load_f(src[i]);
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
       T* dst = out_ptr + t * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) {
+      const VecF inv_v = splat_v(inv);
+      for (int64_t i = 0; i < vector_end; i += kLanes) {
+        store_v(dst + i, load_v(w_ptr + i) * round_v(load_v(src + i) * inv_v, src));
+      }
+      for (int64_t i = vector_end; i < hidden; ++i) {
         dst[i] = store_f<T>(load_f(w_ptr[i]) * round_f<T>(load_f(src[i]) * inv));
       }
     }
@@ -147,51 +199,6 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 // is the attention kernels' polynomial (about 1 ulp) with its argument clamped to [-87, 88], so
 // silu(g) is exact to a few ulp for every finite g and 0 (not NaN) far below zero.
 namespace {
-
-// One vector register of lanes (16 with AVX-512: measured faster than 8 there, figures in
-// benchmarks/RESULTS.md).
-constexpr int64_t kLanes = loraserve_simd::kNativeLanes;
-using VecF = loraserve_simd::native_f32;
-using VecI = loraserve_simd::native_i32;
-using VecU32 = loraserve_simd::native_u32;
-using VecU16 = loraserve_simd::native_u16;
-
-inline VecF splat_v(float x) { return VecF{} + x; }
-
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return loraserve_attention::exp_of_remainder(x, n) * scale;
-}
-
-inline VecF exp_v_clamped(VecF x) {
-  const VecF high = splat_v(88.0f);
-  x = x > high ? high : x;  // (exp_lanes_nonpositive clamps below at -87)
-  return loraserve_attention::exp_lanes_nonpositive<VecF, VecI>(x, splat_v(-87.0f), splat_v(12582912.0f));
-}
-
-// kLanes elements in float and back, bfloat16 through its bits as load_f / store_f do one.
-inline VecF load_v(const float* p) {
-  VecF v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline VecF load_v(const at::BFloat16* p) { return loraserve_bf16::load_widened<VecF, VecU16, VecU32>(p); }
-inline void store_v(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
-inline void store_v(at::BFloat16* p, VecF v) {
-  const VecU16 half = __builtin_convertvector(loraserve_bf16::rounded_bits<VecU32>(v), VecU16);
-  std::memcpy(p, &half, sizeof(half));
-}
-inline VecF round_v(VecF v, const float*) { return v; }
-inline VecF round_v(VecF v, const at::BFloat16*) {
-  const VecU32 bits = loraserve_bf16::rounded_bits<VecU32>(v) << 16;
-  VecF out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
 
 template <typename T>
 void silu_and_mul_impl(T* gate, int64_t gate_stride, const T* up, int64_t up_stride, int64_t rows, int64_t width) {
