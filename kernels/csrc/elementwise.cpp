@@ -20,8 +20,9 @@
 // norm is taken of the sum. In bfloat16 every step rounds where the torch ops round.
 namespace {
 
-// Element access in float for the fused ops: float as it is; bfloat16 through its bits (round to
-// nearest even, as torch rounds; NaN kept a quiet NaN), written so the loops vectorize.
+// Element access in float for the fused ops' scalar tails: float as it is; bfloat16 through its bits
+// (round to nearest even, as torch rounds; NaN kept a quiet NaN). The vector loops use load_v /
+// store_v below, kLanes at a time.
 inline float load_f(float v) { return v; }
 inline float load_f(at::BFloat16 v) { return loraserve_bf16::widened(v.x); }
 template <typename T>
