@@ -48,6 +48,15 @@ def hold_loader(llm: LLM) -> threading.Event:
     return release
 
 
+def add_while_loading(llm: LLM, request_id: str, params: SamplingParams, adapter: str) -> None:
+    """Queue a request while the loader thread is busy, so the adapter's size is not known yet."""
+    release = hold_loader(llm)
+    try:
+        llm.engine.add_request(request_id, PROMPT, params, adapter)
+    finally:
+        release.set()
+
+
 def run(llm: LLM) -> dict[str, RequestOutput]:
     finished: dict[str, RequestOutput] = {}
     while llm.engine.has_unfinished_requests():
@@ -120,11 +129,7 @@ def test_a_request_too_large_with_its_adapter_ends_with_a_request_error(
     prompt_len = len(engine.tokenizer.encode(PROMPT))
     assert engine.max_seq_tokens < engine.max_model_len  # the pool is the binding limit
     too_large = SamplingParams(temperature=0.0, max_tokens=engine.max_seq_tokens - prompt_len, ignore_eos=True)
-    release = hold_loader(llm)
-    try:
-        engine.add_request("big", PROMPT, too_large, "roomy")  # the adapter's size is not known yet
-    finally:
-        release.set()
+    add_while_loading(llm, "big", too_large, "roomy")
     finished = run(llm)
     assert finished["big"].error_code == REQUEST_TOO_LARGE and finished["big"].outputs[0].finish_reason == "abort"
     assert finished["big"].error is not None and "needs more pages than the pool holds" in finished["big"].error
@@ -149,11 +154,7 @@ def test_max_tokens_lowered_to_the_pool_counts_the_adapters_pages(tiny_model_dir
     lowered = SamplingParams(
         temperature=0.0, max_tokens=engine.max_seq_tokens - prompt_len, ignore_eos=True, lower_max_tokens_to_pool=True
     )
-    release = hold_loader(llm)
-    try:
-        engine.add_request("loading", PROMPT, lowered, "roomy")  # the adapter's size is not known yet
-    finally:
-        release.set()
+    add_while_loading(llm, "loading", lowered, "roomy")
     finished = run(llm)
     adapter_id = engine.adapters.resolver.resolve("roomy")
     room = engine.max_seq_tokens - engine.adapters.num_pages(adapter_id) * engine.config.block_size - prompt_len
