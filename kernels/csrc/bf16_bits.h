@@ -11,7 +11,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #define LORASERVE_BF16_CONVERT 1
 #endif
 
@@ -69,28 +69,18 @@ inline U32 rounded_bits(F v) {
   return (v != v) ? U32{} + 0x7FC0u : rounded;
 }
 
-// The bfloat16 nearest to each float of v, as a vector U16 of its bits: rounded_bits narrowed. Where
-// the CPU has AVX512-BF16, one VCVTNEPS2BF16 (round to nearest even, as here) does it for 8 or 16
-// lanes, unless a lane is a NaN (which it keeps signed) or a float32 denormal (which it flushes
-// to zero): then the integer rounding. The same bits either way.
+// The bfloat16 nearest to each float of v, as a vector U16 of its bits: rounded_bits narrowed. For
+// 16 lanes where the CPU has AVX512-BF16 (the only width its callers use there), one VCVTNEPS2BF16
+// (round to nearest even, as here) does it, unless a lane is a NaN (which it keeps signed) or a
+// float32 denormal (which it flushes to zero): then the integer rounding. The same bits either way.
 template <typename U16, typename U32, typename F>
 inline U16 rounded_words(F v) {
 #if defined(LORASERVE_BF16_CONVERT)
-  constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // VFPCLASSPS: quiet NaN, denormal, signalling NaN
   if constexpr (sizeof(F) == 64 && sizeof(U16) == 32) {
     __m512 x;
     std::memcpy(&x, &v, sizeof(x));
-    if (_mm512_fpclass_ps_mask(x, kNanOrDenormal) == 0) {
+    if (_mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80) == 0) {  // VFPCLASSPS: quiet NaN, denormal, signalling NaN
       const __m256bh h = _mm512_cvtneps_pbh(x);
-      U16 out;
-      std::memcpy(&out, &h, sizeof(out));
-      return out;
-    }
-  } else if constexpr (sizeof(F) == 32 && sizeof(U16) == 16) {
-    __m256 x;
-    std::memcpy(&x, &v, sizeof(x));
-    if (_mm256_fpclass_ps_mask(x, kNanOrDenormal) == 0) {
-      const __m128bh h = _mm256_cvtneps_pbh(x);
       U16 out;
       std::memcpy(&out, &h, sizeof(out));
       return out;
