@@ -81,24 +81,30 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stopped = False
+        # Set by the loop, under the lock, before it fails what is queued: a command posted after
+        # that would wait forever, though the dying thread is still alive for a moment.
+        self._loop_ended = False
         self.draining = False  # shutting down: no new requests, the ones in flight run on
         self.num_step_errors = 0
 
     # ---- lifecycle --------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._loop_ended
 
     def start(self) -> None:
         """Start the engine thread (idempotent). Raises EngineDeadError after :meth:`shutdown`."""
         with self._lock:
-            if self._stopped:
-                raise EngineDeadError("the engine loop was shut down")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=_THREAD_NAME, daemon=True)
-                self._thread.start()
-            elif not self._thread.is_alive():
-                raise EngineDeadError("the engine loop thread has died; see the server log")
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._stopped:
+            raise EngineDeadError("the engine loop was shut down")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=_THREAD_NAME, daemon=True)
+            self._thread.start()
+        elif self._loop_ended or not self._thread.is_alive():
+            raise EngineDeadError("the engine loop thread has died; see the server log")
 
     def run_on_this_thread(self, ready: Callable[[], None] | None = None) -> None:
         """Run the engine loop on the calling thread until :meth:`shutdown` (instead of the thread
@@ -210,8 +216,9 @@ class AsyncEngine:
             self._commands.put(AbortCommand(request_id))
 
     def _post(self, command: EngineCommand) -> None:
-        self.start()
-        self._commands.put(command)
+        with self._lock:
+            self._start_locked()
+            self._commands.put(command)
 
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -228,6 +235,8 @@ class AsyncEngine:
             logger.exception("engine loop crashed")
             raise
         finally:
+            with self._lock:
+                self._loop_ended = True
             self._fail_all(EngineDeadError("the engine loop stopped"))
             self._fail_pending_commands()
             logger.info("engine loop stopped")

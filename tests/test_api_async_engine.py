@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from typing import Any
 
@@ -182,3 +183,47 @@ def test_run_on_this_thread_owns_the_calling_thread_until_shutdown() -> None:
     assert not owner.is_alive()
     with pytest.raises(EngineDeadError):
         engine.start()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop's thread dies
+def test_a_request_posted_while_the_loop_dies_is_refused_not_lost(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A dying loop fails what is queued, then its thread ends a moment later. A request posted in
+    between was once queued where nothing would read it, and its client waited forever."""
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    in_window, release = threading.Event(), threading.Event()
+
+    def dying_step() -> list[RequestOutput]:
+        raise SystemExit("injected: the loop dies")
+
+    class HoldTheLastLogLine(logging.Handler):  # keeps the dying thread alive, past the queue's draining
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage() == "engine loop stopped":
+                in_window.set()
+                release.wait(10)
+
+    monkeypatch.setattr(fake, "step", dying_step)
+    caplog.set_level(logging.INFO, logger="loraserve.api.async_engine")
+    holder = HoldTheLastLogLine()
+    logging.getLogger("loraserve.api.async_engine").addHandler(holder)
+
+    async def main() -> None:
+        stream = await engine.add_request("a", "p", SamplingParams(max_tokens=5))
+        with pytest.raises(EngineDeadError, match="the engine loop stopped"):
+            async for _ in stream:
+                pass
+        assert await asyncio.to_thread(in_window.wait, 5)
+        with pytest.raises(EngineDeadError, match="has died"):
+            await asyncio.wait_for(engine.add_request("b", "p", SamplingParams()), 5)
+        with pytest.raises(EngineDeadError, match="has died"):
+            await asyncio.wait_for(engine.call(lambda _: None), 5)
+
+    try:
+        run(main())
+    finally:
+        release.set()
+        engine.shutdown()  # joins the dying thread, so its exception is reported in this test
+        logging.getLogger("loraserve.api.async_engine").removeHandler(holder)
+    assert not engine.is_running
