@@ -104,13 +104,15 @@ def test_cancelled_task_aborts() -> None:
     fake = FakeEngine()
     engine = AsyncEngine(fake)  # type: ignore[arg-type]
 
+    running = asyncio.Event()
+
     async def consume() -> None:
         async for _ in engine.generate("a", "p", SamplingParams(max_tokens=10_000)):
-            pass  # the cancellation lands inside the generator, whose finally aborts
+            running.set()  # the cancellation lands inside the generator, whose finally aborts
 
     async def main() -> None:
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        await running.wait()  # accepted and streaming (cancelled earlier, the add itself is called off)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -4,6 +4,9 @@ serves them, /metrics, and cancellation when a client disconnects."""
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -144,4 +147,36 @@ def test_non_stream_disconnect_aborts(server: tuple[ServerThread, LLMEngine], ht
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=1.0))
     values = wait_until_idle(http, server[1], timeout=20)
+    assert values[("loraserve_generation_tokens_total", (("model", MODEL),))] - before < 400
+
+
+def test_a_stream_left_before_its_first_byte_is_aborted(
+    server: tuple[ServerThread, LLMEngine], http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client sends a streamed request and leaves before the engine has even accepted it (a
+    busy engine thread; here: slow to accept it): the request is aborted all the same, instead of
+    running to max_tokens for nobody."""
+    engine = server[1]
+    aborted = threading.Event()
+    abort, add = engine.abort_request, engine.add_request
+
+    def recording_abort(request_id: str) -> None:
+        aborted.set()
+        abort(request_id)
+
+    def slow_add(*args: Any, **kwargs: Any) -> None:
+        time.sleep(1.0)  # the client has left before its request is accepted
+        add(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "abort_request", recording_abort)
+    monkeypatch.setattr(engine, "add_request", slow_add)
+    before = metric_values(http)[("loraserve_generation_tokens_total", (("model", MODEL),))]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    payload = json.dumps(body).encode()
+    url = httpx.URL(server[0].url)
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((url.host, url.port)) as connection:
+        connection.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    assert aborted.wait(30), "the request ran on after its client left"
+    values = wait_until_idle(http, engine, timeout=20)
     assert values[("loraserve_generation_tokens_total", (("model", MODEL),))] - before < 400

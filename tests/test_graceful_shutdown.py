@@ -106,11 +106,12 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(
     _wait_running(url, 16)
     signalled = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    late = httpx.post(url + "/v1/completions", json={"model": _model(url), "prompt": "x", "max_tokens": 2})
+    while httpx.get(url + "/health", timeout=60).status_code != 503:  # the handler ran: draining
+        assert time.monotonic() - signalled < 30, "SIGTERM did not start the drain"
+        time.sleep(0.05)
+    late = httpx.post(url + "/v1/completions", json={"model": _model(url), "prompt": "x", "max_tokens": 2}, timeout=60)
     error = late.json()["error"]
     assert late.status_code == 503 and error["code"] == 503 and "shutting down" in error["message"]
-    assert httpx.get(url + "/health").status_code == 503
     for thread in threads:
         thread.join(120)
     assert process.wait(60) == 0
