@@ -1,6 +1,6 @@
 """Two ``loraserve serve`` processes on one redis-server (issue 20's replica test, without Ray): an
 adapter uploaded to the first is served by the second with the same greedy output; deleted on the
-second, the first answers 404 for it within a second (the delete is published, not polled)."""
+second, the first answers 404 for it within 5 s (the delete is published, not polled)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,6 @@ def test_an_adapter_uploaded_on_one_server_is_served_and_deleted_on_the_other(
     assert base != on_first.json()["choices"][0]["text"]  # the adapter changes the output
     assert httpx.delete(second + "/v1/adapters/shared", timeout=60).status_code == 200
     deleted_at = time.monotonic()
-    while (status := complete(first, "shared").status_code) != 404 and time.monotonic() - deleted_at < 1.0:
+    while (status := complete(first, "shared").status_code) != 404 and time.monotonic() - deleted_at < 5.0:
         time.sleep(0.02)
-    assert status == 404, "the first server still served the adapter a second after its delete"
+    assert status == 404, "the first server still served the adapter 5 s after its delete"
