@@ -93,7 +93,7 @@ def test_sigterm_drains_the_replicas_then_the_command_exits_0(tiny_model_dir: Pa
     try:
         _wait_for(serving, 180, "the command serving")
         first_chunk, outcome = threading.Event(), {}
-        body = {"model": "base", "prompt": "Count with me:", "max_tokens": 1000, "ignore_eos": True, "stream": True,
+        body = {"model": "base", "prompt": "Count with me:", "max_tokens": 1900, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
 
         def stream() -> None:
@@ -119,7 +119,7 @@ def test_sigterm_drains_the_replicas_then_the_command_exits_0(tiny_model_dir: Pa
         assert late.status_code == 503 and "shutting down" in late.text, late.text
         assert late.json()["error"]["code"] == 503
         streamer.join(120)
-        assert outcome == {"finish_reason": "length", "tokens": 1000}
+        assert outcome == {"finish_reason": "length", "tokens": 1900}
         assert process.wait(90) == 0
         assert time.monotonic() - signalled < 90
         assert "replicas drained (0 request(s) ended early)" in (tmp_path / "serve.log").read_text()
