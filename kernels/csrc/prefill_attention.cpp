@@ -8,6 +8,10 @@
 // 6 query vectors (row x head of the group) at a time, kChunk scores each come out of one
 // accumulator over head_dim (6 independent chains, each key row loaded once), and an
 // online-softmax step folds them into the vectors' outputs, kChunk columns at a time in registers.
+// In bfloat16 on a CPU with AVX512-BF16 the keys stay bfloat16: gathered as head_dim pairs, each
+// dot product instruction takes two terms of every score (the products exact, the sums float32, the
+// scale applied to the sums), about half the instructions of widening them (benchmarks/RESULTS.md,
+// 2026-12-07); the values are widened.
 // Every page id a sequence uses is checked against the pool before any work starts.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -17,7 +21,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "attention_common.h"
 #include "prefill_attention_amx.h"
@@ -88,6 +97,27 @@ inline void store_v(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
 constexpr int64_t kQueryBlock = 64;  // query rows per work item (the gathered keys and values serve them all)
 constexpr int64_t kVecBlock = 6;     // query vectors whose scores and outputs are computed together
 
+// bfloat16 scores by AVX512-BF16 pair dots where the CPU has them: the query and the gathered keys
+// stay bfloat16, each dot product takes two head_dim terms (products exact, sums float32), and the
+// scale multiplies the sums. Without them (or for float32 and float16) the keys are widened.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kPairDots = true;
+// scores[b] += sum over pairs p of q_b's pair p . keys' pair p, 16 keys (lanes) at once
+inline void pair_dot_scores(const uint32_t* keys_p, const uint32_t* const* qs, int64_t num_pairs, VecF* scores,
+                            int64_t nb) {
+  __m512 acc[kVecBlock];
+  for (int64_t b = 0; b < kVecBlock; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const __m512bh key = (__m512bh)_mm512_loadu_si512(keys_p + p * kChunk);
+    for (int64_t b = 0; b < kVecBlock; ++b)
+      acc[b] = _mm512_dpbf16_ps(acc[b], key, (__m512bh)_mm512_set1_epi32(static_cast<int>(qs[b][p])));
+  }
+  for (int64_t b = 0; b < nb; ++b) scores[b] = (VecF)acc[b];
+}
+#else
+constexpr bool kPairDots = false;
+#endif
+
 template <typename scalar_t>
 void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vector<int64_t>& starts,
                   const std::vector<int64_t>& cached, const at::Tensor& block_tables, double scale, at::Tensor& out) {
@@ -100,6 +130,9 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
+  constexpr bool kPairs = kPairDots && std::is_same_v<scalar_t, at::BFloat16>;
+  const bool pairs = kPairs && head_dim % 2 == 0;  // bfloat16 scores by pair dots (queries and keys as pairs)
+  const int64_t num_pairs = head_dim / 2;
 
   const std::vector<loraserve_attention::PrefillItem> items =
       loraserve_attention::prefill_items(starts, num_kv_heads, kQueryBlock);
@@ -112,6 +145,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
     std::vector<float> keys_t(head_dim * kChunk), values(kChunk * head_dim), q(vecs * head_dim), acc(vecs * head_dim);
     std::vector<float> max_score(vecs);
     std::vector<VecF> sums(vecs);
+    std::vector<uint32_t> keys_p(pairs ? num_pairs * kChunk : 0), q_p(pairs ? vecs * num_pairs : 0);  // bf16 pairs
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item_index = 0; item_index < num_items; ++item_index) {
       const loraserve_attention::PrefillItem item = items[item_index];
@@ -120,6 +154,10 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
       for (int64_t i = 0; i < item.rows; ++i)
         for (int64_t hh = 0; hh < group; ++hh) {
           const scalar_t* src = q_ptr + ((first_row + i) * num_heads + item.kv_head * group + hh) * head_dim;
+          if (pairs) {
+            std::memcpy(q_p.data() + (i * group + hh) * num_pairs, src, head_dim * sizeof(scalar_t));
+            continue;
+          }
           float* dst = q.data() + (i * group + hh) * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
         }
@@ -131,13 +169,22 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
         const int64_t chunk = std::min(kChunk, num_keys - j0);
         for (int64_t jj = 0; jj < kChunk; ++jj) {
           if (jj >= chunk) {
-            for (int64_t d = 0; d < head_dim; ++d) keys_t[d * kChunk + jj] = 0.f;
+            if (pairs) {
+              for (int64_t p = 0; p < num_pairs; ++p) keys_p[p * kChunk + jj] = 0;
+            } else {
+              for (int64_t d = 0; d < head_dim; ++d) keys_t[d * kChunk + jj] = 0.f;
+            }
             continue;
           }
           const int64_t pos = j0 + jj;
           const scalar_t* row = kv_ptr + table[pos / block_size] * page_stride + (pos % block_size) * row_stride +
                                 item.kv_head * head_dim;
           const scalar_t* value_row = row + half_stride;
+          if (pairs) {  // the key's bfloat16 pairs as they are, the values widened
+            for (int64_t p = 0; p < num_pairs; ++p) std::memcpy(&keys_p[p * kChunk + jj], row + 2 * p, sizeof(uint32_t));
+            for (int64_t d = 0; d < head_dim; ++d) values[jj * head_dim + d] = static_cast<float>(value_row[d]);
+            continue;
+          }
           for (int64_t d = 0; d < head_dim; ++d) {
             keys_t[d * kChunk + jj] = static_cast<float>(row[d]);
             values[jj * head_dim + d] = static_cast<float>(value_row[d]);
@@ -149,13 +196,23 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
         for (int64_t v0 = v_begin; v0 < v_end; v0 += kVecBlock) {
           const int64_t nv = std::min(kVecBlock, v_end - v0);
           // scores of kVecBlock query vectors at once: independent accumulators, each key row loaded once
+          VecF scores[kVecBlock];
+          if constexpr (kPairs) {
+            if (pairs) {
+              const uint32_t* qps[kVecBlock];
+              for (int64_t b = 0; b < kVecBlock; ++b) qps[b] = q_p.data() + std::min(v0 + b, v_end - 1) * num_pairs;
+              pair_dot_scores(keys_p.data(), qps, num_pairs, scores, nv);
+              for (int64_t b = 0; b < nv; ++b) scores[b] *= fscale;
+            }
+          }
           const float* qs[kVecBlock];
           for (int64_t b = 0; b < kVecBlock; ++b) qs[b] = q.data() + std::min(v0 + b, v_end - 1) * head_dim;
-          VecF scores[kVecBlock];
-          for (int64_t b = 0; b < kVecBlock; ++b) scores[b] = splat_v(0.f);
-          for (int64_t d = 0; d < head_dim; ++d) {
-            const VecF key = load_v(keys_t.data() + d * kChunk);
-            for (int64_t b = 0; b < kVecBlock; ++b) scores[b] += splat_v(qs[b][d]) * key;
+          if (!pairs) {
+            for (int64_t b = 0; b < kVecBlock; ++b) scores[b] = splat_v(0.f);
+            for (int64_t d = 0; d < head_dim; ++d) {
+              const VecF key = load_v(keys_t.data() + d * kChunk);
+              for (int64_t b = 0; b < kVecBlock; ++b) scores[b] += splat_v(qs[b][d]) * key;
+            }
           }
           float p[kVecBlock][kChunk];
           float correction[kVecBlock];

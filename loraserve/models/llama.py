@@ -92,7 +92,7 @@ class LlamaAttention(nn.Module):
         if tables.index is not None and isinstance(self.qkv_packed, ConcatLinear):
             return self._forward_reference(hidden, tables, kv, batch, lora)
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_packed(hidden)
+        q, k, v = self.qkv_packed.forward(hidden)
         if lora is not None:
             lora(hidden, self.layer_index, "qkv", (q, k, v), batch)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
@@ -165,7 +165,7 @@ class LlamaAttention(nn.Module):
 
     def _project(self, attn: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
         """o_proj (and its LoRA) of ``attn`` ``[num_tokens, num_heads * head_dim]``."""
-        result = self.o_proj(attn)
+        result = self.o_proj.forward(attn)
         if lora is not None:
             lora(attn, self.layer_index, "o", (result,), batch)
         return result
@@ -187,7 +187,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, lora: LoRAHook | None) -> torch.Tensor:
         act = self._activation(hidden, batch, lora)  # [num_tokens, intermediate]
-        out = self.down_proj(act)  # [num_tokens, hidden]
+        out = self.down_proj.forward(act)  # [num_tokens, hidden]
         if lora is not None:
             lora(act, self.layer_index, "down", (out,), batch)
         return out
@@ -198,7 +198,7 @@ class LlamaMLP(nn.Module):
         epilogue = isinstance(packed, PackedLinearGroup) and packed.runs_silu_epilogue(hidden)
         if epilogue and not (batch.lora is not None and batch.lora.touches(self.layer_index, "gate_up")):
             return cast(PackedLinearGroup, packed).silu_and_mul(hidden)  # in the epilogues: no pass over both
-        gate, up = packed(hidden)  # [num_tokens, intermediate] each
+        gate, up = packed.forward(hidden)  # [num_tokens, intermediate] each
         if lora is not None:
             lora(hidden, self.layer_index, "gate_up", (gate, up), batch)
         if self.silu_and_mul is not None:
@@ -229,10 +229,11 @@ class LlamaDecoderLayer(nn.Module):
         """``residual`` is the stream, updated in place; ``pending`` the previous layer's MLP output,
         not yet added (None before the first layer). Returns this layer's MLP output, pending in
         turn: each add is fused into the norm that follows it."""
-        normed = self.input_layernorm(residual) if pending is None else self.input_layernorm(pending, residual=residual)
-        attn = self.self_attn(normed, tables, kv, batch, lora)
-        normed = self.post_attention_layernorm(attn, residual=residual)  # residual += attn
-        return self.mlp(normed, batch, lora)
+        input_norm = self.input_layernorm.forward
+        normed = input_norm(residual) if pending is None else input_norm(pending, residual=residual)
+        attn = self.self_attn.forward(normed, tables, kv, batch, lora)
+        normed = self.post_attention_layernorm.forward(attn, residual=residual)  # residual += attn
+        return self.mlp.forward(normed, batch, lora)
 
 
 class LlamaModel(nn.Module):
@@ -262,8 +263,10 @@ class LlamaForCausalLM(nn.Module):
         residual = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         tables = self._step_tables(batch, residual.dtype, block_size=kv_caches[0].shape[2])
         pending: torch.Tensor | None = None  # [num_tokens, hidden]
+        # Inside the model, submodules are called through forward, skipping nn.Module.__call__'s hook
+        # checks (about 11 calls a layer in every step; the model registers no hooks).
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            pending = layer(residual, pending, tables, kv, batch, lora)
+            pending = layer.forward(residual, pending, tables, kv, batch, lora)
         # The last add only for the rows that are sampled.
         residual = residual.index_select(0, batch.logits_indices)  # [num_sampled, hidden]
         if pending is None:

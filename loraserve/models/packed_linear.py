@@ -224,7 +224,7 @@ class PackedLinear(nn.Module):
             raise ValueError("a PackedLinear's group must be the layer it wraps alone")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_rows, in_features] -> [num_rows, out_features]
-        return self.group(x)[0]
+        return self.group.forward(x)[0]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
