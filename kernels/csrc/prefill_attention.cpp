@@ -101,6 +101,7 @@ constexpr int64_t kVecBlock = 6;     // query vectors whose scores and outputs a
 // stay bfloat16, each dot product takes two head_dim terms (products exact, sums float32), and the
 // scale multiplies the sums. Without them (or for float32 and float16) the keys are widened.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define LORASERVE_PREFILL_PAIR_DOTS 1
 constexpr bool kPairDots = true;
 // scores[b] += sum over pairs p of q_b's pair p . keys' pair p, 16 keys (lanes) at once
 inline void pair_dot_scores(const uint32_t* keys_p, const uint32_t* const* qs, int64_t num_pairs, VecF* scores,
@@ -197,14 +198,14 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
           const int64_t nv = std::min(kVecBlock, v_end - v0);
           // scores of kVecBlock query vectors at once: independent accumulators, each key row loaded once
           VecF scores[kVecBlock];
-          if constexpr (kPairs) {
-            if (pairs) {
-              const uint32_t* qps[kVecBlock];
-              for (int64_t b = 0; b < kVecBlock; ++b) qps[b] = q_p.data() + std::min(v0 + b, v_end - 1) * num_pairs;
-              pair_dot_scores(keys_p.data(), qps, num_pairs, scores, nv);
-              for (int64_t b = 0; b < nv; ++b) scores[b] *= fscale;
-            }
+#if defined(LORASERVE_PREFILL_PAIR_DOTS)  // (a call in a discarded branch must still name a declared function)
+          if (pairs) {
+            const uint32_t* qps[kVecBlock];
+            for (int64_t b = 0; b < kVecBlock; ++b) qps[b] = q_p.data() + std::min(v0 + b, v_end - 1) * num_pairs;
+            pair_dot_scores(keys_p.data(), qps, num_pairs, scores, nv);
+            for (int64_t b = 0; b < nv; ++b) scores[b] *= fscale;
           }
+#endif
           const float* qs[kVecBlock];
           for (int64_t b = 0; b < kVecBlock; ++b) qs[b] = q.data() + std::min(v0 + b, v_end - 1) * head_dim;
           if (!pairs) {
