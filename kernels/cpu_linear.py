@@ -92,6 +92,26 @@ def linear_pair_panels(
     return outputs
 
 
+def linear_pair_panels_silu(
+    x: torch.Tensor,  # [num_rows, in_features] bfloat16
+    panels: torch.Tensor,  # [2 * ceil(width / 16), ceil(in / 2), 32] bf16: pack_pair_panels([W_gate, W_up])
+    bias: torch.Tensor | None,  # [num_panels * 16] float32 from pack_pair_panels
+    width: int,  # out_features of the gate and of the up
+) -> torch.Tensor:  # [num_rows, width] bfloat16
+    """``silu(gate) * up`` of a gated pair in the epilogue of ``linear_pair_panels``' tiles:
+
+        out[m, n] = bf16( bf16(silu(gate[m, n])) * up[m, n] )
+
+    with ``gate, up = linear_pair_panels(x, panels, bias, [width, width])``, bit for bit what that
+    call followed by ``cpu.silu_and_mul_(gate, up)`` gives, without writing and reading ``up``.
+    Each tile holds a gate panel and its up panel (kernels/csrc/linear_pair_panels.cpp). Built
+    where ``linear_pair_panels`` is."""
+    module = cpu.load_extension()
+    assert module is not None, "linear_pair_panels_silu needs the compiled CPU kernels"
+    output: torch.Tensor = module.linear_pair_panels_silu(x.contiguous(), panels, bias, width)
+    return output
+
+
 def linear_pair_panels_available() -> bool:
     """Whether this build has ``linear_pair_panels`` (its target has avx512_bf16)."""
     module = cpu.load_extension()

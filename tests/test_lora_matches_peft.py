@@ -112,7 +112,11 @@ def test_silu_in_the_gemm_epilogue_matches_peft(
     monkeypatch.setattr(
         gemm_choice, "time_kernels", lambda members, rows, kernels: {k: [1.0] * len(rows) for k in kernels}
     )
-    monkeypatch.setattr(gemm_choice, "time_silu_epilogue", lambda members, rows, kernels: {r: [1.0, 0.5] for r in rows})
+    monkeypatch.setattr(
+        gemm_choice,
+        "time_gated",  # every kernel with the pass 1 s, torch with its epilogue 0.5 s
+        lambda members, rows, kernels: ({k: [1.0] * len(rows) for k in kernels}, {GemmKernel.TORCH: [0.5] * len(rows)}),
+    )
     epilogues: list[int] = []
     run = PackedLinearGroup.run_silu_and_mul
 

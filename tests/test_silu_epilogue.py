@@ -1,5 +1,6 @@
-"""A gated MLP's SiLU-and-mul in oneDNN's GEMM epilogues: its arithmetic against a float64
-reference, the buckets that run it, its timed choice and cache, and the MLP taking the two
+"""A gated MLP's SiLU-and-mul in the GEMM's epilogue (oneDNN's post-ops, the bfloat16 panels'
+tiles): its arithmetic against a float64 reference (the panels': bit for bit the pass's), the
+buckets that run it, its timing with the kernel choice and cache, and the MLP taking the two
 outputs whenever the step's adapters add LoRA to gate or up."""
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from loraserve.models import gemm_choice
 from loraserve.models.gemm_choice import GemmPolicy, pack_linears
 from loraserve.models.llama import LlamaMLP
 from loraserve.models.model_kernels import ModelKernels
-from loraserve.models.packed_linear import GemmKernel, PackedLinearGroup, kernels_for
-from loraserve.models.silu_epilogue import pick_silu_epilogue, time_silu_epilogue
+from loraserve.models.packed_linear import GemmKernel, PackedLinearGroup, kernels_for, silu_epilogue_kernels
+from loraserve.models.silu_epilogue import pick_gated, time_gated
 
 pytestmark = pytest.mark.skipif(
     cpu.load_extension() is None or GemmKernel.ONEDNN not in kernels_for(torch.float32),
@@ -39,8 +40,10 @@ def _pair(dtype: torch.dtype, bias: bool, seed: int = 0) -> list[nn.Linear]:
     return [nn.Linear(40, 72, bias=bias).to(dtype) for _ in range(2)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", [D, T])
+FUSING = [(dtype, kernel) for dtype in (torch.float32, torch.bfloat16) for kernel in silu_epilogue_kernels(dtype)]
+
+
+@pytest.mark.parametrize(("dtype", "kernel"), FUSING, ids=[f"{str(d)[6:]}-{k.value}" for d, k in FUSING])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_epilogue_gives_silu_of_the_first_output_times_the_second(
     dtype: torch.dtype, kernel: GemmKernel, bias: bool
@@ -57,6 +60,24 @@ def test_the_epilogue_gives_silu_of_the_first_output_times_the_second(
         assert epilogue.shape == (rows, 72) and epilogue.dtype == dtype
         allowed = 2 * (passed.double() - exact).abs().max().item() + (1e-5 if dtype == torch.float32 else 2e-2)
         assert (epilogue.double() - exact).abs().max().item() <= allowed
+        if kernel is P:  # the tiles' epilogue rounds as the two outputs and the pass over them do
+            cpu.silu_and_mul_(after[0], after[1])
+            assert torch.equal(epilogue.view(torch.int16), after[0].view(torch.int16))
+
+
+@pytest.mark.skipif(GemmKernel.PANELS not in silu_epilogue_kernels(torch.bfloat16), reason="needs avx512_bf16")
+@pytest.mark.parametrize("rows", [1, 6, 13, 144, 301])
+@pytest.mark.parametrize("width", [16, 40, 64, 100, 1536])
+def test_the_panels_epilogue_matches_the_pass_bit_for_bit(rows: int, width: int) -> None:
+    """Every tiling of the gated tiles (one or two gate panels, 1-12 rows, a partial last panel,
+    several row blocks) gives the bits of the plain call and silu_and_mul_."""
+    torch.manual_seed(width + rows)
+    gate, up = (nn.Linear(65, width, bias=True).to(torch.bfloat16) for _ in range(2))
+    group = PackedLinearGroup([gate, up], (P,), (True,))
+    x = (3 * torch.randn(rows, 65)).to(torch.bfloat16)
+    after = group.run(P, x)
+    cpu.silu_and_mul_(after[0], after[1])
+    assert torch.equal(group.silu_and_mul(x).view(torch.int16), after[0].view(torch.int16))
 
 
 def _double(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -71,7 +92,7 @@ def test_a_group_runs_the_epilogue_only_in_the_row_buckets_that_chose_it() -> No
     with pytest.raises(ValueError, match="bucket of 16 rows does not run"):
         group.silu_and_mul(torch.randn(16, 40))
     assert PackedLinearGroup([gate, up], (T, P)).silu_epilogue == (False, False)  # none by default
-    with pytest.raises(ValueError, match="only in buckets of the onednn or torch kernel"):
+    with pytest.raises(ValueError, match=r"only in buckets of \['onednn', 'torch'\]"):
         PackedLinearGroup([gate, up], (T, P), (False, True))
     with pytest.raises(ValueError, match="one entry per row bucket"):
         PackedLinearGroup([gate, up], (T, D), (True,))
@@ -81,13 +102,16 @@ def test_a_group_runs_the_epilogue_only_in_the_row_buckets_that_chose_it() -> No
         PackedLinearGroup([gate, nn.Linear(40, 8)], (T,), (True,))
 
 
-def test_the_epilogue_is_chosen_where_it_was_timed_clearly_faster() -> None:
-    times = {1: [1.0, 0.5], 4: [1.0, 0.99], 16: [1.0, 1.5]}  # seconds of the pass, of the epilogue
-    assert pick_silu_epilogue(times, (1, 4, 16, 64)) == (True, False, False, False)  # 64: not timed
+def test_a_kernel_counts_with_its_epilogue_where_that_was_timed_clearly_faster() -> None:
+    with_pass = {T: [1.0, 1.0, 1.0], P: [2.0, 2.0, 2.0]}  # seconds with the pass, per bucket
+    with_epilogue = {T: [0.5, 0.99, 1.5]}  # panels in float32: no epilogue
+    times, epilogue = pick_gated(with_pass, with_epilogue)
+    assert times == {T: [0.5, 1.0, 1.0], P: [2.0, 2.0, 2.0]}
+    assert epilogue == {T: (True, False, False), P: (False, False, False)}
     pair = _pair(torch.float32, bias=True)
-    timed = time_silu_epilogue([pair, _pair(torch.float32, True, seed=1)], (1, 4, 16), (P, T, D))
-    assert sorted(timed) == [4, 16] and all(len(ts) == 2 and min(ts) > 0 for ts in timed.values())
-    assert time_silu_epilogue([[pair[0]]], (1,), (T,)) == {}  # not a pair: nothing to time
+    passed, fused = time_gated([pair, _pair(torch.float32, True, seed=1)], (1, 4), (P, T, D))
+    assert sorted(passed) == sorted([P, T, D]) and sorted(fused) == sorted([T, D])  # float32 panels: no epilogue
+    assert all(len(ts) == 2 and min(ts) > 0 for ts in [*passed.values(), *fused.values()])
 
 
 class _Gated(nn.Module):
@@ -110,21 +134,22 @@ def test_pack_linears_times_a_gated_groups_epilogue_with_its_kernels_and_caches_
 ) -> None:
     monkeypatch.setattr(gemm_choice, "OtherLoad", QuietLoad)
     monkeypatch.setattr(gemm_choice, "_DISTURBED_CHOICES", {})
-    # torch fastest in the first two buckets, panels in the third; the epilogue wins where it can run
-    monkeypatch.setattr(gemm_choice, "time_kernels", lambda *args: {P: [9.0, 9.0, 0.5], D: [9.0] * 3, T: [1.0] * 3})
+    # with the pass: torch fastest in the first two buckets, panels in the third; torch's epilogue
+    # clearly faster in the first bucket only; onednn's in the third, but still slower than panels
+    with_pass = {P: [9.0, 9.0, 0.5], D: [9.0] * 3, T: [1.0] * 3}
+    with_epilogue = {D: [9.0, 9.0, 0.6], T: [0.5, 0.99, 1.0]}
     timed: list[tuple[GemmKernel, ...]] = []
 
-    def epilogue_times(members: Any, rows: tuple[int, ...], kernels: tuple[GemmKernel, ...]) -> dict[int, list[float]]:
+    def time_gated(members: Any, rows: tuple[int, ...], kernels: tuple[GemmKernel, ...]) -> tuple[dict, dict]:
         timed.append(tuple(kernels))
-        return {
-            count: [1.0, 0.5 if count == 1 else 0.99] for count, k in zip(rows, kernels, strict=True) if k in (D, T)
-        }
+        return with_pass, with_epilogue
 
-    monkeypatch.setattr(gemm_choice, "time_silu_epilogue", epilogue_times)
+    monkeypatch.setattr(gemm_choice, "time_kernels", _no_timing)  # a gated shape is timed on the whole MLP
+    monkeypatch.setattr(gemm_choice, "time_gated", time_gated)
     policy = GemmPolicy("auto", max_rows=16, cache_dir=tmp_path)
     model = _gated_model()
     plan = pack_linears(model, policy)
-    assert timed == [(T, T, P)]
+    assert timed == [tuple(kernels_for(torch.float32))]
     assert plan.choices == {"float32 32->48+48 gated": (T, T, P)}
     assert plan.silu_epilogue == {"float32 32->48+48 gated": (True, False, False)}
     assert plan.as_dict()["silu_epilogue_rows"] == {"float32 32->48+48 gated": [1]}
@@ -132,11 +157,11 @@ def test_pack_linears_times_a_gated_groups_epilogue_with_its_kernels_and_caches_
     entry = json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())
     (key,) = entry
     assert entry[key]["silu_epilogue"] == {"1": True, "4": False, "16": False}
-    assert entry[key]["silu_epilogue_ms"] == {"1": [1000.0, 500.0], "4": [1000.0, 990.0]}
+    assert entry[key]["silu_epilogue_ms"] == {"1": [1000.0, 500.0], "4": [1000.0, 990.0]}  # torch's
+    assert entry[key]["ms"]["torch"] == [500.0, 1000.0, 1000.0]  # with the epilogue where it was chosen
 
     # a later start reads both: nothing is timed
-    monkeypatch.setattr(gemm_choice, "time_kernels", _no_timing)
-    monkeypatch.setattr(gemm_choice, "time_silu_epilogue", _no_timing)
+    monkeypatch.setattr(gemm_choice, "time_gated", _no_timing)
     again = pack_linears(_gated_model(), policy)
     assert again.source == "cached" and again.silu_epilogue == plan.silu_epilogue
 

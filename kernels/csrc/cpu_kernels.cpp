@@ -247,6 +247,8 @@ std::vector<std::string> linear_panels_variants();
 std::vector<at::Tensor> linear_pair_panels(const at::Tensor& x, const at::Tensor& panels,
                                            const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& out_sizes);
 bool linear_pair_panels_available();
+at::Tensor linear_pair_panels_silu(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                                  int64_t width);
 // linear_dot.cpp
 std::vector<at::Tensor> linear_dot(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                    const std::vector<c10::optional<at::Tensor>>& biases);
@@ -306,6 +308,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_panels_variants", &linear_panels_variants, "the panel tilings compiled in, widest first");
   m.def("linear_pair_panels", &linear_pair_panels,
         "bfloat16 linear layers on 16-column panels of k pairs (see kernels/cpu_linear.py)", no_gil());
+  m.def("linear_pair_panels_silu", &linear_pair_panels_silu,
+        "silu(gate) * up of a gated pair on bfloat16 panels of k pairs (see kernels/cpu_linear.py)", no_gil());
   m.def("linear_pair_panels_available", &linear_pair_panels_available,
         "whether linear_pair_panels is built in (avx512_bf16)");
   m.def("linear_dot", &linear_dot, "bfloat16 linear layers of few rows by dot products (see kernels/cpu_linear.py)",

@@ -8,9 +8,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "attention_common.h"
 #include "bf16_bits.h"
+#include "silu_mul.h"
 #include "simd_native.h"
 
 // ---- fused elementwise ops of a Llama layer (float32 or bfloat16) ---------------------------
@@ -199,6 +201,14 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 // in float32 arithmetic (in float32 to_dtype is nothing; in bfloat16 both torch ops round). The exp
 // is the attention kernels' polynomial (about 1 ulp) with its argument clamped to [-87, 88], so
 // silu(g) is exact to a few ulp for every finite g and 0 (not NaN) far below zero.
+namespace loraserve_silu {
+
+loraserve_simd::native_u16 silu_mul_bf16_words(loraserve_simd::native_f32 g, loraserve_simd::native_f32 u) {
+  return loraserve_bf16::rounded_words<VecU16, VecU32>(round_v(g / (splat_v(1.0f) + exp_v_clamped(-g)), static_cast<const at::BFloat16*>(nullptr)) * u);
+}
+
+}  // namespace loraserve_silu
+
 namespace {
 
 template <typename T>
@@ -211,8 +221,13 @@ void silu_and_mul_impl(T* gate, int64_t gate_stride, const T* up, int64_t up_str
       T* g = gate + t * gate_stride;
       const T* u = up + t * up_stride;
       for (int64_t j = 0; j < vector_end; j += kLanes) {
-        const VecF x = load_v(g + j);
-        store_v(g + j, round_v(x / (one + exp_v_clamped(-x)), g) * load_v(u + j));
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          const VecU16 words = loraserve_silu::silu_mul_bf16_words(load_v(g + j), load_v(u + j));
+          std::memcpy(g + j, &words, sizeof(words));
+        } else {
+          const VecF x = load_v(g + j);
+          store_v(g + j, round_v(x / (one + exp_v_clamped(-x)), g) * load_v(u + j));
+        }
       }
       for (int64_t j = vector_end; j < width; ++j) {
         const float x = load_f(g[j]);

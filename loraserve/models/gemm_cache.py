@@ -17,7 +17,7 @@ import torch
 
 from loraserve.choice_file import ChoiceFile, build_key
 from loraserve.kernels import cpu_features
-from loraserve.models.packed_linear import EPILOGUE_KERNELS, ROW_BUCKETS, GemmKernel, kernels_for
+from loraserve.models.packed_linear import ROW_BUCKETS, GemmKernel, kernels_for, silu_epilogue_kernels
 
 # 2: only timings that no other process disturbed are written (cpu_load.py); 3: a packed copy is
 # kept where it wins one row bucket clearly (pick_kernels)
@@ -75,7 +75,8 @@ class ChoiceCache:
             return None
         if not set(kernels) <= set(kernels_for(shape.dtype)) or not all(isinstance(on, bool) for on in silu_epilogue):
             return None
-        if any(on and k not in EPILOGUE_KERNELS for on, k in zip(silu_epilogue, kernels, strict=False)):
+        fusing = silu_epilogue_kernels(shape.dtype)
+        if any(on and k not in fusing for on, k in zip(silu_epilogue, kernels, strict=False)):
             return None
         return GemmChoice(kernels, silu_epilogue)
 

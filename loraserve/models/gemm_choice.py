@@ -9,8 +9,9 @@ packed copy of its weights, and only where it is clearly faster in some row buck
 packed kernel (the one with the smallest summed slowdown against the per-bucket best) and, in the
 buckets where a kernel on the plain weights is as fast, that one (``torch``: ``F.linear``; ``dot``,
 ``amx``: loraserve's bfloat16 kernels), which needs no copy.
-For a gated pair (a module's ``gated_groups``: Llama's gate/up) whether SiLU-and-mul runs in the
-GEMMs' epilogues is timed right after, per bucket (``models/silu_epilogue.py``).
+For a gated pair (a module's ``gated_groups``: Llama's gate/up) the kernels are timed on
+``silu(gate) * up`` as a whole: each with the SiLU pass after it, and each that has an epilogue for
+it with that, so the choice weighs the pass a kernel saves (``models/silu_epilogue.py``).
 
 The choice is written to ``<cache>/cpu_gemm/<cpu signature>.json`` (keyed by the shape, torch's
 thread count and version, and the digest of loraserve's kernel sources), so later starts on the
@@ -45,7 +46,7 @@ from loraserve.models.packed_linear import (
     can_pack,
     kernels_for,
 )
-from loraserve.models.silu_epilogue import pick_silu_epilogue, time_silu_epilogue
+from loraserve.models.silu_epilogue import pick_gated, time_gated
 
 logger = logging.getLogger(__name__)
 
@@ -196,13 +197,11 @@ def _choose(
         rows = ROW_BUCKETS[: buckets[shape]]
         for _ in range(TIMING_ATTEMPTS):
             with OtherLoad() as load:
-                times = time_kernels(members, rows, kernels_for(shape.dtype))
-                kernels = pick_kernels(times)
-                epilogue_times = time_silu_epilogue(members, rows, kernels) if shape.gated else {}
+                choice, times, epilogue_times = _time_and_pick(shape, members, rows)
             if not load.disturbed:
                 break
         seconds += time.perf_counter() - start
-        choices[shape] = GemmChoice(kernels, pick_silu_epilogue(epilogue_times, rows) if shape.gated else ())
+        choices[shape] = choice
         sources.add("measured")
         if load.disturbed:
             logger.warning(
@@ -216,6 +215,26 @@ def _choose(
         else:
             cache.put(shape, choices[shape], times, epilogue_times)
     return choices, sources.pop() if len(sources) == 1 else "mixed", seconds, disturbed
+
+
+def _time_and_pick(
+    shape: GemmShape, members: Sequence[Sequence[nn.Linear]], rows: Sequence[int]
+) -> tuple[GemmChoice, dict[GemmKernel, list[float]], dict[int, list[float]]]:
+    """The shape's choice, the times it was made on, and for a gated shape the chosen kernels'
+    seconds with the SiLU pass and with the epilogue per row count (where they have one)."""
+    if not shape.gated:
+        times = time_kernels(members, rows, kernels_for(shape.dtype))
+        return GemmChoice(pick_kernels(times)), times, {}
+    with_pass, with_epilogue = time_gated(members, rows, kernels_for(shape.dtype))
+    times, epilogue = pick_gated(with_pass, with_epilogue)
+    kernels = pick_kernels(times)
+    silu_epilogue = tuple(epilogue[kernel][i] for i, kernel in enumerate(kernels))
+    chosen = {
+        count: [with_pass[kernel][i], with_epilogue[kernel][i]]
+        for i, (count, kernel) in enumerate(zip(rows, kernels, strict=True))
+        if kernel in with_epilogue
+    }
+    return GemmChoice(kernels, silu_epilogue), times, chosen
 
 
 def time_kernels(

@@ -26,8 +26,8 @@ each output written contiguous (the LoRA kernels add into them in place); the pa
 makes one call over the panels of all of them. A model names its groups in ``fused_groups``.
 
 A group of two whose outputs the model combines as ``silu(y_1) * y_2`` (a gated MLP, named in
-``gated_groups``) can compute that in oneDNN's GEMM epilogues instead (``silu_and_mul``), in the
-row buckets where ``models/silu_epilogue.py`` timed it faster.
+``gated_groups``) can compute that in the GEMM's epilogue instead (``silu_and_mul``): the bfloat16
+panels' tiles or oneDNN's post-ops, in the row buckets where ``models/silu_epilogue.py`` timed it faster.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class GemmKernel(str, enum.Enum):
 
 
 UNPACKED = (GemmKernel.TORCH, GemmKernel.DOT, GemmKernel.AMX)  # the kernels that read the weights as stored (no copy)
-EPILOGUE_KERNELS = (GemmKernel.ONEDNN, GemmKernel.TORCH)  # oneDNN's packed or plain weights, with post-ops
 
 # Geometric midpoints between neighbouring buckets: a row count up to an edge (inclusive) belongs below it.
 _BUCKET_EDGES = tuple(math.sqrt(low * high) for low, high in itertools.pairwise(ROW_BUCKETS))
@@ -124,9 +123,10 @@ class PackedLinearGroup(nn.Module):
         if len(self.silu_epilogue) != len(self.kernels):
             raise ValueError("a PackedLinearGroup's silu_epilogue needs one entry per row bucket of its kernels")
         if any(self.silu_epilogue) and not can_run_silu_epilogue(self.out_sizes, dtype):
-            raise ValueError("only a group of two outputs of one width can run SiLU-and-mul in oneDNN's epilogue")
-        if any(on and k not in EPILOGUE_KERNELS for on, k in zip(self.silu_epilogue, self.kernels, strict=True)):
-            raise ValueError("SiLU-and-mul runs in the epilogue only in buckets of the onednn or torch kernel")
+            raise ValueError("only a group of two outputs of one width can run SiLU-and-mul in an epilogue")
+        fusing = silu_epilogue_kernels(dtype)
+        if any(on and k not in fusing for on, k in zip(self.silu_epilogue, self.kernels, strict=True)):
+            raise ValueError(f"SiLU-and-mul runs in the epilogue only in buckets of {[k.value for k in fusing]}")
         # float32 [num_panels, in_features, 16]; bfloat16 [num_panels, ceil(in_features / 2), 32] (k pairs)
         self.panels: torch.Tensor | None = None
         self.panel_bias: torch.Tensor | None = None  # [num_panels * 16] float32
@@ -177,10 +177,16 @@ class PackedLinearGroup(nn.Module):
         return self.run_silu_and_mul(self.kernels[bucket_index(x.shape[0], len(self.kernels))], x)
 
     def run_silu_and_mul(self, kernel: GemmKernel, x: torch.Tensor) -> torch.Tensor:
-        """``silu(x @ W_1^T + b_1) * (x @ W_2^T + b_2)`` ``[num_rows, out_1]`` in two oneDNN calls: the
-        first applies SiLU to its sums before writing them, the second multiplies its sums by
-        that result (post-ops), on the packed weights for ``onednn`` and the plain ones for ``torch``."""
-        assert kernel in EPILOGUE_KERNELS and len(self.weights) == 2
+        """``silu(x @ W_1^T + b_1) * (x @ W_2^T + b_2)`` ``[num_rows, out_1]``: for ``panels`` (bfloat16)
+        in the tiles' epilogue, each tile holding a panel of both (``linear_pair_panels_silu``, the
+        same bits as the two outputs and ``silu_and_mul_``); for ``onednn`` and ``torch`` in two
+        oneDNN calls, the first applying SiLU to its sums before writing them, the second multiplying
+        its sums by that result (post-ops), on the packed weights for ``onednn`` and the plain ones
+        for ``torch``."""
+        assert kernel in silu_epilogue_kernels(self.weights[0].dtype) and len(self.weights) == 2
+        if kernel is GemmKernel.PANELS:
+            assert self.panels is not None, "this group has no panels"
+            return cpu_linear.linear_pair_panels_silu(x, self.panels, self.panel_bias, self.out_sizes[0])
         weights = self.onednn_weights if kernel is GemmKernel.ONEDNN else [w.detach() for w in self.weights]
         assert len(weights) == 2, "this group has no oneDNN weights"
         linear = torch.ops.mkldnn._linear_pointwise
@@ -198,10 +204,20 @@ class PackedLinearGroup(nn.Module):
         return f"out_sizes={self.out_sizes}, kernels by row bucket {[k.value for k in self.kernels]}{epilogue}"
 
 
+def silu_epilogue_kernels(dtype: torch.dtype) -> tuple[GemmKernel, ...]:
+    """The kernels that can run a gated pair's SiLU-and-mul in their epilogue for ``dtype`` weights
+    on this build: ``onednn`` and ``torch`` (oneDNN's post-ops) where oneDNN runs ``dtype``, and the
+    bfloat16 ``panels``."""
+    available = kernels_for(dtype)
+    on_onednn = (GemmKernel.ONEDNN, GemmKernel.TORCH) if GemmKernel.ONEDNN in available else ()
+    on_panels = (GemmKernel.PANELS,) if dtype == torch.bfloat16 and GemmKernel.PANELS in available else ()
+    return on_onednn + on_panels
+
+
 def can_run_silu_epilogue(out_sizes: Sequence[int], dtype: torch.dtype) -> bool:
-    """Whether a group of these outputs can run SiLU-and-mul in oneDNN's epilogues: two outputs of
-    one width, and oneDNN for ``dtype`` on this build."""
-    return len(out_sizes) == 2 and out_sizes[0] == out_sizes[1] and GemmKernel.ONEDNN in kernels_for(dtype)
+    """Whether a group of these outputs can run SiLU-and-mul in an epilogue: two outputs of one
+    width, and a kernel for ``dtype`` that has one on this build."""
+    return len(out_sizes) == 2 and out_sizes[0] == out_sizes[1] and bool(silu_epilogue_kernels(dtype))
 
 
 class PackedLinear(nn.Module):
