@@ -114,6 +114,21 @@ def test_a_kernel_counts_with_its_epilogue_where_that_was_timed_clearly_faster()
     assert all(len(ts) == 2 and min(ts) > 0 for ts in [*passed.values(), *fused.values()])
 
 
+def test_a_gated_group_that_cannot_be_combined_is_timed_on_its_gemms_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module naming two outputs of different widths as gated: no SiLU-and-mul to time, so its
+    kernels are timed as any other group's and no bucket runs an epilogue."""
+    monkeypatch.setattr(gemm_choice, "OtherLoad", QuietLoad)
+    monkeypatch.setattr(gemm_choice, "_DISTURBED_CHOICES", {})
+    monkeypatch.setattr(gemm_choice, "time_gated", _no_timing)
+    model = _gated_model()
+    for layer in model:
+        layer.up = nn.Linear(32, 24, bias=False)
+    plan = pack_linears(model, GemmPolicy("auto", max_rows=4, cache_dir=tmp_path))
+    assert plan.silu_epilogue == {"float32 32->48+24 gated": (False, False)}
+
+
 class _Gated(nn.Module):
     fused_groups: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up": ("gate", "up")}
     gated_groups: ClassVar[tuple[str, ...]] = ("gate_up",)

@@ -44,6 +44,7 @@ from loraserve.models.packed_linear import (
     PackedLinear,
     PackedLinearGroup,
     can_pack,
+    can_run_silu_epilogue,
     kernels_for,
 )
 from loraserve.models.silu_epilogue import pick_gated, time_gated
@@ -222,9 +223,9 @@ def _time_and_pick(
 ) -> tuple[GemmChoice, dict[GemmKernel, list[float]], dict[int, list[float]]]:
     """The shape's choice, the times it was made on, and for a gated shape the chosen kernels'
     seconds with the SiLU pass and with the epilogue per row count (where they have one)."""
-    if not shape.gated:
+    if not shape.gated or not can_run_silu_epilogue(shape.out_sizes, shape.dtype):
         times = time_kernels(members, rows, kernels_for(shape.dtype))
-        return GemmChoice(pick_kernels(times)), times, {}
+        return GemmChoice(pick_kernels(times), (False,) * len(rows) if shape.gated else ()), times, {}
     with_pass, with_epilogue = time_gated(members, rows, kernels_for(shape.dtype))
     times, epilogue = pick_gated(with_pass, with_epilogue)
     kernels = pick_kernels(times)
