@@ -143,7 +143,9 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
 #pragma omp parallel num_threads(num_threads)
   {
     const int64_t vecs = kQueryBlock * group;  // query vectors of an item: rows x heads of the group
-    std::vector<float> keys_t(head_dim * kChunk), values(kChunk * head_dim), q(vecs * head_dim), acc(vecs * head_dim);
+    // keys and queries as floats for the widening loops, as bfloat16 pairs for the pair dots
+    std::vector<float> keys_t(pairs ? 0 : head_dim * kChunk), q(pairs ? 0 : vecs * head_dim);
+    std::vector<float> values(kChunk * head_dim), acc(vecs * head_dim);
     std::vector<float> max_score(vecs);
     std::vector<VecF> sums(vecs);
     std::vector<uint32_t> keys_p(pairs ? num_pairs * kChunk : 0), q_p(pairs ? vecs * num_pairs : 0);  // bf16 pairs
@@ -206,9 +208,9 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv, const std::vect
             for (int64_t b = 0; b < nv; ++b) scores[b] *= fscale;
           }
 #endif
-          const float* qs[kVecBlock];
-          for (int64_t b = 0; b < kVecBlock; ++b) qs[b] = q.data() + std::min(v0 + b, v_end - 1) * head_dim;
           if (!pairs) {
+            const float* qs[kVecBlock];
+            for (int64_t b = 0; b < kVecBlock; ++b) qs[b] = q.data() + std::min(v0 + b, v_end - 1) * head_dim;
             for (int64_t b = 0; b < kVecBlock; ++b) scores[b] = splat_v(0.f);
             for (int64_t d = 0; d < head_dim; ++d) {
               const VecF key = load_v(keys_t.data() + d * kChunk);
