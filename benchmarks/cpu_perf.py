@@ -215,7 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--cpu-prefill-attention", choices=CPU_TILE_CHOICES, default="auto",
         help="loraserve's bfloat16 prefill attention: amx or vector (default auto: timed)")  # fmt: skip
     add("--cpu-decode-attention", choices=CPU_DECODE_ATTENTION_CHOICES, default="auto",
-        help="loraserve's decode attention: avx512 (16 lanes) or vec8 (default auto: timed)")  # fmt: skip
+        help="loraserve's decode attention: pairs, avx512 (16 lanes) or vec8 (default auto: timed)")  # fmt: skip
     add("--peft-batch", type=int, default=16, help="PEFT mixed-adapter batch size (default 16)")
     add("--no-peft", action="store_true", help="skip PEFT (c)")
     add("--rounds", type=int, default=4, help="interleaved rounds, (c) on 1/rounds of the requests in each (default 4)")

@@ -119,9 +119,10 @@ def paged_decode_attention(
 
 
 def decode_attention_variants() -> list[str]:
-    """The register-tiled decode attentions compiled into this build, widest first: "avx512"
-    (16 lanes, where the build targets AVX-512) and "vec8" (8 lanes). A shape a variant cannot
-    tile runs on the next one that can, the generic loops last."""
+    """The register-tiled decode attentions compiled into this build, widest first: "pairs"
+    (bfloat16 scores by AVX512-BF16 pair dots, where the build targets it; float32 runs the next),
+    "avx512" (16 lanes, where the build targets AVX-512) and "vec8" (8 lanes). A shape a variant
+    cannot tile runs on the next one that can, the generic loops last."""
     module = load_extension()
     return list(module.decode_attention_variants()) if module is not None else []
 

@@ -26,7 +26,7 @@ KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # see loraserve/kernel_back
 # "auto" or a GemmKernel (models/packed_linear.py)
 CPU_GEMM_CHOICES = ("auto", "panels", "onednn", "torch", "dot", "amx")
 CPU_TILE_CHOICES = ("auto", "amx", "vector")  # lora/tile_choice.py, models/attention_choice.py
-CPU_DECODE_ATTENTION_CHOICES = ("auto", "avx512", "vec8")  # models/decode_attention_choice.py
+CPU_DECODE_ATTENTION_CHOICES = ("auto", "pairs", "avx512", "vec8")  # models/decode_attention_choice.py
 
 
 class ConfigError(ValueError):
@@ -55,9 +55,10 @@ class EngineConfig:
     ``amx`` (always the tiles; an error without them) or ``vector`` (always the vector loops).
     ``cpu_prefill_attention``: the same choice for the prefill attention of a bfloat16 model
     (``auto``: timed on the model's head shape at start, cached per CPU kind).
-    ``cpu_decode_attention``: the vector width of the compiled decode attention, ``auto`` (timed
-    on the model's head shape at start where the build has both, cached per CPU kind), ``avx512``
-    (16 lanes; an error where the build lacks it) or ``vec8`` (8 lanes).
+    ``cpu_decode_attention``: the variant of the compiled decode attention, ``auto`` (timed on the
+    model's head shape at start where more than one tiles it, cached per CPU kind), ``pairs``
+    (bfloat16 scores by AVX512-BF16 pair dots), ``avx512`` (16 lanes; each an error where the build
+    lacks it) or ``vec8`` (8 lanes).
     ``max_lora_rank`` and ``max_adapters``: the largest adapter rank, and the most adapters, the
     registry accepts (an operator's limits; there is no rank limit in the design).
     ``adapter_region``: ``unified`` (adapters take pages from the one pool the KV cache uses, any

@@ -19,6 +19,7 @@
 #include "attention_common.h"
 #include "decode_attention_tiled.h"
 #include "decode_attention_wide.h"
+#include "decode_attention_pairs.h"
 #include "work_lists.h"
 
 namespace {
@@ -112,7 +113,9 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv, const 
 
 // The register-tiled decode attentions compiled into this build, widest first.
 std::vector<std::string> decode_attention_variants() {
-#if defined(LORASERVE_DECODE_ATTENTION_WIDE)
+#if defined(LORASERVE_DECODE_ATTENTION_PAIRS)
+  return {"pairs", "avx512", "vec8"};
+#elif defined(LORASERVE_DECODE_ATTENTION_WIDE)
   return {"avx512", "vec8"};
 #else
   return {"vec8"};
@@ -143,8 +146,21 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv,
   at::Tensor out = at::empty_like(query);
   const int64_t head_dim = query.size(2);
   const at::ScalarType dtype = query.scalar_type();
+#if defined(LORASERVE_DECODE_ATTENTION_PAIRS)
+  if ((variant.empty() || variant == "pairs") && dtype == at::kBFloat16 &&
+      loraserve_attention::can_run_pairs(head_dim, kv.size(2))) {
+    using loraserve_attention::decode_attention_pairs;
+    switch (head_dim) {  // the head dims can_run_pairs accepts, head_dim / 32 pair vectors each
+      case 32: decode_attention_pairs<1>(query, kv, block_tables, context_lens, scale, out); break;
+      case 64: decode_attention_pairs<2>(query, kv, block_tables, context_lens, scale, out); break;
+      case 96: decode_attention_pairs<3>(query, kv, block_tables, context_lens, scale, out); break;
+      default: decode_attention_pairs<4>(query, kv, block_tables, context_lens, scale, out); break;
+    }
+    return out;
+  }
+#endif
 #if defined(LORASERVE_DECODE_ATTENTION_WIDE)
-  const bool wide = variant.empty() || variant == "avx512";
+  const bool wide = variant.empty() || variant == "avx512" || variant == "pairs";
   if (wide && (dtype == at::kFloat || dtype == at::kBFloat16) &&
       loraserve_attention::can_run_wide(head_dim, kv.size(2), dtype == at::kBFloat16)) {
     const auto run = [&](auto type) {
@@ -267,6 +283,9 @@ std::vector<std::string> decode_attention_tilings(const at::Tensor& like, int64_
   const at::ScalarType dtype = like.scalar_type();
   std::vector<std::string> tilings;
   if (dtype != at::kFloat && dtype != at::kBFloat16) return tilings;
+#if defined(LORASERVE_DECODE_ATTENTION_PAIRS)
+  if (dtype == at::kBFloat16 && loraserve_attention::can_run_pairs(head_dim, block_size)) tilings.push_back("pairs");
+#endif
 #if defined(LORASERVE_DECODE_ATTENTION_WIDE)
   if (loraserve_attention::can_run_wide(head_dim, block_size, dtype == at::kBFloat16)) tilings.push_back("avx512");
 #endif

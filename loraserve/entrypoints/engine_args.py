@@ -92,9 +92,10 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
         "--cpu-decode-attention",
         "cpu_decode_attention",
         str,
-        f"vector width of the compiled decode attention, one of {CPU_DECODE_ATTENTION_CHOICES}: avx512 (16 "
-        "lanes, where the build targets AVX-512), vec8 (8 lanes); default auto: timed on the model's head shape "
-        "at the first start, cached per CPU kind",
+        f"variant of the compiled decode attention, one of {CPU_DECODE_ATTENTION_CHOICES}: pairs (bfloat16 "
+        "scores by AVX512-BF16 pair dots, where the build targets it), avx512 (16 lanes, where the build targets "
+        "AVX-512), vec8 (8 lanes); default auto: timed on the model's head shape at the first start, cached per "
+        "CPU kind",
     ),
     (
         "--adapter-decode-path",

@@ -1,17 +1,19 @@
 """Choosing the compiled decode attention's vector width, by timing it on this CPU.
 
-Where the build targets AVX-512, the compiled paged decode attention has two register-tiled
-variants (``cpu.decode_attention_variants()``): ``avx512`` (16 lanes) and ``vec8`` (8 lanes).
-Which is faster depends on the CPU and the dtype (a float32 step mostly waits on reading the KV
-from memory; a bfloat16 one spends more of its time widening it), so both are timed on the
-model's head shape and block size: a decode step of the engine's batch (at most ``MAX_SEQS``
-sequences of 96-160 cached tokens) over several layers' KV (``TIMED_BYTES`` in all, so that most
-of it is read from memory as in a step), the variants alternating, the best of several passes.
-The wider one is kept only when more than ``TIE_TOLERANCE`` faster. The choice is cached per CPU
-signature in ``<cache>/cpu_attention/`` (``choice_file``) and shown in ``/health``;
-``--cpu-decode-attention avx512|vec8`` forces one. A build with one variant needs no timing, nor
-do a dtype and shape that at most one variant tiles (``cpu.decode_attention_tilings``: float16 and
-head sizes no tiling takes run on the generic loops whichever variant is named).
+The compiled paged decode attention has up to three register-tiled variants
+(``cpu.decode_attention_variants()``): ``pairs`` (bfloat16 scores by AVX512-BF16 pair dots, where
+the build targets it), ``avx512`` (16 lanes, where the build targets AVX-512) and ``vec8`` (8
+lanes, every build). Which is fastest depends on the CPU and the dtype (a float32 step mostly waits
+on reading the KV from memory; a bfloat16 one spends more of its time widening it), so those that
+tile the dtype and shape are timed on the model's head shape and block size: a decode step of the
+engine's batch (at most ``MAX_SEQS`` sequences of 96-160 cached tokens) over several layers' KV
+(``TIMED_BYTES`` in all, so that most of it is read from memory as in a step), the variants
+alternating, the best of several passes. The fastest is kept where it is more than
+``TIE_TOLERANCE`` faster than ``vec8``, else ``vec8``. The choice is cached per CPU signature in
+``<cache>/cpu_attention/`` (``choice_file``) and shown in ``/health``;
+``--cpu-decode-attention pairs|avx512|vec8`` forces one. A build with one variant needs no timing,
+nor do a dtype and shape that at most one variant tiles (``cpu.decode_attention_tilings``: float16
+and head sizes no tiling takes run on the generic loops whichever variant is named).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from loraserve.models.attention_choice import AttentionShape
 from loraserve.models.cpu_load import best_alternating_passes
 from loraserve.timed_choice import timed_choice
 
-CACHE_FORMAT = 1
-TIE_TOLERANCE = 0.03  # the wider variant must be this much faster to be kept (noise between passes)
+CACHE_FORMAT = 2  # 2: the pairs variant is a candidate
+TIE_TOLERANCE = 0.03  # another variant must be this much faster than vec8 to be kept (noise between passes)
 MAX_SEQS = 64  # sequences of the timed step
 TIMED_BYTES = 96 << 20  # KV read by one timed pass, over as many layers as that takes
 CONTEXTS = (96, 160)  # cached tokens of the timed sequences, spread evenly over this range
@@ -96,18 +98,20 @@ def choose_decode_attention(
     if len(variants) < 2 or len(tilings) < 2:  # one variant runs whichever is named: nothing to time
         variant = tilings[0] if tilings else variants[-1] if variants else "vec8"
         return DecodeAttentionPlan(variant, "only one", running(variant))
-    wide, narrow = variants[0], variants[-1]
+    timed = tuple(tilings)  # widest first, the narrowest (the default) last
     seqs = max(1, min(max_seqs, MAX_SEQS))
     what = f"{dtype} heads={shape.num_heads}/{shape.num_kv_heads}x{shape.head_dim} block={shape.block_size}"
 
     def decide(times: dict[str, list[float]]) -> str:
-        return wide if sum(times[wide]) < sum(times[narrow]) * (1 - TIE_TOLERANCE) else narrow
+        total = {variant: sum(times[variant]) for variant in timed}
+        fastest = min(timed, key=total.__getitem__)
+        return fastest if total[fastest] < total[timed[-1]] * (1 - TIE_TOLERANCE) else timed[-1]
 
     choice = timed_choice(
         ChoiceFile(policy.cache_dir, "decode attention"),
         build_key(f"{what} seqs={seqs}", CACHE_FORMAT),
         _DISTURBED,
-        lambda: time_variants(shape, dtype, seqs, (wide, narrow)),
+        lambda: time_variants(shape, dtype, seqs, timed),
         decide,
         lambda cached: cached if cached in variants else None,
     )
