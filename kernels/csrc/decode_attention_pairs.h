@@ -14,7 +14,7 @@
 // multiple of 32 up to 128; can_run_pairs says so.
 #pragma once
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(LORASERVE_DECODE_ATTENTION_WIDE)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define LORASERVE_DECODE_ATTENTION_PAIRS 1
 
 #include <ATen/Parallel.h>
