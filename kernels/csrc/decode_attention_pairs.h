@@ -126,12 +126,8 @@ void decode_attention_pairs(const at::Tensor& query, const at::Tensor& kv, const
       for (int64_t b = 0; b < num_blocks; ++b) {
         const uint16_t* page = kv_ptr + table[b] * page_stride;
         const int64_t rows = std::min(block_size, n - b * block_size);
-        const int64_t ahead = b + kPrefetchDistance;
-        if (ahead < num_blocks) {
-          prefetcher.start(kv_ptr + table[ahead] * page_stride, page_bytes);
-        } else if (seq + 1 < num_seqs && (ahead - num_blocks) * block_size < len_ptr[seq + 1]) {
-          prefetcher.start(kv_ptr + table_ptr[(seq + 1) * max_blocks + ahead - num_blocks] * page_stride, page_bytes);
-        }
+        prefetch_page_ahead(prefetcher, kv_ptr, table_ptr, len_ptr, seq, b, num_seqs, max_blocks, block_size, page_stride,
+                            page_bytes);
         // Scores of rows past n are computed from whatever the page holds there and then ignored.
         for (int64_t t = 0; t < tiles_per_page; ++t) {
           for (int64_t h = 0; h < num_heads; ++h) {
@@ -150,21 +146,10 @@ void decode_attention_pairs(const at::Tensor& query, const at::Tensor& kv, const
             const float* s = scores.data() + h * block_size;
             float* o = dst + h * head_dim;
             prefetcher.advance(lines_per_call);
-            switch (std::min<int64_t>(kHeadsAtOnce, (g + 1) * group - h)) {
-              case 1: pair_value_rows<kVecs, 1>(value, row_stride, rows, s, block_size, corrections.data() + h, o); break;
-              case 2:
-                if constexpr (kHeadsAtOnce >= 2)
-                  pair_value_rows<kVecs, 2>(value, row_stride, rows, s, block_size, corrections.data() + h, o);
-                break;
-              case 3:
-                if constexpr (kHeadsAtOnce >= 3)
-                  pair_value_rows<kVecs, 3>(value, row_stride, rows, s, block_size, corrections.data() + h, o);
-                break;
-              default:
-                if constexpr (kHeadsAtOnce >= 4)
-                  pair_value_rows<kVecs, 4>(value, row_stride, rows, s, block_size, corrections.data() + h, o);
-                break;
-            }
+            with_head_count<kHeadsAtOnce>((g + 1) * group - h, [&](auto heads) {
+              pair_value_rows<kVecs, decltype(heads)::value>(value, row_stride, rows, s, block_size,
+                                                             corrections.data() + h, o);
+            });
           }
         }
       }

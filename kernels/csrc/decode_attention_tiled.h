@@ -67,6 +67,21 @@ constexpr int64_t kPrefetchDistance = 2;
 // one are mostly read by the same thread.
 constexpr int64_t kSeqsPerItem = 8;
 
+// Starts the prefetch of the page kPrefetchDistance ahead of page b of sequence seq: that
+// sequence's, or past its end the next sequence's first pages (short contexts would otherwise start
+// every sequence on cold pages). T: the KV's element type; tables [num_seqs, max_blocks], lens [num_seqs].
+template <typename T>
+inline void prefetch_page_ahead(PagePrefetcher& prefetcher, const T* kv_ptr, const int64_t* tables,
+                                const int64_t* lens, int64_t seq, int64_t b, int64_t num_seqs, int64_t max_blocks,
+                                int64_t block_size, int64_t page_stride, int64_t page_bytes) {
+  const int64_t num_blocks = (lens[seq] + block_size - 1) / block_size, ahead = b + kPrefetchDistance;
+  if (ahead < num_blocks) {
+    prefetcher.start(kv_ptr + tables[seq * max_blocks + ahead] * page_stride, page_bytes);
+  } else if (seq + 1 < num_seqs && (ahead - num_blocks) * block_size < lens[seq + 1]) {
+    prefetcher.start(kv_ptr + tables[(seq + 1) * max_blocks + ahead - num_blocks] * page_stride, page_bytes);
+  }
+}
+
 // The tiled kernel's element types: float, or bfloat16 as its bits (uint16_t). 16 elements of a
 // row load as two vectors of 8 floats: in order for float; for bfloat16, each word unpacked under a
 // zero word (a shuffle, which leaves the FMA ports to the FMAs; a shift would compete for them),
@@ -147,14 +162,8 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
       for (int64_t b = 0; b < num_blocks; ++b) {
         const T* page = kv_ptr + table[b] * page_stride;
         const int64_t rows = std::min(block_size, n - b * block_size);
-        // The page kPrefetchDistance ahead: this sequence's, or past its end the next sequence's
-        // first pages (short contexts would otherwise start every sequence on cold pages).
-        const int64_t ahead = b + kPrefetchDistance;
-        if (ahead < num_blocks) {
-          prefetcher.start(kv_ptr + table[ahead] * page_stride, page_bytes);
-        } else if (seq + 1 < num_seqs && (ahead - num_blocks) * block_size < len_ptr[seq + 1]) {
-          prefetcher.start(kv_ptr + table_ptr[(seq + 1) * max_blocks + ahead - num_blocks] * page_stride, page_bytes);
-        }
+        prefetch_page_ahead(prefetcher, kv_ptr, table_ptr, len_ptr, seq, b, num_seqs, max_blocks, block_size, page_stride,
+                            page_bytes);
         for (int64_t r0 = 0; r0 < rows; r0 += 8) {
           for (int64_t g = 0; g < num_kv_heads; ++g) {
             const T* key = page + r0 * row_stride + g * head_dim;

@@ -115,6 +115,18 @@ inline void value_rows(const float* value, int64_t row_stride, int64_t rows, con
     for (int c = 0; c < kVecs; ++c) store16(out + h * kVecs * 16 + 16 * c, acc[h][c]);
 }
 
+// Calls f(std::integral_constant<int, NH>{}) with NH = min(count, kMax), 1 to 4: the number of a
+// group's heads one value-rows call serves, as a compile-time constant.
+template <int kMax, typename F>
+inline void with_head_count(int64_t count, F&& f) {
+  switch (std::min<int64_t>(kMax, count)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (kMax >= 2) f(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (kMax >= 3) f(std::integral_constant<int, 3>{}); break;
+    default: if constexpr (kMax >= 4) f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // kVecs = head_dim / 16; T = float or uint16_t (bfloat16 bits) for query, KV and output alike.
 template <int kVecs, typename T>
 void decode_attention_wide(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& block_tables,
@@ -169,12 +181,8 @@ void decode_attention_wide(const at::Tensor& query, const at::Tensor& kv, const 
       for (int64_t b = 0; b < num_blocks; ++b) {
         const T* page = kv_ptr + table[b] * page_stride;
         const int64_t rows = std::min(block_size, n - b * block_size);
-        const int64_t ahead = b + kPrefetchDistance;
-        if (ahead < num_blocks) {
-          prefetcher.start(kv_ptr + table[ahead] * page_stride, page_bytes);
-        } else if (seq + 1 < num_seqs && (ahead - num_blocks) * block_size < len_ptr[seq + 1]) {
-          prefetcher.start(kv_ptr + table_ptr[(seq + 1) * max_blocks + ahead - num_blocks] * page_stride, page_bytes);
-        }
+        prefetch_page_ahead(prefetcher, kv_ptr, table_ptr, len_ptr, seq, b, num_seqs, max_blocks, block_size, page_stride,
+                            page_bytes);
         // The page as float32 rows: in place for float; for bfloat16 widened once into `widened`
         // (rows of num_kv_heads * head_dim, K half then V half; rows past n left as they were).
         const float* keys;
@@ -215,21 +223,9 @@ void decode_attention_wide(const at::Tensor& query, const at::Tensor& kv, const 
             const float* s = scores.data() + h * block_size;
             float* o = dst + h * head_dim;
             prefetcher.advance(lines_per_call);
-            switch (std::min<int64_t>(kHeadsAtOnce, (g + 1) * group - h)) {
-              case 1: value_rows<kVecs, 1>(value, stride, rows, s, block_size, corrections.data() + h, o); break;
-              case 2:
-                if constexpr (kHeadsAtOnce >= 2)
-                  value_rows<kVecs, 2>(value, stride, rows, s, block_size, corrections.data() + h, o);
-                break;
-              case 3:
-                if constexpr (kHeadsAtOnce >= 3)
-                  value_rows<kVecs, 3>(value, stride, rows, s, block_size, corrections.data() + h, o);
-                break;
-              default:
-                if constexpr (kHeadsAtOnce >= 4)
-                  value_rows<kVecs, 4>(value, stride, rows, s, block_size, corrections.data() + h, o);
-                break;
-            }
+            with_head_count<kHeadsAtOnce>((g + 1) * group - h, [&](auto heads) {
+              value_rows<kVecs, decltype(heads)::value>(value, stride, rows, s, block_size, corrections.data() + h, o);
+            });
           }
         }
       }
