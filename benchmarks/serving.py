@@ -160,6 +160,7 @@ def _server_kernels(health: dict[str, Any] | None) -> str:
     lora = health.get("cpu_lora") or {}
     by_length = ", ".join(f"{tokens} {way}" for tokens, way in lora.get("segment_tokens", {}).items())
     block = f", expand rank block {lora['expand_rank_block']}" if "expand_rank_block" in lora else ""
+    block += f" ({lora['expand']})" if "expand" in lora else ""
     lora_part = f"; LoRA per segment length ({lora['source']}): {by_length}{block}" if by_length else ""
     return f"{health['kernels']}; GEMM kernel per row bucket ({rows} rows, {gemm['source']}): {shapes}{lora_part}"
 

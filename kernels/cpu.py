@@ -66,6 +66,13 @@ and A's pairs the same way (no widening).
     expand_rank_block: the tiled loops' expand streams B's rows this many at a time (0: all of
               the rank at once); the result is the same for every value, the speed is the CPU's
               (the engine times it: ``lora/tile_choice.py``)
+    expand_pairs: the tiled loops' expand (segments of 3-32 tokens, and longer ones in pieces)
+              by bfloat16 pair dots: v rounded to bfloat16 first (to nearest even, as PEFT's and
+              vLLM's bfloat16 LoRA round their intermediate), two rank rows per ``vdpbf16ps``
+              (products exact, sums float32, each output rounded once): exact against a reference
+              that rounds v the same way. Only over a bfloat16 pool on a build with avx512_bf16
+              (``lora_pair_dots()``), refused by name otherwise; the engine times it against the
+              float expand (``lora/tile_choice.py``)
 
 ``write_kv_`` stores each token's K and V rows in its slot, as ``paged_attention.write_kv``
 (any dtype; slots are checked to lie inside the pages).
@@ -178,12 +185,13 @@ def lora_segments(
     tile_lengths: int = EVERY_TILE_LENGTH,  # bit per segment-length class: on AMX tiles (bfloat16)
     loop_lengths: int = 0,  # bit per class of 33+ tokens: off the tiles, on the tiled loops (else MKL)
     expand_rank_block: int = EXPAND_RANK_BLOCK,  # B rows the tiled loops' expand streams at once (0: all)
+    expand_pairs: bool = False,  # the tiled loops' expand by pair dots, v rounded to bfloat16 (lora_pair_dots())
 ) -> None:
     module = load_extension()
     assert module is not None, "lora_segments needs the compiled CPU kernels"
     module.lora_segments(
         x.contiguous(), list(outputs), storage, layer, group, bounds, page_tables, meta, scales, tile_lengths,
-        loop_lengths, expand_rank_block,
+        loop_lengths, expand_rank_block, expand_pairs,
     )  # fmt: skip
 
 

@@ -89,14 +89,16 @@ def lora_reference(
     lora_a: list[torch.Tensor],  # per adapter [rank_i, in_features]
     lora_b: list[torch.Tensor],  # per adapter [out_features, rank_i]
     scales: list[float],
+    v_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # [num_tokens, out_features] float32, the delta only
-    """Per-token float32 reference: ``delta[t] = scale * (x[t] @ A.T) @ B.T`` of adapter a(t)."""
+    """Per-token float32 reference: ``delta[t] = scale * (x[t] @ A.T) @ B.T`` of adapter a(t), with
+    ``v = x[t] @ A.T`` rounded to ``v_dtype`` before the expand (float32: not rounded)."""
     out_features = lora_b[0].shape[0] if lora_b else 0
     delta = torch.zeros(x.shape[0], out_features, dtype=torch.float32)
     for t, index in enumerate(adapter_indices.tolist()):
         if index < 0:
             continue
-        v = x[t].float() @ lora_a[index].float().T  # [rank]
+        v = (x[t].float() @ lora_a[index].float().T).to(v_dtype).float()  # [rank]
         delta[t] = scales[index] * (v @ lora_b[index].float().T)
     return delta
 

@@ -42,8 +42,8 @@ class KernelBackend:
     the projections that share an input (q/k/v, gate/up) as one ``PackedLinearGroup`` each;
     ``decode_graphs``: the backend's decode forward can be captured (``decode_graphs.py``);
     ``lora_tile_choice``: its hook takes the segment lengths that run on AMX tiles and on the vector
-    loops, and the loops' expand rank block (``tile_lengths``, ``loop_lengths``, ``expand_rank_block``,
-    timed by ``lora/tile_choice.py``)."""
+    loops, and how the loops' expand runs (``tile_lengths``, ``loop_lengths``, ``expand_rank_block``,
+    ``expand_pairs``, timed by ``lora/tile_choice.py``)."""
 
     name: str
     model: ModelKernels

@@ -131,11 +131,14 @@ def run_segments(
     outs: tuple[int, ...] = OUTS,
     atol: float = 1e-5,
     dtype: torch.dtype = torch.float32,
+    v_dtype: torch.dtype = torch.float32,
 ) -> None:
     """Run ``kernel`` on one batch of adapter ``indices`` (-1: base model) and check every output
     against ``lora_reference``; base-model rows must come back bit for bit. x, the weights and the
     base outputs are representable in ``dtype``, the kernel's working dtype: the reference (float32)
-    then differs from an exact kernel only by the order of additions and the outputs' rounding."""
+    then differs from an exact kernel only by the order of additions and the outputs' rounding
+    (and, for a kernel that rounds v to ``v_dtype`` before the expand, by that rounding: the reference
+    rounds it too)."""
     adapters = [
         [None if m is None else (m[0].to(dtype).float(), m[1].to(dtype).float(), m[2]) for m in modules]
         for modules in random_adapters(seed, hidden, outs)
@@ -170,7 +173,9 @@ def run_segments(
         dummy = (torch.zeros(1, hidden), torch.zeros(outs[m], 1), 0.0)
         a, b, s = zip(*[adapter[m] or dummy for adapter in adapters], strict=True)
         factor = layer + 1  # both A and B of layer l were stored times (l + 1)
-        expected = base + lora_reference(x, per_module, [t * factor for t in a], [t * factor for t in b], list(s))
+        expected = base + lora_reference(
+            x, per_module, [t * factor for t in a], [t * factor for t in b], list(s), v_dtype=v_dtype
+        )
         torch.testing.assert_close(out, expected, rtol=atol, atol=atol)
         assert torch.equal(out[per_module < 0], base[per_module < 0])  # base tokens bit for bit
 

@@ -83,13 +83,26 @@ def test_lora_segments_tiled_whole_segments_and_split_phases(threads: int, num_s
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_expand_rank_block_changes_the_speed_only(dtype: torch.dtype) -> None:
+needs_pair_dots = pytest.mark.skipif(
+    cpu.load_extension() is None or not cpu.lora_pair_dots(), reason="no pair dots in this build (no avx512_bf16)"
+)
+
+
+@pytest.mark.parametrize(
+    "dtype, pairs",
+    [(torch.float32, False), (torch.bfloat16, False), pytest.param(torch.bfloat16, True, marks=needs_pair_dots)],
+    ids=["float32", "bfloat16", "bfloat16-pair-dots"],
+)
+def test_the_expand_rank_block_changes_the_speed_only(dtype: torch.dtype, pairs: bool) -> None:
     """The tiled loops' expand streams B's rows in blocks of ``expand_rank_block`` (0: the whole rank;
     the engine times which is faster): for segments of 3-32 tokens (one token block, several, and
-    long ones in pieces) over ranks 1-64 on narrow and wide outputs, every block gives the same bits
-    as the default's, and they match the reference; a negative block is refused by name."""
-    indices = [i % 12 for i, num in enumerate([3, 5, 8, 9, 13, 16, 17, 24, 32, 40, 7, 8]) for _ in range(num)]
+    long ones in pieces; whole segments per thread, and few segments split across threads) over
+    ranks 1-64 on narrow and wide outputs, every block gives the same bits as the default's, and they
+    match the reference; a negative block is refused by name. By pair dots (``expand_pairs``) v is
+    rounded to bfloat16 first: they match the reference that rounds it so, to half a bfloat16 step
+    of the output as the float expand matches the unrounded one, and differ from the float expand."""
+    many = [i % 12 for i, num in enumerate([3, 5, 8, 9, 13, 16, 17, 24, 32, 40, 7, 8]) for _ in range(num)]
+    few = [2] * 9 + [5] * 40 + [7] * 5
     blocks = (cpu.EXPAND_RANK_BLOCK, 0, 1, 3, 16)
     compared: list[int] = []
 
@@ -98,24 +111,46 @@ def test_the_expand_rank_block_changes_the_speed_only(dtype: torch.dtype) -> Non
         for block in blocks:
             results[block] = tuple(out.to(dtype, copy=True) for out in outputs)
             cpu.lora_segments(x.to(dtype), results[block], storage.to(dtype), *args, tile_lengths=0,
-                              loop_lengths=cpu.EVERY_LOOP_LENGTH, expand_rank_block=block)  # fmt: skip
+                              loop_lengths=cpu.EVERY_LOOP_LENGTH, expand_rank_block=block,
+                              expand_pairs=pairs)  # fmt: skip
         for block in blocks[1:]:
             for got, want in zip(results[block], results[blocks[0]], strict=True):
                 assert torch.equal(got, want), f"expand_rank_block={block}"
             compared.append(block)
+        if pairs:  # v is rounded: the results differ from the float expand's
+            floats = tuple(out.to(dtype, copy=True) for out in outputs)
+            cpu.lora_segments(x.to(dtype), floats, storage.to(dtype), *args, tile_lengths=0,
+                              loop_lengths=cpu.EVERY_LOOP_LENGTH)  # fmt: skip
+            assert not all(torch.equal(a, b) for a, b in zip(floats, results[blocks[0]], strict=True))
         for out, result in zip(outputs, results[blocks[0]], strict=True):
             out.copy_(result.float())
 
     atol = 2**-8 if dtype == torch.bfloat16 else 1e-5
-    run_segments(every_block, indices, seed=13, scattered=True, layer=1, hidden=200, outs=(64, 16, 640), atol=atol,
-                 dtype=dtype)  # fmt: skip
-    assert compared == list(blocks[1:])
+    v_dtype = torch.bfloat16 if pairs else torch.float32
+    for indices in (many, few):
+        run_segments(every_block, indices, seed=13, scattered=True, layer=1, hidden=200, outs=(64, 16, 640),
+                     atol=atol, dtype=dtype, v_dtype=v_dtype)  # fmt: skip
+    assert compared == list(blocks[1:]) * 2
     x = torch.zeros(4, 8, dtype=dtype)
     storage = torch.zeros(1, 1, 64, dtype=dtype)
     no_segments = (torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long))
     meta, scales = torch.zeros(1, 1, 0, 14, dtype=torch.long), torch.zeros(1, 1, 0, 3)
     with pytest.raises(RuntimeError, match="expand_rank_block must be 0 \\(the whole rank\\) or positive, got -1"):
         cpu.lora_segments(x, (), storage, 0, 0, *no_segments, meta, scales, expand_rank_block=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pair_dot_expand_is_refused_where_it_cannot_run(dtype: torch.dtype) -> None:
+    """``expand_pairs`` over a float32 pool, or on a build without avx512_bf16, is refused by name."""
+    x = torch.zeros(4, 8, dtype=dtype)
+    storage = torch.zeros(1, 1, 64, dtype=dtype)
+    no_segments = (torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long))
+    meta, scales = torch.zeros(1, 1, 0, 14, dtype=torch.long), torch.zeros(1, 1, 0, 3)
+    if dtype == torch.bfloat16 and cpu.lora_pair_dots():
+        cpu.lora_segments(x, (), storage, 0, 0, *no_segments, meta, scales, expand_pairs=True)
+        return
+    with pytest.raises(RuntimeError, match="expand_pairs takes a bfloat16 pool on a build with avx512_bf16"):
+        cpu.lora_segments(x, (), storage, 0, 0, *no_segments, meta, scales, expand_pairs=True)
 
 
 LONG_LENGTHS = [33, 40, 64, 65, 100, 129, 200, 257, 300, 513, 600]  # every class above 32 tokens, twice

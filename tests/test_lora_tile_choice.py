@@ -1,6 +1,6 @@
 """The choice of AMX tiles, vector loops or GEMMs per LoRA segment length, and of the vector expand's
-rank block (``lora/tile_choice.py``): timed per dtype and cached per CPU kind, forced by option,
-refused where it cannot run, and the engine's hook and ``/health`` following it."""
+rank block and pair dots (``lora/tile_choice.py``): timed per dtype and cached per CPU kind, forced by
+option, refused where it cannot run, and the engine's hook and ``/health`` following it."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def test_forced_ways_need_no_timing_and_amx_is_refused_where_it_cannot_run() -> 
     for dtype in (torch.float32, torch.bfloat16):
         vector = choose_lora_kernels(SHAPES, dtype, PAGE_ELEMS, LoRAKernelPolicy("vector"))
         assert (vector.source, vector.seconds, vector.expand_rank_block) == ("forced", 0, cpu.EXPAND_RANK_BLOCK)
+        assert not vector.expand_pairs and vector.as_dict()["expand"] == "float"
         assert (vector.tile_lengths, vector.loop_lengths) == (0, EVERY_CLASS)
         assert set(vector.as_dict()["segment_tokens"].values()) == {"vector"}
     with pytest.raises(ValueError, match="cpu_lora='amx' needs a bfloat16 pool on a CPU with AMX tiles"):
@@ -65,7 +66,11 @@ def test_the_ways_are_timed_per_length_class_then_read_from_the_cache(
     plan = choose_lora_kernels(SHAPES, dtype, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert plan.source == "measured" and plan.seconds > 0
     tiles = dtype == torch.bfloat16 and cpu.lora_amx()
-    blocks = {f"expand rank block {b}": b for b in (cpu.EXPAND_RANK_BLOCK, "whole")}
+    pairs = dtype == torch.bfloat16 and cpu.lora_pair_dots()  # the pair-dot expand is timed too
+    ways_of_pairs = (False, True) if pairs else (False,)
+    expands = [lora_timing.Expand(b, by_pairs) for by_pairs in ways_of_pairs for b in (cpu.EXPAND_RANK_BLOCK, 0)]
+    blocks = {expand.key: expand for expand in expands}
+    assert "expand rank block whole, pair dots" in blocks if pairs else len(blocks) == 2
     assert sorted(plan.ms) == sorted((["amx", "gemm", "vector"] if tiles else ["gemm", "vector"]) + list(blocks))
     for c in range(8):
         long = (LONG_CLASSES >> c) & 1 == 1
@@ -76,19 +81,22 @@ def test_the_ways_are_timed_per_length_class_then_read_from_the_cache(
         faster = best != default and timed[best] < timed[default] * (1 - tile_choice.TIE_TOLERANCE)
         assert plan.ways[c] is LoRAWay(best if faster else default)
     assert plan.tile_lengths | plan.loop_lengths | LONG_CLASSES == EVERY_CLASS  # the GEMM: long classes only
-    # The rank block: the whole rank only where more than a tie faster over both timed lengths.
+    # The expand: another than the default only where more than a tie faster over both timed lengths.
     totals = {key: sum(plan.ms[key]) for key in blocks}
-    assert all(len(plan.ms[key]) == len(lora_timing.RANK_BLOCK_LENGTHS) for key in blocks)
-    whole = totals["expand rank block whole"] < totals[f"expand rank block {cpu.EXPAND_RANK_BLOCK}"] * 0.97
-    assert plan.expand_rank_block == (0 if whole else cpu.EXPAND_RANK_BLOCK)
-    assert plan.as_dict()["expand_rank_block"] == ("whole rank" if whole else cpu.EXPAND_RANK_BLOCK)
+    assert all(len(plan.ms[key]) == len(lora_timing.EXPAND_LENGTHS) for key in blocks)
+    best = min(totals, key=totals.__getitem__)
+    default = f"expand rank block {cpu.EXPAND_RANK_BLOCK}"
+    chosen = blocks[best] if totals[best] < totals[default] * 0.97 else blocks[default]
+    assert (plan.expand_rank_block, plan.expand_pairs) == chosen
+    assert plan.as_dict()["expand_rank_block"] == (chosen.rank_block or "whole rank")
+    assert plan.as_dict()["expand"] == ("pair dots" if chosen.pairs else "float")
     entries = json.loads((tmp_path / f"{cpu_features.signature()}.json").read_text())
     (entry,) = entries.values()
-    assert entry["tiles"] == [[way.value for way in plan.ways], plan.expand_rank_block]
+    assert entry["tiles"] == [[way.value for way in plan.ways], [plan.expand_rank_block, plan.expand_pairs]]
     assert entry["cpu"] == cpu_features.summary()
     again = choose_lora_kernels(SHAPES, dtype, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert (again.source, again.ways, again.seconds) == ("cached", plan.ways, 0.0)
-    assert again.expand_rank_block == plan.expand_rank_block
+    assert (again.expand_rank_block, again.expand_pairs) == (plan.expand_rank_block, plan.expand_pairs)
     wider = ((64, (64, 32, 16)), *SHAPES[1:])  # another model: timed anew, beside the first entry
     other = choose_lora_kernels(wider, dtype, PAGE_ELEMS, LoRAKernelPolicy(cache_dir=tmp_path))
     assert other.source == "measured" and other.seconds > 0
@@ -116,12 +124,25 @@ def test_the_engine_hook_runs_the_plan_and_health_shows_it(tiny_model_dir: Path)
     hook = auto.engine.runner.lora_hook
     assert plan is not None and (hook.tile_lengths, hook.loop_lengths) == (plan.tile_lengths, plan.loop_lengths)  # type: ignore[attr-defined]
     assert hook.expand_rank_block == plan.expand_rank_block  # type: ignore[attr-defined]
+    assert hook.expand_pairs == plan.expand_pairs  # type: ignore[attr-defined]
     assert plan.source in ("measured", "cached", "disturbed")
     assert LLM(str(tiny_model_dir), num_pages=64, kernels="torch", dtype="bfloat16").engine.stats().cpu_lora == {}
 
 
-def test_the_whole_rank_is_kept_only_where_more_than_a_tie_faster() -> None:
-    default, whole = (f"expand rank block {b}" for b in (cpu.EXPAND_RANK_BLOCK, "whole"))
-    assert tile_choice.pick_rank_block({default: [1.0, 4.0], whole: [0.9, 3.8]}) == 0  # 6 % faster in all
-    assert tile_choice.pick_rank_block({default: [1.0, 4.0], whole: [0.5, 4.4]}) == cpu.EXPAND_RANK_BLOCK  # 2 %
-    assert tile_choice.pick_rank_block({default: [1.0, 4.0], whole: [1.1, 4.2]}) == cpu.EXPAND_RANK_BLOCK
+def test_another_expand_is_kept_only_where_more_than_a_tie_faster() -> None:
+    Expand = lora_timing.Expand
+    default, whole = Expand(cpu.EXPAND_RANK_BLOCK), Expand(0)
+    pairs, whole_pairs = Expand(cpu.EXPAND_RANK_BLOCK, True), Expand(0, True)
+    candidates = (default, whole, pairs, whole_pairs)
+
+    def pick(*totals: list[float]) -> lora_timing.Expand:
+        times = {expand.key: ms for expand, ms in zip(candidates, totals, strict=True)}
+        return tile_choice.pick_expand(times, candidates)
+
+    assert pick([1.0, 4.0], [0.9, 3.8], [1.0, 4.0], [1.0, 4.0]) == whole  # 6 % faster in all
+    assert pick([1.0, 4.0], [0.5, 4.4], [1.0, 4.1], [1.1, 4.2]) == default  # 2 %: a tie
+    assert pick([1.0, 4.0], [0.9, 3.8], [0.8, 3.5], [0.8, 3.6]) == pairs  # the fastest of those past a tie
+    assert pick([1.0, 4.0], [1.1, 4.2], [1.0, 3.9], [1.0, 4.0]) == default
+    assert lora_timing.expand_candidates(torch.float32) == (default, whole)
+    has_pairs = cpu.lora_pair_dots()
+    assert lora_timing.expand_candidates(torch.bfloat16) == (candidates if has_pairs else (default, whole))

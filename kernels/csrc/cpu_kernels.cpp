@@ -248,7 +248,7 @@ void silu_and_mul_(at::Tensor& gate, const at::Tensor& up);
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
                    const at::Tensor& meta, const at::Tensor& scales, int64_t tile_lengths, int64_t loop_lengths,
-                   int64_t expand_rank_block);
+                   int64_t expand_rank_block, bool expand_pairs);
 std::vector<int64_t> lora_meta_layout();
 bool lora_grouped_gemm(bool enable);
 bool lora_amx();

@@ -84,6 +84,66 @@ void shrink_tile_pairs(const bf16_t* xp, int64_t in, const bf16_t* const* a, flo
 }
 #endif
 
+// vp[p * TB + j] = the bfloat16 bits of v[2p, j] (low half) and v[2p + 1, j] (high half; 0 past
+// `rank`), each rounded to nearest even, for TB tokens of v (vt[r * ld_t + j]): v as PairRows reads it.
+template <int TB>
+void pair_up(const float* vt, int64_t ld_t, int64_t rank, uint32_t* vp) {
+  for (int64_t r = 0; r < rank; r += 2) {
+    for (int j = 0; j < TB; ++j) {
+      const uint32_t high = r + 1 < rank ? loraserve_bf16::rounded_bits(vt[(r + 1) * ld_t + j]) : 0u;
+      vp[r / 2 * TB + j] = (high << 16) | loraserve_bf16::rounded_bits(vt[r * ld_t + j]);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+static_assert(kLanes == 16, "pair dots take 16 output columns per vector");
+
+// The expand's rows by pair dots (expand_tile's `rows`, bfloat16 weights and x): two rank rows a
+// step, v rounded to bfloat16 (as PEFT's and vLLM's bfloat16 LoRA round it) and paired by pair_up,
+// B's rows b_r, b_{r+1} interleaved into pairs in registers (vpunpck{l,h}wd leave their columns in
+// load_columns' order), each instruction adding both rows' exact products to float32 sums.
+template <int TB>
+struct PairRows {
+  static constexpr int64_t kRowsPerStep = 2;
+  const uint32_t* vp;  // pair_up's
+  const bf16_t* const* b;
+  int64_t rank;
+
+  template <int N>
+  void sum_columns(vecf (&acc)[N][2], int64_t r0, int64_t r1, int64_t c, bool prefetch) const {
+    static_assert(N == TB, "the tile's tokens are the pairs' tokens");
+    for (int64_t r = r0; r < r1; r += 2) {
+      const bool two = r + 1 < r1;
+      if (prefetch) {
+        for (int64_t i = r; i < r + (two ? 2 : 1); ++i) {
+          __builtin_prefetch(b[i] + c + kExpandCols, 0, 2);
+          __builtin_prefetch(b[i] + c + kExpandCols + kLanes, 0, 2);
+        }
+      }
+      const __m512i first = _mm512_loadu_si512(b[r] + c);
+      const __m512i second = two ? _mm512_loadu_si512(b[r + 1] + c) : _mm512_setzero_si512();
+      const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(first, second);
+      const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(first, second);
+      const uint32_t* v = vp + r / 2 * TB;
+      for (int j = 0; j < TB; ++j) {
+        const __m512bh vj = (__m512bh)_mm512_set1_epi32(static_cast<int>(v[j]));
+        acc[j][0] = (vecf)_mm512_dpbf16_ps((__m512)acc[j][0], vj, low);
+        acc[j][1] = (vecf)_mm512_dpbf16_ps((__m512)acc[j][1], vj, high);
+      }
+    }
+  }
+  float sum_column(int j, int64_t r0, int64_t r1, int64_t c, float acc) const {
+    for (int64_t r = r0; r < r1; r += 2) {
+      const uint32_t v = vp[r / 2 * TB + j];
+      if (r + 1 < r1) acc += loraserve_bf16::widened(static_cast<bf16_t>(v >> 16)) * widen(b[r + 1][c]);
+      acc += loraserve_bf16::widened(static_cast<bf16_t>(v & 0xFFFFu)) * widen(b[r][c]);
+    }
+    return acc;
+  }
+};
+#endif
+
 // Whether a call over a pool of W with `in` inputs shrinks on pair dots (kPairDots: bfloat16 x and
 // weights, an even number of inputs).
 template <typename W>

@@ -97,7 +97,8 @@ struct SegmentArgs {
 template <typename W>
 void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t layer, int64_t group,
                   const at::Tensor& bounds, const at::Tensor& page_tables, const at::Tensor& meta,
-                  const at::Tensor& scales, int64_t tile_lengths, int64_t loop_lengths, int64_t rank_block) {
+                  const at::Tensor& scales, int64_t tile_lengths, int64_t loop_lengths, int64_t rank_block,
+                  bool expand_pairs) {
   const int64_t num_segments = bounds.size(0), in_features = args.in_features;
   const int64_t num_outputs = static_cast<int64_t>(args.outs.size());
   const int64_t page_elems = storage.size(2), max_pages = page_tables.size(1), num_pages = storage.size(1);
@@ -202,7 +203,9 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
       }
     }
   }
-  if (!tiled.empty()) run_tiled(tiled, args.x_own, in_features, out_ptrs, out_widths.data(), num_outputs, rank_block);
+  if (!tiled.empty()) {
+    run_tiled(tiled, args.x_own, in_features, out_ptrs, out_widths.data(), num_outputs, rank_block, expand_pairs);
+  }
   if (!large.empty()) {
     run_long(large, buffers, meta_ptr, scale_ptr, bound_ptr, x_ptr, in_features, v_ptr, ldv, out_ptrs,
              out_widths.data(), num_outputs);
@@ -221,7 +224,7 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
 void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, const at::Tensor& storage,
                    int64_t layer, int64_t group, const at::Tensor& bounds, const at::Tensor& page_tables,
                    const at::Tensor& meta, const at::Tensor& scales, int64_t tile_lengths, int64_t loop_lengths,
-                   int64_t expand_rank_block) {
+                   int64_t expand_rank_block, bool expand_pairs) {
   const at::ScalarType dtype = storage.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
               "lora_segments takes float32 or bfloat16: x and storage of one dtype");
@@ -236,6 +239,8 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
   TORCH_CHECK(static_cast<int64_t>(outputs.size()) <= kMaxModules, "at most 3 outputs per group");
   TORCH_CHECK(expand_rank_block >= 0, "expand_rank_block must be 0 (the whole rank) or positive, got ",
               expand_rank_block);
+  TORCH_CHECK(!expand_pairs || (kPairDots && dtype == at::kBFloat16),
+              "expand_pairs takes a bfloat16 pool on a build with avx512_bf16 (lora_pair_dots())");
   for (const auto& out : outputs) {
     TORCH_CHECK(out.scalar_type() == dtype && out.is_contiguous() && out.size(0) == x.size(0),
                 "outputs must be contiguous [num_tokens, out_features] of x's dtype");
@@ -282,7 +287,7 @@ void lora_segments(const at::Tensor& x, const std::vector<at::Tensor>& outputs, 
       args.x_own = x_rows;
     }
     run_segments<W>(args, storage, layer, group, bounds, page_tables, meta, scales, tile_lengths, loop_lengths,
-                    expand_rank_block);
+                    expand_rank_block, expand_pairs);
     trim(wide_x);
   };
   if (dtype == at::kFloat) return run_as(float{});

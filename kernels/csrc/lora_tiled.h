@@ -202,16 +202,31 @@ void shrink_rows(const TiledSegment<W>& seg, const float* xt, int64_t in, int64_
 }
 
 // Columns [o0, o1) of a segment's module output from its v (as shrink_rows left it), B's rows
-// streamed `rank_block` at a time (expand_tile).
+// streamed `rank_block` at a time (expand_tile); by pair dots where `pairs` (v rounded to bfloat16:
+// PairRows; the caller checks that the build has them and the pool is bfloat16).
 template <typename W>
 void expand_columns(const TiledSegment<W>& seg, int64_t module, int64_t o0, int64_t o1, const float* vt,
-                    int64_t ld_t, W* out, int64_t width, float* tmp, int64_t rank_block) {
+                    int64_t ld_t, W* out, int64_t width, float* tmp, int64_t rank_block, bool pairs) {
   const int64_t* mm = seg.meta + kModuleBase + kModuleStride * module;
   const int64_t column = mm[0], rank = mm[1];
   for_token_blocks(seg.num, [&](auto tb, int64_t t) {
-    expand_tile<decltype(tb)::value>(vt + column * ld_t + t, ld_t, seg.b_rows[module], rank, o0, o1,
-                                     seg.scale[module], out + (seg.start + t) * width, width, tmp, rank_block,
-                                     seg.num <= kTokenBlock);
+    constexpr int TB = decltype(tb)::value;
+    const float* v = vt + column * ld_t + t;
+    W* dst = out + (seg.start + t) * width;
+    const bool read_once = seg.num <= kTokenBlock;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if constexpr (std::is_same_v<W, bf16_t>) {
+      if (pairs) {
+        thread_local std::vector<uint32_t> paired;  // pair_up's v, reused across calls
+        uint32_t* vp = at_least(paired, (rank + 1) / 2 * TB);
+        pair_up<TB>(v, ld_t, rank, vp);
+        return expand_tile<TB>(PairRows<TB>{vp, seg.b_rows[module], rank}, rank, o0, o1, seg.scale[module], dst,
+                               width, tmp, rank_block, read_once);
+      }
+    }
+#endif
+    expand_tile<TB>(FloatRows<W>{v, ld_t, seg.b_rows[module]}, rank, o0, o1, seg.scale[module], dst, width, tmp,
+                    rank_block, read_once);
   });
 }
 
@@ -226,7 +241,7 @@ constexpr int64_t kSegmentsPerThread = 4;
 // and reused across calls: at small hidden sizes a call's setup costs as much as its arithmetic.
 template <typename W>
 void run_tiled(std::vector<TiledSegment<W>>& segs, const W* x, int64_t in, W* const* outs,
-               const int64_t* out_widths, int64_t num_outputs, int64_t rank_block) {
+               const int64_t* out_widths, int64_t num_outputs, int64_t rank_block, bool pairs) {
   int64_t max_chunk = 0, max_rows = 0, total_blocks = 0, max_blocks = 0;
   for (int64_t module = 0; module < num_outputs; ++module) {
     max_chunk = std::max(max_chunk, expand_chunk(out_widths[module]));
@@ -279,7 +294,7 @@ void run_tiled(std::vector<TiledSegment<W>>& segs, const W* x, int64_t in, W* co
           const int64_t width = out_widths[module], chunk = expand_chunk(width);
           for (int64_t o = 0; o < width; o += chunk) {
             expand_columns(seg, module, o, std::min(width, o + chunk), vt_ptr, ld_t, outs[module], width, tmp_ptr,
-                           rank_block);
+                           rank_block, pairs);
           }
         }
       }
@@ -331,7 +346,7 @@ void run_tiled(std::vector<TiledSegment<W>>& segs, const W* x, int64_t in, W* co
       const auto [s, module, o] = expands[i];
       const int64_t width = out_widths[module];
       expand_columns(segs[s], module, o, std::min(width, o + expand_chunk(width)), vt + segs[s].start, ld_t,
-                     outs[module], width, tmp_ptr, rank_block);
+                     outs[module], width, tmp_ptr, rank_block, pairs);
     }
   }
 }

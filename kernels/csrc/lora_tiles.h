@@ -226,21 +226,59 @@ void with_rows(int n, F&& f) {
   f(std::integral_constant<int, N>{});
 }
 
-// out[j, o0:o1] += scale * sum_r vt[r, j] * b_r[o0:o1] for TB tokens; `b` holds `rank` row
-// pointers (W: float, or bf16_t widened as loaded; the output is of type W too); `tmp` has room for
-// TB * (o1 - o0) floats. The rank is walked in blocks of `rank_block` rows (0: the whole rank), so
+// The float expand's rows (expand_tile's `rows`): B's rank rows b_r (float, or bfloat16 widened as
+// loaded) times v, vt[r * ld_t + j] for token j, one rank row a step.
+template <typename W>
+struct FloatRows {
+  static constexpr int64_t kRowsPerStep = 1;
+  const float* vt;
+  int64_t ld_t;
+  const W* const* b;
+
+  // acc[j] += sum over rows [r0, r1) of v[r, j] * b_r[c : c + kExpandCols] (load_columns' order),
+  // each row's next tile of columns prefetched into L2 where `prefetch`.
+  template <int TB>
+  void sum_columns(vecf (&acc)[TB][2], int64_t r0, int64_t r1, int64_t c, bool prefetch) const {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (prefetch) {
+        __builtin_prefetch(b[r] + c + kExpandCols, 0, 2);
+        __builtin_prefetch(b[r] + c + kExpandCols + kLanes, 0, 2);
+      }
+      vecf b0, b1;  // in load_columns' order
+      load_columns(b[r] + c, b0, b1);
+      for (int j = 0; j < TB; ++j) {
+        const vecf v = splatv(vt[r * ld_t + j]);
+        acc[j][0] += v * b0;
+        acc[j][1] += v * b1;
+      }
+    }
+  }
+  // acc + sum over rows [r0, r1) of v[r, j] * b_r[c].
+  float sum_column(int j, int64_t r0, int64_t r1, int64_t c, float acc) const {
+    for (int64_t r = r0; r < r1; ++r) acc += vt[r * ld_t + j] * widen(b[r][c]);
+    return acc;
+  }
+};
+
+// out[j, o0:o1] += scale * sum_r v[r, j] * b_r[o0:o1] for TB tokens, with `rows` (FloatRows, or
+// lora_pair_dots.h's PairRows) holding B's `rank` row pointers (`rows.b`; W: float, or bf16_t, the
+// output's type too) and v; `tmp` has room for TB * (o1 - o0) floats. The rank is walked in blocks
+// of `rank_block` rows (0: the whole rank; rounded up to whole steps of the rows' kRowsPerStep), so
 // that only that many rows are streamed at once; sums between blocks wait in `tmp`, the last block
 // adds to the output. Which block size keeps the memory busiest depends on the CPU's prefetchers
 // (the engine times it: lora/tile_choice.py); the sums' order, and so the result, is the same for
 // every block size. Each column tile prefetches into L2 the next tile's columns of its rows (a
 // small B streams as one column strip per tile, which the prefetchers do not follow) and its own
 // columns of the next rank block's rows, which are read one pass over the columns later.
-template <int TB, typename W>
-void expand_tile(const float* vt, int64_t ld_t, const W* const* b, int64_t rank, int64_t o0, int64_t o1,
-                 float scale, W* out, int64_t ld_out, float* tmp, int64_t rank_block, bool read_once) {
+template <int TB, typename W, typename Rows>
+void expand_tile(const Rows& rows, int64_t rank, int64_t o0, int64_t o1, float scale, W* out, int64_t ld_out,
+                 float* tmp, int64_t rank_block, bool read_once) {
   const int64_t n = o1 - o0, vectorized = n / kExpandCols * kExpandCols;
+  constexpr int64_t kStep = Rows::kRowsPerStep;
   // A small B read once (the segment's only token block) is summed in registers whatever the block.
-  const int64_t block = rank_block == 0 || (read_once && rank * n <= kSmallExpand) ? rank : rank_block;
+  const int64_t asked = rank_block == 0 || (read_once && rank * n <= kSmallExpand) ? rank : rank_block;
+  const int64_t block = (asked + kStep - 1) / kStep * kStep;
+  const W* const* b = rows.b;
   const vecf s = splatv(scale);
   for (int64_t r0 = 0; r0 < rank; r0 += block) {
     const int64_t r1 = std::min(rank, r0 + block);
@@ -253,24 +291,11 @@ void expand_tile(const float* vt, int64_t ld_t, const W* const* b, int64_t rank,
           acc[j][1] = loadv(tmp + j * n + o + kLanes);
         }
       }
-      const bool prefetch = o + kExpandCols < vectorized;
       for (int64_t r = r1; r < std::min(rank, r1 + block); ++r) {  // the next rank block's
         __builtin_prefetch(b[r] + o0 + o, 0, 2);
         __builtin_prefetch(b[r] + o0 + o + kLanes, 0, 2);
       }
-      for (int64_t r = r0; r < r1; ++r) {
-        if (prefetch) {
-          __builtin_prefetch(b[r] + o0 + o + kExpandCols, 0, 2);
-          __builtin_prefetch(b[r] + o0 + o + kExpandCols + kLanes, 0, 2);
-        }
-        vecf b0, b1;  // in load_columns' order
-        load_columns(b[r] + o0 + o, b0, b1);
-        for (int j = 0; j < TB; ++j) {
-          const vecf c = splatv(vt[r * ld_t + j]);
-          acc[j][0] += c * b0;
-          acc[j][1] += c * b1;
-        }
-      }
+      rows.template sum_columns<TB>(acc, r0, r1, o0 + o, o + kExpandCols < vectorized);
       for (int j = 0; j < TB; ++j) {
         if (last) {
           W* dst = out + j * ld_out + o0 + o;
@@ -283,8 +308,7 @@ void expand_tile(const float* vt, int64_t ld_t, const W* const* b, int64_t rank,
     }
     for (int64_t o = vectorized; o < n; ++o) {
       for (int j = 0; j < TB; ++j) {
-        float acc = first ? 0.f : tmp[j * n + o];
-        for (int64_t r = r0; r < r1; ++r) acc += vt[r * ld_t + j] * widen(b[r][o0 + o]);
+        const float acc = rows.sum_column(j, r0, r1, o0 + o, first ? 0.f : tmp[j * n + o]);
         if (last) {
           add_to(out[j * ld_out + o0 + o], scale * acc);
         } else {

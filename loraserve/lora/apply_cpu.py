@@ -130,7 +130,8 @@ class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
     """``LoRAHook`` reading adapter weights in place from the pool's storage (float32 or bfloat16);
     ``tile_lengths``: the segment-length classes that run on AMX tiles; ``loop_lengths``: the classes
     of more than 32 tokens that run on the tiled loops rather than MKL; ``expand_rank_block``: B's rows
-    the loops' expand streams at once (``cpu.lora_segments``)."""
+    the loops' expand streams at once; ``expand_pairs``: that expand by bfloat16 pair dots
+    (``cpu.lora_segments``)."""
 
     def __init__(
         self,
@@ -138,12 +139,14 @@ class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
         tile_lengths: int = cpu.EVERY_TILE_LENGTH,
         loop_lengths: int = 0,
         expand_rank_block: int = cpu.EXPAND_RANK_BLOCK,
+        expand_pairs: bool = False,
     ) -> None:
         super().__init__(storage)
         self.packer = SegmentPacker(storage.shape[0], storage.shape[2])
         self.tile_lengths = tile_lengths
         self.loop_lengths = loop_lengths
         self.expand_rank_block = expand_rank_block
+        self.expand_pairs = expand_pairs
 
     def prepare(self, lora: LoRABatch) -> Packed:
         return self.packer.pack(lora)
@@ -159,5 +162,5 @@ class CompiledLoRAApplier(PerBatchLoRAHook[Packed]):
         bounds, page_tables, meta, scales = prepared
         cpu.lora_segments(
             x, outputs, self.storage, layer, GROUP_INDEX[group], bounds, page_tables, meta, scales, self.tile_lengths,
-            self.loop_lengths, self.expand_rank_block,
+            self.loop_lengths, self.expand_rank_block, self.expand_pairs,
         )  # fmt: skip

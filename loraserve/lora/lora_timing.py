@@ -1,6 +1,6 @@
 """The timed passes behind ``lora/tile_choice.py``: the ways the compiled CPU kernel can run LoRA
 segments of 3 or more tokens, and one pass of ``cpu.lora_segments`` over random adapters of ranks
-``RANKS`` for each of the model's LoRA groups, per segment length, per way or expand rank block.
+``RANKS`` for each of the model's LoRA groups, per segment length, per way or way of the expand.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ MAX_LAYERS, LAYER_BYTES = 8, 64 * 2**20  # layers of distinct weights per group,
 MAX_TOKENS = 768  # tokens of one timed call (segments of a class: up to 8 adapters)
 LOOPS_MAX_TOKENS = 32  # segments longer than this may run as GEMMs (kTiledMax, kernels/csrc/lora_tiled.h)
 EXPAND_RANK_BLOCKS = (cpu.EXPAND_RANK_BLOCK, 0)  # the vector expand's rank blocks timed (0: the whole rank)
-RANK_BLOCK_LENGTHS = (8, LOOPS_MAX_TOKENS)  # segment lengths they are timed on: one token block (decode), four
+EXPAND_LENGTHS = (8, LOOPS_MAX_TOKENS)  # segment lengths the expands are timed on: one token block (decode), four
 
 
 class LoRAWay(str, enum.Enum):
@@ -42,8 +42,27 @@ WAY_MASKS = {
 GroupShape = tuple[int, tuple[int, ...]]  # (in_features, out widths of the group's modules)
 
 
-def rank_block_key(block: int) -> str:  # the name of a rank block's timings
-    return f"expand rank block {block or 'whole'}"
+class Expand(NamedTuple):
+    """How the vector loops' expand runs: B's rows streamed ``rank_block`` at a time (0: the whole
+    rank), by float FMAs or by bfloat16 pair dots (``pairs``: v rounded to bfloat16; ``cpu.py``)."""
+
+    rank_block: int = cpu.EXPAND_RANK_BLOCK
+    pairs: bool = False
+
+    @property
+    def key(self) -> str:  # the name of its timings
+        block = f"expand rank block {self.rank_block or 'whole'}"
+        return f"{block}, pair dots" if self.pairs else block
+
+
+DEFAULT_EXPAND = Expand()
+
+
+def expand_candidates(dtype: torch.dtype) -> tuple[Expand, ...]:
+    """The expands timed for a pool of ``dtype``, the default first: each rank block, by float FMAs,
+    and by pair dots too over a bfloat16 pool where the build has them (``cpu.lora_pair_dots()``)."""
+    pairs = (False, True) if dtype == torch.bfloat16 and cpu.lora_pair_dots() else (False,)
+    return tuple(Expand(block, by_pairs) for by_pairs in pairs for block in EXPAND_RANK_BLOCKS)
 
 
 def time_ways(
@@ -52,12 +71,12 @@ def time_ways(
     page_elems: int,
     lengths: list[int],
     ways: tuple[LoRAWay, ...],
-    expand_rank_block: int = cpu.EXPAND_RANK_BLOCK,
+    expand: Expand = DEFAULT_EXPAND,
 ) -> dict[str, list[float]]:
     """Seconds of one pass over every group and timed layer, per way and length: the best of several
     passes, the ways alternating (a drift of the machine slows both alike). Only the ways that can
     run a length are timed (the GEMM: more than 32 tokens), and only lengths that more than one way
-    can run; the others get 0. The vector loops' expand streams ``expand_rank_block`` rows at once."""
+    can run; the others get 0. The vector loops' expand runs as ``expand`` says."""
     gen = torch.Generator().manual_seed(0)
     groups = [_GroupCase(in_features, outs, dtype, page_elems, gen) for in_features, outs in shapes]
     times: dict[str, list[float]] = {way.value: [] for way in ways}
@@ -68,29 +87,28 @@ def time_ways(
             if len(runnable) > 1:
                 calls = [case.call(length, gen) for case in groups]
                 best = best_alternating_passes(
-                    {
-                        way.value: functools.partial(_one_pass, calls, *WAY_MASKS[way], expand_rank_block)
-                        for way in runnable
-                    }
+                    {way.value: functools.partial(_one_pass, calls, *WAY_MASKS[way], expand) for way in runnable}
                 )
             for way in ways:
                 times[way.value].append(best.get(way.value, 0.0))
     return times
 
 
-def time_rank_blocks(shapes: tuple[GroupShape, ...], dtype: torch.dtype, page_elems: int) -> dict[str, list[float]]:
-    """Seconds of one pass over every group and timed layer on the vector loops, per expand rank
-    block (``rank_block_key``) and ``RANK_BLOCK_LENGTHS`` length, as ``time_ways`` times the ways."""
+def time_expands(
+    shapes: tuple[GroupShape, ...], dtype: torch.dtype, page_elems: int, candidates: tuple[Expand, ...]
+) -> dict[str, list[float]]:
+    """Seconds of one pass over every group and timed layer on the vector loops, per expand of
+    ``candidates`` (by ``Expand.key``) and ``EXPAND_LENGTHS`` length, as ``time_ways`` times the ways."""
     gen = torch.Generator().manual_seed(1)
     groups = [_GroupCase(in_features, outs, dtype, page_elems, gen) for in_features, outs in shapes]
-    times: dict[str, list[float]] = {rank_block_key(block): [] for block in EXPAND_RANK_BLOCKS}
+    times: dict[str, list[float]] = {expand.key: [] for expand in candidates}
     with torch.no_grad():
-        for length in RANK_BLOCK_LENGTHS:
+        for length in EXPAND_LENGTHS:
             calls = [case.call(length, gen) for case in groups]
             best = best_alternating_passes(
                 {
-                    rank_block_key(block): functools.partial(_one_pass, calls, *WAY_MASKS[LoRAWay.VECTOR], block)
-                    for block in EXPAND_RANK_BLOCKS
+                    expand.key: functools.partial(_one_pass, calls, *WAY_MASKS[LoRAWay.VECTOR], expand)
+                    for expand in candidates
                 }
             )
             for key, seconds in best.items():
@@ -111,13 +129,13 @@ class Call(NamedTuple):
     scales: torch.Tensor  # [layers, 1, segments, 3] float32
 
 
-def _one_pass(calls: list[Call], tile_lengths: int, loop_lengths: int, expand_rank_block: int) -> float:
+def _one_pass(calls: list[Call], tile_lengths: int, loop_lengths: int, expand: Expand) -> float:
     start = time.perf_counter()
     for c in calls:
         for layer in range(c.layers):
             cpu.lora_segments(
                 c.x, c.outs, c.storage, layer, 0, c.bounds, c.tables, c.meta, c.scales, tile_lengths, loop_lengths,
-                expand_rank_block,
+                expand.rank_block, expand.pairs,
             )  # fmt: skip
     return time.perf_counter() - start
 

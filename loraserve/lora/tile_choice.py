@@ -10,15 +10,17 @@ segment-length class of the kernel (``cpu.lora_tile_length_bounds()``: up to 8 t
 LoRA groups (q/k/v, o, gate/up, down) with adapters of ranks 64/32/16/8, segments of the middle of
 the class, over up to 8 layers of distinct weights, alternating, the best of several passes; a way
 other than the class's default (the vector loops up to 32 tokens, the GEMM beyond) is kept only
-when more than ``TIE_TOLERANCE`` faster. How many of B's rows the vector loops' expand streams at
-once (``EXPAND_RANK_BLOCKS``: a few, or the whole rank; the results are the same) is timed first, on
-segments of ``RANK_BLOCK_LENGTHS`` tokens, and the ways' loops then run with it; the whole rank is
-kept only when more than a tie faster. (The timed passes: ``lora/lora_timing.py``.) The choice is
+when more than ``TIE_TOLERANCE`` faster. How the vector loops' expand runs is timed first, on
+segments of ``EXPAND_LENGTHS`` tokens, and the ways' loops then run with it: how many of B's rows it
+streams at once (``EXPAND_RANK_BLOCKS``: a few, or the whole rank; the results are the same), and,
+over a bfloat16 pool where the build has them, whether by bfloat16 pair dots (v rounded to
+bfloat16, ``kernels/cpu.py``) or float FMAs; another than the default (a few rows, float) is kept
+only when more than a tie faster. (The timed passes: ``lora/lora_timing.py``.) The choice is
 cached per CPU signature in
 ``<cache>/cpu_lora/`` (``choice_file``) and shown in ``/health``. A timing that other processes
 disturbed is repeated once, and if disturbed again serves this process without being cached.
 ``--cpu-lora amx|vector`` forces every class on the tiles, or on the vector loops (with the default
-rank block: a forced plan times nothing).
+expand: a forced plan times nothing).
 """
 
 from __future__ import annotations
@@ -38,27 +40,27 @@ from loraserve.kernels import cpu, cpu_features
 from loraserve.lora.apply_torch import PerBatchLoRAHook
 from loraserve.lora.layout import LORA_GROUPS
 from loraserve.lora.lora_timing import (
-    EXPAND_RANK_BLOCKS,
     LOOPS_MAX_TOKENS,
+    Expand,
     GroupShape,
     LoRAWay,
-    rank_block_key,
-    time_rank_blocks,
+    expand_candidates,
+    time_expands,
     time_ways,
 )
 from loraserve.timed_choice import TilePolicy, timed_choice
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 3  # 3: a way per class and the expand's rank block (2: the ways; 1: whether on the tiles)
+CACHE_FORMAT = 4  # 4: a way per class, the expand's rank block and pairs (3: no pairs; 2: the ways; 1: tiles)
 TIE_TOLERANCE = 0.03  # a way other than the default must be this much faster to be kept (noise between passes)
 
 
 class LoRAChoice(NamedTuple):
-    """A timed (or cached) choice: the way per segment-length class, the expand's rank block."""
+    """A timed (or cached) choice: the way per segment-length class, the vector loops' expand."""
 
     ways: tuple[LoRAWay, ...]
-    expand_rank_block: int
+    expand: Expand
 
 
 _DISTURBED: dict[str, LoRAChoice] = {}  # choices timed under load in this process, by cache key
@@ -80,8 +82,9 @@ class LoRAKernelPlan:
     bounds: tuple[int, ...]
     source: str  # measured | cached | forced | disturbed
     expand_rank_block: int = cpu.EXPAND_RANK_BLOCK  # B's rows the vector expand streams at once (0: all)
+    expand_pairs: bool = False  # the vector expand by bfloat16 pair dots (v rounded to bfloat16)
     seconds: float = 0.0  # spent timing
-    # Per way, per class: the timings (0: not timed); per rank block, per RANK_BLOCK_LENGTHS length.
+    # Per way, per class: the timings (0: not timed); per expand (Expand.key), per EXPAND_LENGTHS length.
     ms: dict[str, list[float]] = field(default_factory=dict)
 
     @property
@@ -106,11 +109,12 @@ class LoRAKernelPlan:
             "timing_seconds": round(self.seconds, 2),
             "segment_tokens": {name: way.value for name, way in zip(self.class_names(), self.ways, strict=True)},
             "expand_rank_block": self.expand_rank_block or "whole rank",
+            "expand": "pair dots" if self.expand_pairs else "float",
         }
 
     def summary(self) -> str:
         by_length: dict[str, str] = self.as_dict()["segment_tokens"]
-        block = f"; expand rank block: {self.as_dict()['expand_rank_block']}"
+        block = f"; expand: {self.as_dict()['expand']}, rank block {self.as_dict()['expand_rank_block']}"
         if len(set(by_length.values())) == 1:
             return f"{self.source}; every length: {next(iter(by_length.values()))}{block}"
         return f"{self.source}; " + ", ".join(f"{name}: {way}" for name, way in by_length.items()) + block
@@ -143,6 +147,7 @@ def lora_hook_factory(
         tile_lengths=plan.tile_lengths,
         loop_lengths=plan.loop_lengths,
         expand_rank_block=plan.expand_rank_block,
+        expand_pairs=plan.expand_pairs,
     )
     return hook, plan
 
@@ -160,6 +165,7 @@ def choose_lora_kernels(
     ways = (LoRAWay.AMX, LoRAWay.VECTOR, LoRAWay.GEMM) if has_tiles else (LoRAWay.VECTOR, LoRAWay.GEMM)
     what = f"{str(dtype).removeprefix('torch.')} " + " ".join(f"{i}->{'+'.join(map(str, o))}" for i, o in shapes)
     lengths = [_middle(c, bounds) for c in range(num_classes)]
+    expands = expand_candidates(dtype)
 
     def decide(times: dict[str, list[float]]) -> LoRAChoice:  # another way where more than a tie faster
         chosen = []
@@ -169,35 +175,37 @@ def choose_lora_kernels(
             best = min(timed, key=lambda way: times[way.value][c], default=default)
             faster = times[best.value][c] < times[default.value][c] * (1 - TIE_TOLERANCE)
             chosen.append(best if faster else default)
-        return LoRAChoice(tuple(chosen), pick_rank_block(times))
+        return LoRAChoice(tuple(chosen), pick_expand(times, expands))
 
     def read(entry: Any) -> LoRAChoice | None:
         known = {way.value for way in ways}
-        if not isinstance(entry, list) or len(entry) != 2:
+        if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], list) or len(entry[1]) != 2:
             return None
-        names, block = entry
-        if type(block) is not int or block not in EXPAND_RANK_BLOCKS:  # (not a JSON false, which == 0)
-            return None
+        names, (block, pairs) = entry
+        if type(block) is not int or type(pairs) is not bool or Expand(block, pairs) not in expands:
+            return None  # (a JSON false for a block == 0, so the types are checked)
         if not isinstance(names, list) or len(names) != num_classes or not all(e in known for e in names):
             return None
-        return LoRAChoice(tuple(LoRAWay(e) for e in names), block)
+        return LoRAChoice(tuple(LoRAWay(e) for e in names), Expand(block, pairs))
 
-    def time_all() -> dict[str, list[float]]:  # the rank block first: the ways' loops then run with it
-        blocks = time_rank_blocks(shapes, dtype, page_elems)
-        return time_ways(shapes, dtype, page_elems, lengths, ways, pick_rank_block(blocks)) | blocks
+    def time_all() -> dict[str, list[float]]:  # the expand first: the ways' loops then run with it
+        timed = time_expands(shapes, dtype, page_elems, expands)
+        return time_ways(shapes, dtype, page_elems, lengths, ways, pick_expand(timed, expands)) | timed
 
     choice = timed_choice(
         ChoiceFile(policy.cache_dir, "LoRA kernel"), build_key(what, CACHE_FORMAT), _DISTURBED, time_all, decide, read
     )
-    ways_chosen, block = choice.value
-    return LoRAKernelPlan(ways_chosen, bounds, choice.source, block, choice.seconds, choice.ms)
+    ways_chosen, expand = choice.value
+    return LoRAKernelPlan(
+        ways_chosen, bounds, choice.source, expand.rank_block, expand.pairs, choice.seconds, choice.ms
+    )
 
 
-def pick_rank_block(times: dict[str, list[float]]) -> int:
-    """The expand's rank block: the default unless another is more than a tie faster in all (summed
-    over the timed lengths)."""
-    totals = {block: sum(times[rank_block_key(block)]) for block in EXPAND_RANK_BLOCKS}
-    default = EXPAND_RANK_BLOCKS[0]
+def pick_expand(times: dict[str, list[float]], candidates: tuple[Expand, ...]) -> Expand:
+    """The vector loops' expand: the default (the first candidate) unless another is more than a tie
+    faster in all (summed over the timed lengths)."""
+    totals = {expand: sum(times[expand.key]) for expand in candidates}
+    default = candidates[0]
     best = min(totals, key=totals.__getitem__)
     return best if totals[best] < totals[default] * (1 - TIE_TOLERANCE) else default
 

@@ -1,4 +1,4 @@
-"""Choosing the compiled decode attention's vector width, by timing it on this CPU.
+"""Choosing the compiled decode attention's variant, by timing them on this CPU.
 
 The compiled paged decode attention has up to three register-tiled variants
 (``cpu.decode_attention_variants()``): ``pairs`` (bfloat16 scores by AVX512-BF16 pair dots, where
