@@ -66,9 +66,10 @@ and A's pairs the same way (no widening).
     expand_rank_block: the tiled loops' expand streams B's rows this many at a time (0: all of
               the rank at once); the result is the same for every value, the speed is the CPU's
               (the engine times it: ``lora/tile_choice.py``)
-    expand_pairs: the tiled loops' expand (segments of 3-32 tokens, and longer ones in pieces)
-              by bfloat16 pair dots: v rounded to bfloat16 first (to nearest even, as PEFT's and
-              vLLM's bfloat16 LoRA round their intermediate), two rank rows per ``vdpbf16ps``
+    expand_pairs: the tiled loops' expand (segments of 3-32 tokens, longer ones in pieces, and on AMX
+              the expand of 3-8 tokens) by bfloat16 pair dots: v rounded to bfloat16 first (to
+              nearest even, as PEFT's and vLLM's bfloat16 LoRA round their intermediate), two rank
+              rows per ``vdpbf16ps``
               (products exact, sums float32, each output rounded once): exact against a reference
               that rounds v the same way. Only over a bfloat16 pool on a build with avx512_bf16
               (``lora_pair_dots()``), refused by name otherwise; the engine times it against the

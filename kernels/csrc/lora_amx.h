@@ -29,9 +29,11 @@ constexpr int64_t kVectorExpandMax = kTokenBlock;
 // thread takes whole segments, largest first, v in its own buffer. Else the phases are split
 // across threads, with v shared (vt[row * ld_t + token] over the call's tokens): tokens packed by
 // (segment, up to 256 tokens), shrink items (segment, 64 rows of A, up to 256 tokens), expand
-// items (segment, module, up to 512 output columns, up to 256 tokens).
+// items (segment, module, up to 512 output columns, up to 256 tokens). The expand of segments of at
+// most kVectorExpandMax tokens runs on the vector loops with the call's `rank_block` and `expand_pairs`.
 inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const bf16_t* x, int64_t in,
-                          bf16_t* const* outs, const int64_t* out_widths, int64_t num_outputs) {
+                          bf16_t* const* outs, const int64_t* out_widths, int64_t num_outputs, int64_t rank_block,
+                          bool expand_pairs) {
   int64_t max_rows = 0, max_rank = 0, max_num = 0, num_tokens = 0, max_chunk = 0, total_work = 0;
   std::vector<int64_t> first_block(segs.size() + 1, 0);  // each segment's first block of 16 tokens
   for (size_t i = 0; i < segs.size(); ++i) {
@@ -104,7 +106,7 @@ inline void run_tiled_amx(std::vector<TiledSegment<bf16_t>>& segs, const bf16_t*
       const int64_t b1 = std::min(first[i + 1] - first[i], b + kItemBlocks);
       return amx_expand(segs[i], module, o, o1, b, b1, v_at, ld, outs[module], width, scratch);
     }
-    expand_columns(segs[i], module, o, o1, v_at, ld, outs[module], width, tmp);
+    expand_columns(segs[i], module, o, o1, v_at, ld, outs[module], width, tmp, rank_block, expand_pairs);
   };
 #pragma omp parallel num_threads(num_threads)
   {

@@ -108,7 +108,6 @@ struct PairRows {
   static constexpr int64_t kRowsPerStep = 2;
   const uint32_t* vp;  // pair_up's
   const bf16_t* const* b;
-  int64_t rank;
 
   template <int N>
   void sum_columns(vecf (&acc)[N][2], int64_t r0, int64_t r1, int64_t c, bool prefetch) const {

@@ -212,7 +212,10 @@ void run_segments(const SegmentArgs<W>& args, const at::Tensor& storage, int64_t
   }
 #if defined(LORASERVE_LORA_AMX)
   if constexpr (std::is_same_v<W, bf16_t>) {  // one after the other: both bind rows in the same scratch
-    if (!on_tiles.empty()) run_tiled_amx(on_tiles, args.x_own, in_features, out_ptrs, out_widths.data(), num_outputs);
+    if (!on_tiles.empty()) {
+      run_tiled_amx(on_tiles, args.x_own, in_features, out_ptrs, out_widths.data(), num_outputs, rank_block,
+                    expand_pairs);
+    }
     if (!long_tiles.empty()) run_long_amx(long_tiles, args.x_own, in_features, out_ptrs, out_widths.data(), num_outputs);
   }
 #endif

@@ -220,7 +220,7 @@ void expand_columns(const TiledSegment<W>& seg, int64_t module, int64_t o0, int6
         thread_local std::vector<uint32_t> paired;  // pair_up's v, reused across calls
         uint32_t* vp = at_least(paired, (rank + 1) / 2 * TB);
         pair_up<TB>(v, ld_t, rank, vp);
-        return expand_tile<TB>(PairRows<TB>{vp, seg.b_rows[module], rank}, rank, o0, o1, seg.scale[module], dst,
+        return expand_tile<TB>(PairRows<TB>{vp, seg.b_rows[module]}, rank, o0, o1, seg.scale[module], dst,
                                width, tmp, rank_block, read_once);
       }
     }
