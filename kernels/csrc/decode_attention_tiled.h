@@ -30,7 +30,7 @@
 
 #include "attention_common.h"
 #include "bf16_bits.h"
-#include "online_softmax.h"
+#include "decode_attention_pages.h"
 #include "simd8.h"
 
 namespace loraserve_attention {
@@ -44,42 +44,6 @@ using loraserve_simd::store8;
 inline bool can_tile(int64_t head_dim, int64_t block_size) {
   return block_size % 8 == 0 &&
          (head_dim == 16 || head_dim == 32 || head_dim == 48 || head_dim == 64 || head_dim == 96 || head_dim == 128);
-}
-
-// Prefetches a page a few cache lines per call, so the misses overlap the current page's work.
-struct PagePrefetcher {
-  const char* next = nullptr;
-  const char* end = nullptr;
-
-  void start(const void* page, int64_t bytes) {
-    next = reinterpret_cast<const char*>(page);
-    end = next + bytes;
-  }
-  void advance(int64_t lines) {
-    for (; lines > 0 && next < end; --lines, next += 64) __builtin_prefetch(next, 0, 2);  // into L2
-  }
-};
-
-// Pages prefetched this far ahead of the one being read (measured: 2 beats 1), counted across
-// sequences: a sequence's last pages prefetch the next one's first.
-constexpr int64_t kPrefetchDistance = 2;
-// Consecutive sequences per work item, so that the next sequence's pages prefetched at the end of
-// one are mostly read by the same thread.
-constexpr int64_t kSeqsPerItem = 8;
-
-// Starts the prefetch of the page kPrefetchDistance ahead of page b of sequence seq: that
-// sequence's, or past its end the next sequence's first pages (short contexts would otherwise start
-// every sequence on cold pages). T: the KV's element type; tables [num_seqs, max_blocks], lens [num_seqs].
-template <typename T>
-inline void prefetch_page_ahead(PagePrefetcher& prefetcher, const T* kv_ptr, const int64_t* tables,
-                                const int64_t* lens, int64_t seq, int64_t b, int64_t num_seqs, int64_t max_blocks,
-                                int64_t block_size, int64_t page_stride, int64_t page_bytes) {
-  const int64_t num_blocks = (lens[seq] + block_size - 1) / block_size, ahead = b + kPrefetchDistance;
-  if (ahead < num_blocks) {
-    prefetcher.start(kv_ptr + tables[seq * max_blocks + ahead] * page_stride, page_bytes);
-  } else if (seq + 1 < num_seqs && (ahead - num_blocks) * block_size < lens[seq + 1]) {
-    prefetcher.start(kv_ptr + tables[(seq + 1) * max_blocks + ahead - num_blocks] * page_stride, page_bytes);
-  }
 }
 
 // The tiled kernel's element types: float, or bfloat16 as its bits (uint16_t). 16 elements of a
@@ -115,57 +79,37 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
   static_assert(kChunks % 2 == 0, "rows load 16 elements at a time; kv_order permutes within 16");
   constexpr bool kFloat = std::is_same_v<T, float>;
   constexpr int64_t head_dim = kChunks * 8;
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
-  const int64_t block_size = kv.size(2), num_kv_heads = kv.size(3);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t page_stride = kv.stride(0), kv_stride = kv.stride(1), row_stride = kv.stride(2);
-  const T* q_ptr = static_cast<const T*>(query.data_ptr());
-  const T* kv_ptr = static_cast<const T*>(kv.data_ptr());
-  const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
-  const int64_t* len_ptr = context_lens.data_ptr<int64_t>();
-  T* out_ptr = static_cast<T*>(out.data_ptr());
+  const PagedArgs<T> a(query, kv, block_tables, context_lens, out);
+  const int64_t num_heads = a.num_heads, block_size = a.block_size, group = a.group, row_stride = a.row_stride;
   const float fscale = static_cast<float>(scale);
-  // A page is 2 * kv_stride elements; its lines are issued over the first half of one page's work,
-  // counted in value rows (num_heads * block_size of them) and score tiles (an eighth as many, each
-  // about as much work as 8 value rows: given 3 rows' share), which over the whole page issue >=
-  // twice the page's lines (measured: 0.95x the time of spreading them over all of it).
-  const int64_t page_bytes = 2 * kv_stride * static_cast<int64_t>(sizeof(T));
-  const int64_t lines_per_row = 2 * std::max<int64_t>(1, (3 * (page_bytes / 64) + 4 * num_heads * block_size - 1) /
+  // A page's lines are issued over the first half of one page's work, counted in value rows
+  // (num_heads * block_size of them) and score tiles (an eighth as many, each about as much work
+  // as 8 value rows: given 3 rows' share), which over the whole page issue >= twice the page's
+  // lines (measured: 0.95x the time of spreading them over all of it).
+  const int64_t lines_per_row = 2 * std::max<int64_t>(1, (3 * (a.page_bytes / 64) + 4 * num_heads * block_size - 1) /
                                                              (4 * num_heads * block_size));
   const int64_t lines_per_tile = 3 * lines_per_row;
-  const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_seqs)));
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(a.num_threads)
   {
-    // Per head (padded to 8 heads: the corrections are computed 8 at a time): running max and sum,
-    // the page's new max, the factor that rescales what was summed under the old max.
-    const int64_t padded_heads = (num_heads + 7) / 8 * 8;
-    std::vector<float> scores(num_heads * block_size), q(num_heads * head_dim), maxes(padded_heads),
-        sums(num_heads), new_maxes(padded_heads, 0.f), corrections(padded_heads);
+    SoftmaxState<f32x8> softmax(num_heads, block_size);
+    std::vector<float> q(num_heads * head_dim);
     std::vector<float> sums_out(kFloat ? 0 : num_heads * head_dim);  // bfloat16: the output until it is rounded
     PagePrefetcher prefetcher;
 #pragma omp for schedule(dynamic, kSeqsPerItem)
-    for (int64_t seq = 0; seq < num_seqs; ++seq) {
-      const int64_t n = len_ptr[seq];
-      const int64_t* table = table_ptr + seq * max_blocks;
-      const int64_t num_blocks = (n + block_size - 1) / block_size;
-      const T* src = q_ptr + seq * num_heads * head_dim;
+    for (int64_t seq = 0; seq < a.num_seqs; ++seq) {
+      const T* src = a.q + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) q[kv_order<T>(i)] = widen_kv(src[i]) * fscale;
       float* dst = sums_out.data();
-      if constexpr (kFloat) dst = out_ptr + seq * num_heads * head_dim;
+      if constexpr (kFloat) dst = a.out + seq * num_heads * head_dim;
       std::fill(dst, dst + num_heads * head_dim, 0.f);
-      std::fill(maxes.begin(), maxes.begin() + num_heads, -std::numeric_limits<float>::infinity());
-      std::fill(sums.begin(), sums.end(), 0.f);
+      softmax.start_sequence();
 
       // One pass over the pages, K half then V half of each: the page's scores (padded rows past n
       // are computed and ignored), then each head's online-softmax update of max, sum and output.
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* page = kv_ptr + table[b] * page_stride;
-        const int64_t rows = std::min(block_size, n - b * block_size);
-        prefetch_page_ahead(prefetcher, kv_ptr, table_ptr, len_ptr, seq, b, num_seqs, max_blocks, block_size, page_stride,
-                            page_bytes);
+      for_each_page(a, seq, prefetcher, [&](const T* page, int64_t rows) {
         for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-          for (int64_t g = 0; g < num_kv_heads; ++g) {
+          for (int64_t g = 0; g < a.num_kv_heads; ++g) {
             const T* key = page + r0 * row_stride + g * head_dim;
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
               const float* qh = q.data() + h * head_dim;
@@ -179,21 +123,19 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
                   acc[i] += q1 * k1;
                 }
               }
-              store8(scores.data() + h * block_size + r0, lane_sums(acc));
+              store8(softmax.head_scores(h) + r0, lane_sums(acc));
               prefetcher.advance(lines_per_tile);
             }
           }
         }
-        online_softmax_page<f32x8>(scores.data(), num_heads, padded_heads, block_size, rows, maxes.data(),
-                                   new_maxes.data(), corrections.data(), sums.data());
-        const T* values = page + kv_stride;
-        for (int64_t g = 0; g < num_kv_heads; ++g) {
+        softmax.update(rows);
+        const T* values = page + a.kv_stride;
+        for (int64_t g = 0; g < a.num_kv_heads; ++g) {
           const T* value = values + g * head_dim;
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            const float* s = scores.data() + h * block_size;
-            const float correction = corrections[h];
+            const float* s = softmax.head_scores(h);
             float* o = dst + h * head_dim;
-            const f32x8 corr = splat8(correction);
+            const f32x8 corr = splat8(softmax.corrections[h]);
             f32x8 acc[kChunks];
             for (int c = 0; c < kChunks; ++c) acc[c] = load8(o + 8 * c) * corr;
             for (int64_t r = 0; r < rows; ++r) {
@@ -209,13 +151,13 @@ void decode_attention_tiled(const at::Tensor& query, const at::Tensor& kv, const
             for (int c = 0; c < kChunks; ++c) store8(o + 8 * c, acc[c]);
           }
         }
-      }
+      });
       for (int64_t h = 0; h < num_heads; ++h) {
-        const f32x8 inv = splat8(1.f / sums[h]);
+        const f32x8 inv = splat8(1.f / softmax.sums[h]);
         for (int c = 0; c < kChunks; ++c) store8(dst + h * head_dim + 8 * c, load8(dst + h * head_dim + 8 * c) * inv);
       }
       if constexpr (!kFloat) {
-        T* rounded = out_ptr + seq * num_heads * head_dim;
+        T* rounded = a.out + seq * num_heads * head_dim;
         for (int64_t i = 0; i < num_heads * head_dim; ++i) rounded[i] = loraserve_bf16::rounded_bits(dst[kv_order<T>(i)]);
       }
     }

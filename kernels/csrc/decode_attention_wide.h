@@ -29,8 +29,8 @@
 
 #include "attention_common.h"
 #include "bf16_bits.h"
+#include "decode_attention_pages.h"
 #include "decode_attention_tiled.h"
-#include "online_softmax.h"
 #include "simd16.h"
 
 namespace loraserve_attention {
@@ -93,10 +93,24 @@ inline f32x16 head_scores(const float* qh, const float* key, int64_t row_stride)
   return transposed_sums(acc);
 }
 
+// Row r of values as kVecs float32 vectors: float read as it is; bfloat16 widened in registers, in
+// wide_order<uint16_t>.
+template <int kVecs>
+inline void load_value_row(const float* row, f32x16* v) {
+  for (int c = 0; c < kVecs; ++c) v[c] = load16(row + 16 * c);
+}
+template <int kVecs>
+inline void load_value_row(const uint16_t* row, f32x16* v) {
+  static_assert(kVecs % 2 == 0, "bfloat16 rows widen 32 elements at a time");
+  for (int c = 0; c < kVecs; c += 2)
+    loraserve_bf16::load_unpacked<f32x16, uint16_t __attribute__((vector_size(64)))>(row + 16 * c, v[c], v[c + 1]);
+}
+
 // o_h = o_h * correction_h + sum_r p_h[r] * value_r for NH heads of one group (their outputs,
-// scores and corrections at stride head_dim, block_size and 1), over `rows` value rows.
-template <int kVecs, int NH>
-inline void value_rows(const float* value, int64_t row_stride, int64_t rows, const float* scores, int64_t block_size,
+// scores and corrections at stride head_dim, block_size and 1), over `rows` value rows, each row
+// loaded once for all NH heads (T: float, or uint16_t for bfloat16 bits).
+template <int kVecs, int NH, typename T>
+inline void value_rows(const T* value, int64_t row_stride, int64_t rows, const float* scores, int64_t block_size,
                        const float* corrections, float* out) {
   f32x16 acc[NH][kVecs];
   for (int h = 0; h < NH; ++h) {
@@ -105,7 +119,7 @@ inline void value_rows(const float* value, int64_t row_stride, int64_t rows, con
   }
   for (int64_t r = 0; r < rows; ++r) {
     f32x16 v[kVecs];
-    for (int c = 0; c < kVecs; ++c) v[c] = load16(value + r * row_stride + 16 * c);
+    load_value_row<kVecs>(value + r * row_stride, v);
     for (int h = 0; h < NH; ++h) {
       const f32x16 p = splat16(scores[h * block_size + r]);
       for (int c = 0; c < kVecs; ++c) acc[h][c] += p * v[c];
@@ -127,6 +141,44 @@ inline void with_head_count(int64_t count, F&& f) {
   }
 }
 
+// How many heads of a group one value-rows call serves: those whose value accumulators fit the
+// registers beside the value row (24 of 32), 1 to 4.
+constexpr int heads_at_once(int vecs) { return std::max(1, std::min(4, 24 / vecs - 1)); }
+
+// fn(g, h, heads) for each KV head g and each run of a group's query heads from h, up to kMax at a
+// time (heads: std::integral_constant<int, NH>, the run's length).
+template <int kMax, typename F>
+inline void for_head_runs(int64_t num_kv_heads, int64_t group, F&& fn) {
+  for (int64_t g = 0; g < num_kv_heads; ++g)
+    for (int64_t h = g * group; h < (g + 1) * group; h += kMax)
+      with_head_count<kMax>((g + 1) * group - h, [&](auto heads) { fn(g, h, heads); });
+}
+
+// Lines of the page ahead to prefetch at each head's score tile and each value-rows call, so that
+// a page's lines are issued evenly over its work (measured: 0.84x the time of issuing them all
+// during the score tiles, twice as many 1.15x).
+template <typename T>
+inline int64_t lines_per_call(const PagedArgs<T>& a, int heads_per_call) {
+  const int64_t value_calls = a.num_kv_heads * ((a.group + heads_per_call - 1) / heads_per_call);
+  return (a.page_bytes / 64) / (a.num_heads * (a.block_size / 16) + value_calls) + 1;
+}
+
+// Each head's output divided by its softmax sum: acc [num_heads, kVecs * 16] float32 (the output
+// itself for float; for bfloat16, in wide_order<uint16_t>, rounded once to nearest even into out).
+template <int kVecs, typename T>
+inline void finish_heads(float* acc, const float* sums, int64_t num_heads, T* out) {
+  constexpr int64_t head_dim = kVecs * 16;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const f32x16 inv = splat16(1.f / sums[h]);
+    for (int c = 0; c < kVecs; ++c) store16(acc + h * head_dim + 16 * c, load16(acc + h * head_dim + 16 * c) * inv);
+  }
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t h = 0; h < num_heads; ++h)
+      for (int64_t i = 0; i < head_dim; ++i)
+        out[h * head_dim + i] = loraserve_bf16::rounded_bits(acc[h * head_dim + wide_order<T>(i)]);
+  }
+}
+
 // kVecs = head_dim / 16; T = float or uint16_t (bfloat16 bits) for query, KV and output alike.
 template <int kVecs, typename T>
 void decode_attention_wide(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& block_tables,
@@ -134,66 +186,42 @@ void decode_attention_wide(const at::Tensor& query, const at::Tensor& kv, const 
   constexpr bool kFloat = std::is_same_v<T, float>;
   static_assert(kFloat || kVecs % 2 == 0, "bfloat16 rows widen 32 elements at a time");
   constexpr int64_t head_dim = kVecs * 16;
-  // heads whose value accumulators fit the registers beside the value row: 24 of 32
-  constexpr int kHeadsAtOnce = std::max(1, std::min(4, 24 / kVecs - 1));
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
-  const int64_t block_size = kv.size(2), num_kv_heads = kv.size(3);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t page_stride = kv.stride(0), kv_stride = kv.stride(1), row_stride = kv.stride(2);
-  const T* q_ptr = static_cast<const T*>(query.data_ptr());
-  const T* kv_ptr = static_cast<const T*>(kv.data_ptr());
-  const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
-  const int64_t* len_ptr = context_lens.data_ptr<int64_t>();
-  T* out_ptr = static_cast<T*>(out.data_ptr());
+  constexpr int kHeadsAtOnce = heads_at_once(kVecs);
+  const PagedArgs<T> a(query, kv, block_tables, context_lens, out);
+  const int64_t num_heads = a.num_heads, block_size = a.block_size, num_kv_heads = a.num_kv_heads;
   const float fscale = static_cast<float>(scale);
-  const int64_t page_bytes = 2 * kv_stride * static_cast<int64_t>(sizeof(T));
-  const int64_t tiles_per_page = block_size / 16;
-  // A page's lines are issued evenly over its work, a share at each head's score tile and each
-  // group's value rows (measured: 0.84x the time of issuing them all during the score tiles,
-  // twice as many 1.15x).
-  const int64_t value_calls = num_kv_heads * ((group + kHeadsAtOnce - 1) / kHeadsAtOnce);
-  const int64_t lines_per_call = (page_bytes / 64) / (num_heads * tiles_per_page + value_calls) + 1;
-  const int num_threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_seqs)));
+  const int64_t lines = lines_per_call(a, kHeadsAtOnce);
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(a.num_threads)
   {
-    const int64_t padded_heads = (num_heads + 15) / 16 * 16;
-    std::vector<float> scores(num_heads * block_size), q(num_heads * head_dim), maxes(padded_heads),
-        sums(num_heads), new_maxes(padded_heads, 0.f), corrections(padded_heads);
+    SoftmaxState<f32x16> softmax(num_heads, block_size);
+    std::vector<float> q(num_heads * head_dim);
     std::vector<float> sums_out(kFloat ? 0 : num_heads * head_dim);      // bfloat16: the output until it is rounded
     std::vector<float> widened(kFloat ? 0 : 2 * block_size * num_kv_heads * head_dim);  // bfloat16: one page as float32
     PagePrefetcher prefetcher;
 #pragma omp for schedule(dynamic, kSeqsPerItem)
-    for (int64_t seq = 0; seq < num_seqs; ++seq) {
-      const int64_t n = len_ptr[seq];
-      const int64_t* table = table_ptr + seq * max_blocks;
-      const int64_t num_blocks = (n + block_size - 1) / block_size;
-      const T* src = q_ptr + seq * num_heads * head_dim;
+    for (int64_t seq = 0; seq < a.num_seqs; ++seq) {
+      const T* src = a.q + seq * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t i = 0; i < head_dim; ++i)
           q[h * head_dim + wide_order<T>(i)] = widen_kv(src[h * head_dim + i]) * fscale;
       float* dst = sums_out.data();
-      if constexpr (kFloat) dst = out_ptr + seq * num_heads * head_dim;
+      if constexpr (kFloat) dst = a.out + seq * num_heads * head_dim;
       std::fill(dst, dst + num_heads * head_dim, 0.f);
-      std::fill(maxes.begin(), maxes.begin() + num_heads, -std::numeric_limits<float>::infinity());
-      std::fill(sums.begin(), sums.end(), 0.f);
+      softmax.start_sequence();
 
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* page = kv_ptr + table[b] * page_stride;
-        const int64_t rows = std::min(block_size, n - b * block_size);
-        prefetch_page_ahead(prefetcher, kv_ptr, table_ptr, len_ptr, seq, b, num_seqs, max_blocks, block_size, page_stride,
-                            page_bytes);
+      for_each_page(a, seq, prefetcher, [&](const T* page, int64_t rows) {
         // The page as float32 rows: in place for float; for bfloat16 widened once into `widened`
         // (rows of num_kv_heads * head_dim, K half then V half; rows past n left as they were).
         const float* keys;
-        int64_t stride = row_stride, half = kv_stride;
+        int64_t stride = a.row_stride, half = a.kv_stride;
         if constexpr (kFloat) {
           keys = page;
         } else {
           const int64_t width = num_kv_heads * head_dim;
           for (int64_t part = 0; part < 2; ++part)
             for (int64_t r = 0; r < rows; ++r) {
-              const T* from = page + part * kv_stride + r * row_stride;
+              const T* from = page + part * a.kv_stride + r * a.row_stride;
               float* to = widened.data() + (part * block_size + r) * width;
               for (int64_t e = 0; e < width; e += 32) {
                 f32x16 first, second;
@@ -207,38 +235,21 @@ void decode_attention_wide(const at::Tensor& query, const at::Tensor& kv, const 
           stride = width;
           half = block_size * width;
         }
-        for (int64_t t = 0; t < tiles_per_page; ++t) {
+        for (int64_t t = 0; t < block_size / 16; ++t) {
           for (int64_t h = 0; h < num_heads; ++h) {
-            const float* key = keys + t * 16 * stride + (h / group) * head_dim;
-            store16(scores.data() + h * block_size + t * 16, head_scores<kVecs>(q.data() + h * head_dim, key, stride));
-            prefetcher.advance(lines_per_call);
+            const float* key = keys + t * 16 * stride + (h / a.group) * head_dim;
+            store16(softmax.head_scores(h) + t * 16, head_scores<kVecs>(q.data() + h * head_dim, key, stride));
+            prefetcher.advance(lines);
           }
         }
-        online_softmax_page<f32x16>(scores.data(), num_heads, padded_heads, block_size, rows, maxes.data(),
-                                    new_maxes.data(), corrections.data(), sums.data());
-        const float* values = keys + half;
-        for (int64_t g = 0; g < num_kv_heads; ++g) {
-          for (int64_t h = g * group; h < (g + 1) * group; h += kHeadsAtOnce) {
-            const float* value = values + g * head_dim;
-            const float* s = scores.data() + h * block_size;
-            float* o = dst + h * head_dim;
-            prefetcher.advance(lines_per_call);
-            with_head_count<kHeadsAtOnce>((g + 1) * group - h, [&](auto heads) {
-              value_rows<kVecs, decltype(heads)::value>(value, stride, rows, s, block_size, corrections.data() + h, o);
-            });
-          }
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const f32x16 inv = splat16(1.f / sums[h]);
-        for (int c = 0; c < kVecs; ++c) store16(dst + h * head_dim + 16 * c, load16(dst + h * head_dim + 16 * c) * inv);
-      }
-      if constexpr (!kFloat) {
-        T* rounded = out_ptr + seq * num_heads * head_dim;
-        for (int64_t h = 0; h < num_heads; ++h)
-          for (int64_t i = 0; i < head_dim; ++i)
-            rounded[h * head_dim + i] = loraserve_bf16::rounded_bits(dst[h * head_dim + wide_order<T>(i)]);
-      }
+        softmax.update(rows);
+        for_head_runs<kHeadsAtOnce>(num_kv_heads, a.group, [&](int64_t g, int64_t h, auto heads) {
+          prefetcher.advance(lines);
+          value_rows<kVecs, decltype(heads)::value, float>(keys + half + g * head_dim, stride, rows, softmax.head_scores(h),
+                                                    block_size, softmax.corrections.data() + h, dst + h * head_dim);
+        });
+      });
+      finish_heads<kVecs, T>(dst, softmax.sums.data(), num_heads, a.out + seq * num_heads * head_dim);
     }
   }
 }
