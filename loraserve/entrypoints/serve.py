@@ -216,10 +216,16 @@ def run_serve(args: argparse.Namespace) -> int:
                     args.shutdown_timeout)  # fmt: skip
         drain.start()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    def start_serving() -> None:
+        """Runs on this (the main) thread once the engine loop owns it. The handlers come after
+        uvicorn's thread starts, so the drain always has a thread to join; a signal before then
+        (the model still loading) stops the process as it would any other program."""
+        http.start()
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
     try:
-        async_engine.run_on_this_thread(ready=http.start)
+        async_engine.run_on_this_thread(ready=start_serving)
     except KeyboardInterrupt:
         logger.info("stopping")
     finally:
