@@ -39,21 +39,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from loraserve.kernels.triton_attention import runs_interpreted
 from loraserve.kernels.triton_lora_tiles import (
     META_A_OFFSET,
-    META_B_OFFSET,
-    META_COLUMN,
-    META_MODULE_BASE,
-    META_MODULE_STRIDE,
     META_NUM_ROWS,
-    META_OUT_FEATURES,
-    META_RANK,
+    _add_scaled,
     _dot,
     _load_weight_tiles,
-    alignment,
+    _module_meta,
+    _shrink_tile,
     check_arguments,
-    shrink_width,
+    launch_settings,
 )
 
 BLOCK_T = 16  # tokens per tile (tl.dot needs at least 16)
@@ -102,20 +97,11 @@ def _shrink_kernel(
         token_mask = tokens < end
         row_mask = rows < num_rows
         table = page_tables_ptr + segment * stride_table
-        acc = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
-        for k in range(0, in_features, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-            col_mask = cols < in_features
-            x = tl.load(
-                x_ptr + tokens[:, None] * stride_x + cols[None, :],
-                mask=token_mask[:, None] & col_mask[None, :],
-                other=0.0,
-            )  # [BLOCK_T, BLOCK_K]
-            row_starts = a_offset + rows * in_features  # [BLOCK_R]
-            a = _load_weight_tiles(
-                weights_ptr, table, row_starts, k, in_features, row_mask, BLOCK_K, PAGE_ELEMS, ALIGNED
-            )  # [BLOCK_R, BLOCK_K]
-            acc = _dot(x, tl.trans(a), acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_R]
+        row_starts = a_offset + rows * in_features  # [BLOCK_R], where each A row starts
+        acc = _shrink_tile(
+            x_ptr, stride_x, tokens, token_mask, weights_ptr, table, row_starts, row_mask, 0, in_features, in_features,
+            BLOCK_T, BLOCK_R, BLOCK_K, PAGE_ELEMS, PRECISION, DOT_FP32, ALIGNED,
+        )  # [BLOCK_T, BLOCK_R]  # fmt: skip
         tl.store(
             v_ptr + tokens[:, None] * stride_v + rows[None, :],
             acc.to(v_ptr.dtype.element_ty),
@@ -158,13 +144,7 @@ def _expand_kernel(
     end = tl.load(bounds_ptr + segment * 4 + 1)
     module = tl.program_id(2) // num_col_blocks
     first_col = (tl.program_id(2) % num_col_blocks) * BLOCK_N
-    module_meta = meta_ptr + segment * stride_meta + META_MODULE_BASE + META_MODULE_STRIDE * module
-    column = tl.load(module_meta + META_COLUMN)
-    rank = tl.load(module_meta + META_RANK)
-    b_offset = tl.load(module_meta + META_B_OFFSET)
-    out_features = tl.load(module_meta + META_OUT_FEATURES)
-    if ALIGNED:  # a multiple of the tile: whole tiles in or out, so the output masks are per row
-        out_features = tl.multiple_of(out_features, BLOCK_N)
+    column, rank, b_offset, out_features = _module_meta(meta_ptr + segment * stride_meta, module, BLOCK_N, ALIGNED)
     if (first_token < end) & (rank > 0) & (first_col < out_features):
         tokens = first_token + tl.arange(0, BLOCK_T)  # [BLOCK_T]
         cols = first_col + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -186,15 +166,11 @@ def _expand_kernel(
             )
             acc = _dot(v, b, acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_N]
         scale = tl.load(scales_ptr + segment * stride_scales + module)
-        if module == 0:
-            out_ptr = out0_ptr + tokens[:, None] * stride_out0 + cols[None, :]
-        elif module == 1:
-            out_ptr = out1_ptr + tokens[:, None] * stride_out1 + cols[None, :]
-        else:
-            out_ptr = out2_ptr + tokens[:, None] * stride_out2 + cols[None, :]
         out_mask = token_mask[:, None] & col_mask[None, :]
-        old = tl.load(out_ptr, mask=out_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr, (old + acc * scale).to(out0_ptr.dtype.element_ty), mask=out_mask)
+        _add_scaled(
+            out0_ptr, out1_ptr, out2_ptr, stride_out0, stride_out1, stride_out2, module, tokens, cols, out_mask, acc,
+            scale,
+        )  # fmt: skip
 
 
 def lora_segments(
@@ -215,15 +191,11 @@ def lora_segments(
     num_segments = bounds.shape[0]
     if num_segments == 0 or max_rows == 0:
         return
-    # Triton's interpreter (3.9) multiplies 16-bit dots wrongly: there they run in float32.
-    dot_fp32 = x.dtype != torch.float32 and runs_interpreted()
-    precision = "ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32"
+    settings = launch_settings(
+        "lora_segments", x, outputs, weights, meta, SHRINK_WIDTHS, EXPAND_BLOCK_N, gather_elements
+    )
     num_token_tiles = triton.cdiv(max_segment_len, BLOCK_T)
     v = torch.empty(x.shape[0], max_rows, dtype=x.dtype, device=x.device)  # [num_tokens, max_rows]
-    page_elems = weights.shape[1]
-    block_k = shrink_width(x.shape[1], page_elems, SHRINK_WIDTHS)
-    a_aligned, b_aligned = alignment("lora_segments", x, outputs, page_elems, meta, (block_k, EXPAND_BLOCK_N))
-    a_aligned, b_aligned = a_aligned and not gather_elements, b_aligned and not gather_elements
     _shrink_kernel[(num_segments, num_token_tiles, triton.cdiv(max_rows, SHRINK_BLOCK_R))](
         x,
         v,
@@ -236,17 +208,16 @@ def lora_segments(
         v.stride(0),
         page_tables.stride(0),
         meta.stride(0),
-        PAGE_ELEMS=page_elems,
-        PRECISION=precision,
+        PAGE_ELEMS=settings.page_elems,
+        PRECISION=settings.precision,
         BLOCK_T=BLOCK_T,
         BLOCK_R=SHRINK_BLOCK_R,
-        BLOCK_K=block_k,
-        DOT_FP32=dot_fp32,
-        ALIGNED=a_aligned,
+        BLOCK_K=settings.block_k,
+        DOT_FP32=settings.dot_fp32,
+        ALIGNED=settings.a_aligned,
     )
-    padded = (*outputs, *(outputs[0],) * (3 - len(outputs)))  # absent modules have rank 0 in meta
-    num_col_blocks = triton.cdiv(max(out.shape[1] for out in outputs), EXPAND_BLOCK_N)
-    _expand_kernel[(num_segments, num_token_tiles, len(outputs) * num_col_blocks)](
+    padded = settings.outputs  # absent modules have rank 0 in meta
+    _expand_kernel[(num_segments, num_token_tiles, len(outputs) * settings.num_col_blocks)](
         v,
         padded[0],
         padded[1],
@@ -263,12 +234,12 @@ def lora_segments(
         page_tables.stride(0),
         meta.stride(0),
         scales.stride(0),
-        num_col_blocks,
-        PAGE_ELEMS=page_elems,
-        PRECISION=precision,
+        settings.num_col_blocks,
+        PAGE_ELEMS=settings.page_elems,
+        PRECISION=settings.precision,
         BLOCK_T=BLOCK_T,
         BLOCK_N=EXPAND_BLOCK_N,
         BLOCK_R=EXPAND_BLOCK_R,
-        DOT_FP32=dot_fp32,
-        ALIGNED=b_aligned,
+        DOT_FP32=settings.dot_fp32,
+        ALIGNED=settings.b_aligned,
     )

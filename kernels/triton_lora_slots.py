@@ -48,21 +48,16 @@ import triton.language as tl
 from loraserve.kernels import triton_lora
 from loraserve.kernels.lora import SLOT_TILE, SlotGrouping, sort_by_slot
 from loraserve.kernels.page_checks import check_range
-from loraserve.kernels.triton_attention import runs_interpreted
 from loraserve.kernels.triton_lora_tiles import (
     META_A_OFFSET,
-    META_B_OFFSET,
-    META_COLUMN,
-    META_MODULE_BASE,
-    META_MODULE_STRIDE,
     META_NUM_ROWS,
-    META_OUT_FEATURES,
-    META_RANK,
+    _add_scaled,
     _dot,
     _load_weight_tiles,
-    alignment,
+    _module_meta,
+    _shrink_tile,
     check_arguments,
-    shrink_width,
+    launch_settings,
 )
 from loraserve.kernels.triton_slot_tiles import find_slot, slot_tokens
 
@@ -119,18 +114,11 @@ def _slot_shrink_kernel(
             row_starts = a_offset + rows * in_features  # [BLOCK_R], where each A row starts
             table = page_tables_ptr + slot * stride_table
             chunk = tl.program_id(2)
-            acc = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
-            for k in range(chunk * k_chunk, tl.minimum(chunk * k_chunk + k_chunk, in_features), BLOCK_K):
-                cols = k + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-                x = tl.load(
-                    x_ptr + tokens[:, None] * stride_x + cols[None, :],
-                    mask=token_mask[:, None] & (cols < in_features)[None, :],
-                    other=0.0,
-                )  # [BLOCK_T, BLOCK_K]
-                a = _load_weight_tiles(
-                    weights_ptr, table, row_starts, k, in_features, row_mask, BLOCK_K, PAGE_ELEMS, ALIGNED
-                )  # [BLOCK_R, BLOCK_K]
-                acc = _dot(x, tl.trans(a), acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_R]
+            k_end = tl.minimum(chunk * k_chunk + k_chunk, in_features)
+            acc = _shrink_tile(
+                x_ptr, stride_x, tokens, token_mask, weights_ptr, table, row_starts, row_mask, chunk * k_chunk, k_end,
+                in_features, BLOCK_T, BLOCK_R, BLOCK_K, PAGE_ELEMS, PRECISION, DOT_FP32, ALIGNED,
+            )  # [BLOCK_T, BLOCK_R]  # fmt: skip
             part_ptrs = part_ptr + chunk * stride_part_chunk + tokens[:, None] * stride_part_token + rows[None, :]
             tl.store(part_ptrs, acc, mask=token_mask[:, None] & row_mask[None, :])
 
@@ -176,13 +164,7 @@ def _slot_expand_kernel(
         tokens, token_mask = slot_tokens(order_ptr, starts_ptr, tile_ends_ptr, slot, BLOCK_T)
         module = tl.program_id(1) // num_col_blocks
         first_col = (tl.program_id(1) % num_col_blocks) * BLOCK_N
-        module_meta = meta_ptr + slot * stride_meta + META_MODULE_BASE + META_MODULE_STRIDE * module
-        column = tl.load(module_meta + META_COLUMN)
-        rank = tl.load(module_meta + META_RANK)
-        b_offset = tl.load(module_meta + META_B_OFFSET)
-        out_features = tl.load(module_meta + META_OUT_FEATURES)
-        if ALIGNED:  # a multiple of the tile: whole tiles in or out, so the output masks are per row
-            out_features = tl.multiple_of(out_features, BLOCK_N)
+        column, rank, b_offset, out_features = _module_meta(meta_ptr + slot * stride_meta, module, BLOCK_N, ALIGNED)
         if (rank > 0) & (first_col < out_features):
             cols = first_col + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             chunks = tl.arange(0, CHUNKS)  # [CHUNKS]
@@ -206,15 +188,11 @@ def _slot_expand_kernel(
                 v_low = v.to(out0_ptr.dtype.element_ty)  # rounded as the reference's shrink output
                 acc = _dot(v_low, b, acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_N]
             scale = tl.load(scales_ptr + slot * stride_scales + module)
-            if module == 0:
-                out_ptrs = out0_ptr + tokens[:, None] * stride_out0 + cols[None, :]
-            elif module == 1:
-                out_ptrs = out1_ptr + tokens[:, None] * stride_out1 + cols[None, :]
-            else:
-                out_ptrs = out2_ptr + tokens[:, None] * stride_out2 + cols[None, :]
             out_mask = token_mask[:, None] & (cols < out_features)[None, :]
-            old = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-            tl.store(out_ptrs, (old + acc * scale).to(out0_ptr.dtype.element_ty), mask=out_mask)
+            _add_scaled(
+                out0_ptr, out1_ptr, out2_ptr, stride_out0, stride_out1, stride_out2, module, tokens, cols, out_mask,
+                acc, scale,
+            )  # fmt: skip
 
 
 def row_tiles(row_bound: int) -> int:
@@ -249,15 +227,10 @@ def lora_slots(
     if row_bound == 0:
         return
     grouping = grouping if grouping is not None else sort_by_slot(token_slots, num_slots)
-    # Triton's interpreter (3.9) multiplies 16-bit dots wrongly: there they run in float32.
-    dot_fp32 = x.dtype != torch.float32 and runs_interpreted()
-    precision = "ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32"
-    in_features, page_elems = x.shape[1], weights.shape[1]
-    block_k = shrink_width(in_features, page_elems, SHRINK_WIDTHS)
-    if k_chunk <= 0 or k_chunk % block_k:
-        raise ValueError(f"lora_slots k_chunk must be a positive multiple of {block_k}, got {k_chunk}")
-    a_aligned, b_aligned = alignment("lora_slots", x, outputs, page_elems, meta, (block_k, EXPAND_BLOCK_N))
-    a_aligned, b_aligned = a_aligned and not gather_elements, b_aligned and not gather_elements
+    settings = launch_settings("lora_slots", x, outputs, weights, meta, SHRINK_WIDTHS, EXPAND_BLOCK_N, gather_elements)
+    in_features = x.shape[1]
+    if k_chunk <= 0 or k_chunk % settings.block_k:
+        raise ValueError(f"lora_slots k_chunk must be a positive multiple of {settings.block_k}, got {k_chunk}")
     num_chunks = triton.cdiv(in_features, k_chunk)
     partials = torch.empty(num_chunks, num_tokens, row_bound, dtype=torch.float32, device=x.device)
     num_tiles = triton.cdiv(num_tokens, BLOCK_T) + min(num_tokens, num_slots)
@@ -275,17 +248,16 @@ def lora_slots(
         partials.stride(1),
         page_tables.stride(0),
         meta.stride(0),
-        PAGE_ELEMS=page_elems,
+        PAGE_ELEMS=settings.page_elems,
         BLOCK_T=BLOCK_T,
         BLOCK_R=SHRINK_BLOCK_R,
-        BLOCK_K=block_k,
-        PRECISION=precision,
-        DOT_FP32=dot_fp32,
-        ALIGNED=a_aligned,
+        BLOCK_K=settings.block_k,
+        PRECISION=settings.precision,
+        DOT_FP32=settings.dot_fp32,
+        ALIGNED=settings.a_aligned,
     )
-    padded = (*outputs, *(outputs[0],) * (3 - len(outputs)))  # absent modules: no program runs them
-    num_col_blocks = triton.cdiv(max(out.shape[1] for out in outputs), EXPAND_BLOCK_N)
-    _slot_expand_kernel[(num_tiles, len(outputs) * num_col_blocks)](
+    padded = settings.outputs  # absent modules: no program runs them
+    _slot_expand_kernel[(num_tiles, len(outputs) * settings.num_col_blocks)](
         partials,
         padded[0],
         padded[1],
@@ -295,7 +267,7 @@ def lora_slots(
         scales,
         num_slots,
         num_chunks,
-        num_col_blocks,
+        settings.num_col_blocks,
         partials.stride(0),
         partials.stride(1),
         padded[0].stride(0),
@@ -304,12 +276,12 @@ def lora_slots(
         page_tables.stride(0),
         meta.stride(0),
         scales.stride(0),
-        PAGE_ELEMS=page_elems,
+        PAGE_ELEMS=settings.page_elems,
         BLOCK_T=BLOCK_T,
         BLOCK_R=EXPAND_BLOCK_R,
         BLOCK_N=EXPAND_BLOCK_N,
         CHUNKS=triton.next_power_of_2(num_chunks),
-        PRECISION=precision,
-        DOT_FP32=dot_fp32,
-        ALIGNED=b_aligned,
+        PRECISION=settings.precision,
+        DOT_FP32=settings.dot_fp32,
+        ALIGNED=settings.b_aligned,
     )

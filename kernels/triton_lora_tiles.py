@@ -1,9 +1,12 @@
 """What both Triton LoRA kernels share (``triton_lora.py``: by segment, ``triton_lora_slots.py``:
 by adapter slot): the segment metadata's columns as kernel constants, the load of a weight tile
-through an adapter's page table, the dot in the kernels' precision, and the host-side checks of
-their arguments and of which tiles may be loaded as aligned runs."""
+through an adapter's page table, the dot in the kernels' precision, a shrink's loop over input
+columns, a module's metadata and the scaled add into its output, and on the host the checks of
+their arguments, which tiles may be loaded as aligned runs, and the launches' settings."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -11,6 +14,7 @@ import triton.language as tl
 from loraserve.kernels import page_checks
 from loraserve.kernels.lora import WEIGHT_ALIGN, SegmentMeta
 from loraserve.kernels.page_checks import check_multiples, check_range
+from loraserve.kernels.triton_unified_attention import runs_interpreted
 
 # The segment metadata layout (kernels/lora.py: SegmentMeta), as constants the kernels can read.
 META_A_OFFSET = tl.constexpr(SegmentMeta.A_OFFSET)
@@ -68,6 +72,118 @@ def _dot(lhs, rhs, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     if DOT_FP32:
         lhs, rhs = lhs.to(tl.float32), rhs.to(tl.float32)
     return tl.dot(lhs, rhs, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _shrink_tile(
+    x_ptr,
+    stride_x,
+    tokens,
+    token_mask,
+    weights_ptr,
+    table,
+    row_starts,
+    row_mask,
+    k_begin,
+    k_end,
+    in_features,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PAGE_ELEMS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """``[BLOCK_T, BLOCK_R]`` float32: ``x[tokens, k_begin:k_end] @ A[rows, k_begin:k_end]^T``, the
+    A rows starting at ``row_starts`` of the adapter's flat buffer (found through ``table``), in
+    steps of ``BLOCK_K`` columns; masked tokens and rows give zeros."""
+    acc = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        x = tl.load(
+            x_ptr + tokens[:, None] * stride_x + cols[None, :],
+            mask=token_mask[:, None] & (cols < in_features)[None, :],
+            other=0.0,
+        )  # [BLOCK_T, BLOCK_K]
+        a = _load_weight_tiles(
+            weights_ptr, table, row_starts, k, in_features, row_mask, BLOCK_K, PAGE_ELEMS, ALIGNED
+        )  # [BLOCK_R, BLOCK_K]
+        acc = _dot(x, tl.trans(a), acc, PRECISION, DOT_FP32)  # [BLOCK_T, BLOCK_R]
+    return acc
+
+
+@triton.jit
+def _module_meta(meta_row, module, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr):
+    """A module's ``column, rank, b_offset, out_features`` from its segment's (or slot's)
+    metadata row; ``ALIGNED``: ``out_features`` is a multiple of the tile, so whole tiles are in or
+    out and the output masks are per row."""
+    module_meta = meta_row + META_MODULE_BASE + META_MODULE_STRIDE * module
+    column = tl.load(module_meta + META_COLUMN)
+    rank = tl.load(module_meta + META_RANK)
+    b_offset = tl.load(module_meta + META_B_OFFSET)
+    out_features = tl.load(module_meta + META_OUT_FEATURES)
+    if ALIGNED:
+        out_features = tl.multiple_of(out_features, BLOCK_N)
+    return column, rank, b_offset, out_features
+
+
+@triton.jit
+def _add_scaled(
+    out0_ptr, out1_ptr, out2_ptr, stride_out0, stride_out1, stride_out2, module, tokens, cols, out_mask, acc, scale
+):
+    """``out_module[tokens, cols] += scale * acc``, summed in float32, rounded once to the outputs' dtype."""
+    if module == 0:
+        out_ptrs = out0_ptr + tokens[:, None] * stride_out0 + cols[None, :]
+    elif module == 1:
+        out_ptrs = out1_ptr + tokens[:, None] * stride_out1 + cols[None, :]
+    else:
+        out_ptrs = out2_ptr + tokens[:, None] * stride_out2 + cols[None, :]
+    old = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (old + acc * scale).to(out0_ptr.dtype.element_ty), mask=out_mask)
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What a LoRA kernel pair's launches take from its arguments (``launch_settings``)."""
+
+    dot_fp32: bool  # 16-bit dots in float32 (Triton's interpreter multiplies them wrongly)
+    precision: str  # tl.dot's input_precision
+    page_elems: int
+    block_k: int  # the shrink's input columns per step
+    a_aligned: bool  # the shrink's A tiles load as aligned runs
+    b_aligned: bool  # the expand's B^T tiles load as aligned runs
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # padded to 3 (absent modules never run)
+    num_col_blocks: int  # the expand's column tiles of the widest output
+
+
+def launch_settings(
+    name: str,
+    x: torch.Tensor,  # [num_tokens, in_features]
+    outputs: tuple[torch.Tensor, ...],  # 1-3 of [num_tokens, out_features_m]
+    weights: torch.Tensor,  # [num_pages, page_elems]
+    meta: torch.Tensor,  # [S, 14] int64
+    shrink_widths: tuple[int, ...],
+    expand_width: int,
+    gather_elements: bool,
+) -> LaunchSettings:
+    """The settings of a shrink and expand launch; ``gather_elements`` loads every tile element
+    by element (to compare against the aligned loads)."""
+    # Triton's interpreter (3.9) multiplies 16-bit dots wrongly: there they run in float32.
+    dot_fp32 = x.dtype != torch.float32 and runs_interpreted()
+    page_elems = weights.shape[1]
+    block_k = shrink_width(x.shape[1], page_elems, shrink_widths)
+    a_aligned, b_aligned = alignment(name, x, outputs, page_elems, meta, (block_k, expand_width))
+    return LaunchSettings(
+        dot_fp32=dot_fp32,
+        precision="ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32",
+        page_elems=page_elems,
+        block_k=block_k,
+        a_aligned=a_aligned and not gather_elements,
+        b_aligned=b_aligned and not gather_elements,
+        outputs=(outputs[0], *outputs[1:], *(outputs[0],) * (3 - len(outputs))),  # type: ignore[arg-type]
+        num_col_blocks=triton.cdiv(max(out.shape[1] for out in outputs), expand_width),
+    )
 
 
 def check_arguments(

@@ -195,10 +195,11 @@ def test_the_segment_meta_layout_is_defined_once_and_mirrored() -> None:
         mirrored = [SegmentMeta.WIDTH, SegmentMeta.MAX_MODULES, SegmentMeta.MODULE_BASE, SegmentMeta.MODULE_STRIDE]
         assert list(extension.lora_meta_layout()) == mirrored
     if importlib.util.find_spec("triton") is not None:
-        from loraserve.kernels import triton_lora
+        from loraserve.kernels import triton_lora_tiles
 
-        for name in ("A_OFFSET", "NUM_ROWS", "MODULE_BASE", "MODULE_STRIDE", "COLUMN", "RANK", "B_OFFSET"):
-            assert getattr(triton_lora, f"META_{name}").value == getattr(SegmentMeta, name)
+        names = ("A_OFFSET", "NUM_ROWS", "MODULE_BASE", "MODULE_STRIDE", "COLUMN", "RANK", "B_OFFSET", "OUT_FEATURES")
+        for name in names:
+            assert getattr(triton_lora_tiles, f"META_{name}").value == getattr(SegmentMeta, name)
 
 
 def test_segment_packer_gathers_each_adapters_rows_across_moves_and_restarts() -> None:

@@ -15,6 +15,7 @@ import torch
 from kernel_cases import BS, NUM_ADAPTERS, PAGE_ELEMS, POPULARITY, run_segments
 
 slots_kernel = pytest.importorskip("loraserve.kernels.triton_lora_slots")
+lora_tiles = pytest.importorskip("loraserve.kernels.triton_lora_tiles")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -49,7 +50,7 @@ def slot_kernel(
     rows = perm if perm is not None else torch.arange(x.shape[0])
     on_device = tuple(out[rows].to(DEVICE, dtype) for out in outputs)
     if k_chunk is None:
-        k_chunk = slots_kernel.shrink_width(x.shape[1], storage.shape[2], slots_kernel.SHRINK_WIDTHS)
+        k_chunk = lora_tiles.shrink_width(x.shape[1], storage.shape[2], slots_kernel.SHRINK_WIDTHS)
     slots_kernel.lora_slots(
         x[rows].to(DEVICE, dtype),
         on_device,
@@ -88,7 +89,7 @@ def test_any_width_and_several_column_tiles(hidden: int, outs: tuple[int, ...]) 
 )
 def test_aligned_tiles(hidden: int, outs: tuple[int, ...]) -> None:
     """Widths that are multiples of the tiles: each tile of a row read from one page
-    (``triton_lora.aligned_tiles``; which loads are aligned is checked in test_triton_kernels)."""
+    (``triton_lora_tiles.aligned_tiles``; which loads are aligned is checked in test_triton_kernels)."""
     indices = [*POPULARITY["uniform"](random.Random(8)), -1, 3, 3]
     shuffled = functools.partial(slot_kernel, shuffle=True)
     run_segments(shuffled, indices, seed=8, scattered=True, layer=1, hidden=hidden, outs=outs)
@@ -122,7 +123,7 @@ def test_row_bound_and_chunk_checked() -> None:
 def test_wide_shrink_tiles(monkeypatch: pytest.MonkeyPatch, hidden: int, width: int) -> None:
     """Shrink tiles of 256 or 128 input columns (``WIDE_SHRINK_WIDTHS``), as runs of 64 from their pages."""
     monkeypatch.setattr(slots_kernel, "SHRINK_WIDTHS", slots_kernel.triton_lora.WIDE_SHRINK_WIDTHS)
-    assert slots_kernel.shrink_width(hidden, PAGE_ELEMS, slots_kernel.SHRINK_WIDTHS) == width
+    assert lora_tiles.shrink_width(hidden, PAGE_ELEMS, slots_kernel.SHRINK_WIDTHS) == width
     indices = [*POPULARITY["uniform"](random.Random(8)), -1, 3, 3]
     shuffled = functools.partial(slot_kernel, shuffle=True)
     run_segments(shuffled, indices, seed=8, scattered=True, layer=1, hidden=hidden, outs=(64, 128))
