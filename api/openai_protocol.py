@@ -8,21 +8,32 @@ clear 400 instead of silently ignoring them (see :func:`unsupported_fields`).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 1024  # a ceiling of the schema; the server's own limit is ServerSettings.max_n
 MAX_LOGPROBS = 20
 
 
 class RequestBody(BaseModel):
-    """Base of every request body: unknown fields are ignored (clients send many optional ones)."""
+    """Base of every request body: unknown fields are ignored (clients send many optional ones).
+    ``NULL_IS_DEFAULT``: fields that OpenAI's schema and vLLM let a client send as null, meaning
+    the field's default."""
 
     model_config = ConfigDict(extra="ignore")
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in cls.NULL_IS_DEFAULT):
+            return {key: value for key, value in data.items() if not (value is None and key in cls.NULL_IS_DEFAULT)}
+        return data
 
 
 class StreamOptions(RequestBody):
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("include_usage", "continuous_usage_stats")
     include_usage: bool = False  # vLLM 0.32's default: stream_options {} asks for no usage chunk
     continuous_usage_stats: bool = False  # vLLM's: usage (so far) in every chunk
 
@@ -30,8 +41,13 @@ class StreamOptions(RequestBody):
 class _SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = Field(None, description="The base model id (the default), or a registered adapter's name")
-    temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 is greedy; default 1")
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream")
+    model: str | None = Field(
+        None, description="The base model id (the default, also when empty), or a registered adapter's name"
+    )
+    temperature: float | None = Field(
+        None, ge=0.0, le=2.0, description="0 is greedy; default the model's generation config's, else 1"
+    )
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, description="loraserve extension: -1 or None is off")
     n: int = Field(1, ge=1, le=MAX_N)
@@ -80,13 +96,21 @@ class _SamplingFields(RequestBody):
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool | None = Field(None, description="vLLM extension: the prompt's and choices' token ids")
     priority: int = 0  # vLLM refuses a priority unless its scheduler runs by priority (here: first come)
+    request_id: str | None = Field(None, description="vLLM extension: the response id's suffix (X-Request-Id first)")
+    # vLLM 0.32's fields that change the output and that loraserve does not implement: refused.
+    logprob_token_ids: list[int] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream", "echo")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="A string, a list of strings, a list of token ids, or a list of token-id lists"
     )
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="16 when left out or null (vLLM's default)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -113,7 +137,7 @@ class ToolCall(RequestBody):
 
 
 class ChatMessage(RequestBody):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str = Field(min_length=1, description="Any role the chat template takes (a developer message: system)")
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
@@ -121,6 +145,7 @@ class ChatMessage(RequestBody):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream", "logprobs")
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -130,6 +155,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = Field(False, description="vLLM extension: the last message left open")
     add_special_tokens: bool = Field(False, description="vLLM extension: special tokens added to the template's")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: template variables")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(
+        None, description="To the chat template, with enable_thinking (false for none), as vLLM hands them over"
+    )
     # Declared only to refuse them (see unsupported_fields).
     chat_template: str | None = None  # vLLM too, unless started with --trust-request-chat-template
     echo: bool = False
@@ -184,8 +212,15 @@ def unsupported_fields(request: _SamplingFields) -> list[str]:
     }
     bad = [name for name, default in defaults.items() if getattr(request, name) != default]
     unset = ("truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-    for name in (*unset, "structured_outputs", "structural_tag", "logits_processors"):
-        if getattr(request, name) is not None:
+    vllm_only = (
+        "logprob_token_ids",
+        "repetition_detection",
+        "thinking_token_budget",
+        "vllm_xargs",
+        "kv_transfer_params",
+    )
+    for name in (*unset, "structured_outputs", "structural_tag", "logits_processors", *vllm_only):
+        if getattr(request, name) not in (None, [], {}):  # vLLM reads an empty list or object as unset
             bad.append(name)
     if request.best_of is not None and request.best_of != request.n:
         bad.append("best_of")
@@ -202,7 +237,7 @@ def unsupported_fields(request: _SamplingFields) -> list[str]:
         for name in ("chat_template", "documents"):
             if getattr(request, name) is not None:
                 bad.append(name)
-        if request.tool_choice not in (None, "none", "auto"):  # a tool demanded, and no tools run
+        if request.tool_choice not in (None, "none") and request.tools:  # tools are refused above
             bad.append("tool_choice")
         for name in ("functions", "function_call", "audio", "web_search_options"):
             if getattr(request, name) is not None:

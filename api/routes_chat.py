@@ -59,6 +59,16 @@ logger = logging.getLogger(__name__)
 router = APIRouter(tags=["inference"])
 
 
+def template_variables(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The chat template's extra variables: ``chat_template_kwargs``, and ``reasoning_effort`` with
+    ``enable_thinking`` (false for ``none``) where the client sets an effort and not that
+    variable, as vLLM hands them over (a template that does not read them ignores them)."""
+    if body.reasoning_effort is None:
+        return body.chat_template_kwargs
+    effort = {"reasoning_effort": body.reasoning_effort, "enable_thinking": body.reasoning_effort != "none"}
+    return {**effort, **(body.chat_template_kwargs or {})}
+
+
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletionResponse,
@@ -68,10 +78,12 @@ router = APIRouter(tags=["inference"])
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state = get_state(request)
-    model = body.model if body.model is not None else state.settings.model_id  # vLLM's default
+    model = body.model or state.settings.model_id  # vLLM's default, also for an empty name
     adapter_name = resolve_adapter(state, model)
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs and not body.logprobs:  # 0 is vLLM's default, sent by some clients
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    if body.tool_choice not in (None, "none") and body.tools is None:  # vLLM's rule and message
+        raise APIError(400, "When using `tool_choice`, `tools` must be set.", param="tool_choice")
     if body.tools == []:  # vLLM's (and OpenAI's) rule
         raise APIError(
             400,
@@ -84,13 +96,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body.add_generation_prompt,
         body.add_special_tokens,
         body.continue_final_message,
-        body.chat_template_kwargs,
+        template_variables(body),
     )
     asked = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_request_limits(state, body.n, [len(prompt_ids)], asked)
-    (max_tokens,) = output_budgets(state, [len(prompt_ids)], asked, None, field, "messages")  # vLLM's rule
-    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    default = state.settings.sampling_defaults.get("max_tokens")  # the model's max_new_tokens; None: all that fit
+    default = None if default is None else int(default)
+    (max_tokens,) = output_budgets(state, [len(prompt_ids)], asked, default, field, "messages")  # vLLM's rule
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens, logprobs, state.settings.sampling_defaults)
     num_top = body.top_logprobs or 0
     # vLLM's: the reply takes the last message's role unless a generation prompt starts a new
     # assistant turn; ``echo`` starts its content with the last message's when their roles match.
@@ -98,7 +113,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     last = body.messages[-1]
     echo = str(message_dict(last, len(body.messages) - 1)["content"]) if body.echo and last.role == role else ""
     reply = _Reply(role, echo, num_top, len(prompt_ids), prompt_ids if body.return_token_ids else None)
-    request_id = new_id("chatcmpl")
+    request_id = new_id("chatcmpl", request, body.request_id)
     key = state.in_flight.bucket_of(request.headers.get("authorization"))
     state.in_flight.acquire(key)  # 429 past the limit
     if body.stream:

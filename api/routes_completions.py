@@ -107,7 +107,7 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
 )
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = get_state(request)
-    model = body.model if body.model is not None else state.settings.model_id  # vLLM's default
+    model = body.model or state.settings.model_id  # vLLM's default, also for an empty name
     adapter_name = resolve_adapter(state, model)
     prompts = _prompts(body.prompt)
     max_choices = max_choices_of(len(prompts), state.settings.max_n)
@@ -117,17 +117,18 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
     token_ids = await _token_ids(state, prompts, body.add_special_tokens)  # tokenized once, here
     lengths = [len(ids) for ids in token_ids]
-    # max_tokens: 16 when not sent (OpenAI's and vLLM's default), as many as fit when sent as null;
-    # each prompt's lowered to the room the context leaves after it (vLLM's rule).
-    sent = "max_tokens" in body.model_fields_set
-    asked = body.max_tokens if sent else None
-    check_request_limits(state, body.n, lengths, asked)
-    budgets = output_budgets(state, lengths, asked, None if sent else 16, "max_tokens", "prompt")
+    # max_tokens: 16 when not sent or sent as null (OpenAI's and vLLM 0.32's default), each prompt's
+    # lowered to the room the context leaves after it (vLLM's rule).
+    check_request_limits(state, body.n, lengths, body.max_tokens)
+    budgets = output_budgets(state, lengths, body.max_tokens, 16, "max_tokens", "prompt")
     echoed_logprobs = body.logprobs if echo_logprobs and body.prompt_logprobs is None else None
-    by_budget = {b: sampling_params(body, b, body.logprobs, prompt_logprobs=echoed_logprobs) for b in set(budgets)}
+    defaults = state.settings.sampling_defaults
+    by_budget = {
+        b: sampling_params(body, b, body.logprobs, defaults, prompt_logprobs=echoed_logprobs) for b in set(budgets)
+    }
     params = [by_budget[budget] for budget in budgets]
     shape = _ChoiceShape(params[0], body.echo, echoes, echo_logprobs, bool(body.return_token_ids))
-    request_id = new_id("cmpl")
+    request_id = new_id("cmpl", request, body.request_id)
     key = state.in_flight.bucket_of(request.headers.get("authorization"))
     state.in_flight.acquire(key)  # 429 past the limit
     if body.stream:

@@ -18,7 +18,7 @@ router = APIRouter(tags=["inference"])
 async def _check_model(state: ServerState, model: str | None) -> None:
     """404 for a ``model`` that is neither the base model nor a registered adapter (adapters share
     the base model's tokenizer, so the answer does not depend on which)."""
-    name = None if model is None else resolve_adapter(state, model)
+    name = None if not model else resolve_adapter(state, model)  # none or empty: the base model, as vLLM
     if name is None:
         return
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -76,8 +76,11 @@ def get_state(request: Request) -> ServerState:
     return state
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request: Request | None = None, body_id: str | None = None) -> str:
+    """A response id, as vLLM makes it: ``prefix-`` and the ``X-Request-Id`` header, else the
+    body's ``request_id``, else a random hex id."""
+    given = request.headers.get("x-request-id") if request is not None else None
+    return f"{prefix}-{given or body_id or uuid.uuid4().hex}"
 
 
 def resolve_adapter(state: ServerState, model: str) -> str | None:
@@ -102,12 +105,14 @@ def sampling_params(
     request: _SamplingFields,
     max_tokens: int,
     logprobs: int | None,
+    defaults: Mapping[str, float | int],
     *,
     n: int | None = None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Build engine sampling parameters, refusing unsupported fields with a 400 (``prompt_logprobs``:
-    the request's unless given)."""
+    the request's unless given). A field left out takes ``defaults``' value (the server's, from
+    the model's generation config), else OpenAI's: vLLM's order."""
     bad = unsupported_fields(request)
     if bad:
         raise APIError(400, f"unsupported parameter(s) {bad}: loraserve does not implement them", param=bad[0])
@@ -115,8 +120,15 @@ def sampling_params(
         raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")
     if request.prompt_logprobs is not None and request.stream:
         raise APIError(400, "prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
-    if request.n > 1 and request.temperature == 0:  # vLLM's rule (its SamplingParams)
+
+    def value(name: str, openai_default: float) -> float:
+        sent: float | None = getattr(request, name)
+        return sent if sent is not None else defaults.get(name, openai_default)
+
+    temperature = value("temperature", 1.0)
+    if request.n > 1 and temperature == 0:  # vLLM's rule (its SamplingParams)
         raise APIError(400, f"n must be 1 when using greedy sampling, got {request.n}.", param="n")
+    top_k = int(value("top_k", -1))
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
         logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
@@ -125,10 +137,10 @@ def sampling_params(
     try:
         return SamplingParams(
             n=request.n if n is None else n,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=-1 if request.top_k in (None, 0) else int(request.top_k),
-            seed=request.seed,
+            temperature=temperature,
+            top_p=value("top_p", 1.0),
+            top_k=-1 if top_k == 0 else top_k,
+            seed=None if request.seed == -1 else request.seed,  # vLLM's: -1 is a random seed
             max_tokens=max_tokens,
             lower_max_tokens_to_pool=True,  # the rule output_budgets states, with the adapter's pages
             stop=tuple(stop),
@@ -136,10 +148,10 @@ def sampling_params(
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-            min_p=request.min_p or 0.0,
+            presence_penalty=value("presence_penalty", 0.0),
+            frequency_penalty=value("frequency_penalty", 0.0),
+            repetition_penalty=value("repetition_penalty", 1.0),
+            min_p=value("min_p", 0.0),
             logit_bias=tuple(logit_bias.items()),
             min_tokens=request.min_tokens or 0,
             include_stop_str_in_output=request.include_stop_str_in_output,
@@ -179,13 +191,16 @@ async def submit(
     model: str,
     cache_salt: str | None = None,
 ) -> list[RequestStream]:
-    """Add one engine request per prompt (ids ``{request_id}-{i}``, with ``params[i]``); all or nothing."""
+    """Add one engine request per prompt (with ``params[i]``); all or nothing. The engine's ids are
+    ``{request_id}-{i}-`` and a random suffix: a client may choose ``request_id`` (vLLM's
+    ``X-Request-Id``), and two requests in flight may not share an engine id."""
     streams: list[RequestStream] = []
+    unique = uuid.uuid4().hex[:12]
     try:
         for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
             streams.append(
                 await state.async_engine.add_request(
-                    f"{request_id}-{index}", prompt, prompt_params, adapter_name, cache_salt=cache_salt
+                    f"{request_id}-{index}-{unique}", prompt, prompt_params, adapter_name, cache_salt=cache_salt
                 )
             )
     except BaseException as error:

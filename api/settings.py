@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .generation_defaults import sampling_defaults
 from .openai_protocol import MAX_N
 
 DEFAULT_MAX_UPLOAD_MB = 512
@@ -31,6 +32,9 @@ class ServerSettings:
       model's context length); past them, 400 naming the field.
     * ``max_requests_per_key``: completion requests in flight per API key (``api_key`` and
       ``admin_key`` each; all other requests share one bucket); past it, 429.
+    * ``sampling_defaults``: what a request field left out (or null) takes, by vLLM's names
+      (temperature, top_p, top_k, min_p, the three penalties, max_tokens); fields not here take
+      OpenAI's defaults (``generation_defaults.py``: from the model's generation config).
     """
 
     model_id: str
@@ -43,6 +47,7 @@ class ServerSettings:
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
     max_requests_per_key: int = 512
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -60,6 +65,7 @@ class ServerSettings:
             value = getattr(self, key_name)
             if value is not None and not value:
                 raise ValueError(f"{key_name} must be None or a non-empty string")
+        object.__setattr__(self, "sampling_defaults", sampling_defaults(self.sampling_defaults))
         resolved = tuple(os.path.realpath(os.path.expanduser(path)) for path in self.allowed_lora_dirs)
         object.__setattr__(self, "allowed_lora_dirs", resolved)
 

@@ -285,14 +285,15 @@ def test_every_page_kind_is_in_metrics_and_an_adapter_eviction_is_counted(server
 
 
 def test_max_tokens_lowered_to_the_pool_leaves_room_for_the_adapters_pages(server: Server, tmp_path: Path) -> None:
-    """On a pool smaller than the context, ``max_tokens: null`` (or one past the pool) is lowered to
+    """On a pool smaller than the context, a ``max_tokens`` past the pool is lowered to
     what the pool holds after the prompt and the adapter's pages, whether the adapter's size is
     known when the request arrives (the second request) or only once its files are read (the first)."""
     engine = server.engine
     assert engine.max_seq_tokens < engine.max_model_len  # the pool binds, not the context
     assert upload(server, "roomy", adapter_files(server, tmp_path / "r", seed=5)).status_code == 201
     prompt = [504] * (engine.max_seq_tokens - 200)  # any token id of the default model's vocabulary
-    body = {"model": "roomy", "prompt": prompt, "max_tokens": None, "temperature": 0, "ignore_eos": True}
+    to_context = engine.max_model_len - len(prompt)  # past the pool
+    body = {"model": "roomy", "prompt": prompt, "max_tokens": to_context, "temperature": 0, "ignore_eos": True}
     first = server.http.post("/v1/completions", json=body)
     assert first.status_code == 200, first.text
     pages = engine.adapters.num_pages(engine.adapters.resolver.resolve("roomy"))

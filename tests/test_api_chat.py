@@ -82,7 +82,8 @@ def test_stream_chunks_shaped_as_vllm_sends_them(http: httpx.Client) -> None:
 def test_null_max_tokens_stream_options_and_chat_stop_reason_as_vllm(
     http: httpx.Client, server: tuple[Any, LLMEngine]
 ) -> None:
-    """``max_tokens: null`` on completions means up to the context (not the default 16);
+    """``max_tokens: null`` on completions means the default, 16, as not sent (vLLM 0.32's
+    ``normalize_null_max_tokens``); on chat, as many as fit;
     ``stream_options`` without ``stream`` is refused; a streamed chat's last chunk names the stop
     string that ended it (``stop_reason``), and only the last names one, as vLLM's do."""
     engine = server[1]
@@ -93,7 +94,12 @@ def test_null_max_tokens_stream_options_and_chat_stop_reason_as_vllm(
     body = {"model": MODEL, "prompt": prompt, "max_tokens": None, "temperature": 0, "ignore_eos": True}
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 20
+    assert response.json()["usage"]["completion_tokens"] == 16
+    chat = {"model": MODEL, "messages": [USER_HI], "max_tokens": None, "temperature": 0, "ignore_eos": True}
+    response = http.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 200, response.text
+    used = response.json()["usage"]
+    assert used["prompt_tokens"] + used["completion_tokens"] == context  # all that fit
     unasked = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "ignore_eos": True})
     assert unasked.json()["usage"]["completion_tokens"] == 16  # not sent: the default, 16
     for route, field in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [USER_HI]})):

@@ -98,8 +98,9 @@ def test_hand_made_hostile_bodies(server: tuple[str, LLMEngine]) -> None:
         assert 400 <= reply.status_code < 500 and set(reply.json()["error"]) == ERROR_KEYS, raw[:40]
     unknown = httpx.post(url + "/v1/completions", json={**base, "totally_unknown_field": [1, 2]})
     assert unknown.status_code == 200  # ignored, as vLLM ignores fields it does not define
-    chat = {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}
-    assert httpx.post(url + "/v1/chat/completions", json=chat).status_code == 400
+    for role in ("", 7, None):  # any other role goes to the chat template, as in vLLM
+        chat = {"model": MODEL, "messages": [{"role": role, "content": "x"}]}
+        assert httpx.post(url + "/v1/chat/completions", json=chat).status_code == 400
     _idle(url, engine)
 
 

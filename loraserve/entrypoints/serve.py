@@ -96,6 +96,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "requests share one (default 512)",
     )
     parser.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults for request fields left out, as vLLM's: 'auto' the model's generation_config.json "
+        "(temperature, top_p, top_k, min_p, penalties, max_new_tokens), 'vllm' none (OpenAI's defaults), or a "
+        "directory with a generation_config.json (default auto)",
+    )
+    parser.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="generation-config fields set over --generation-config's, e.g. '{\"temperature\": 0.5}'",
+    )
+    parser.add_argument(
         "--ray-address",
         default=None,
         help="serve with Ray Serve: 'local' (start Ray here), 'auto' (the cluster this machine joined) or "
@@ -129,6 +143,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
 def build_settings(args: argparse.Namespace, model_dir: Path) -> Any:
     """ServerSettings from the parsed arguments; ``model_dir`` names the base model by default."""
     from loraserve.api import ServerSettings
+    from loraserve.api.generation_defaults import load_sampling_defaults
 
     return ServerSettings(
         model_id=args.served_model_name or Path(model_dir).name,
@@ -141,6 +156,7 @@ def build_settings(args: argparse.Namespace, model_dir: Path) -> Any:
         max_prompt_tokens=args.max_prompt_tokens,
         max_output_tokens=args.max_output_tokens,
         max_requests_per_key=args.max_requests_per_key,
+        sampling_defaults=load_sampling_defaults(model_dir, args.generation_config, args.override_generation_config),
     )
 
 
