@@ -136,7 +136,7 @@ class ModelRunner:
         slots = tables[rows[owner], positions // block_size] * block_size + positions % block_size
         input_ids = rows_of.token_ids[rows[owner], positions].astype(np.int64)  # [num_tokens]
         samples = ends == totals  # [n] bool: the sequence reaches its last token, so it samples
-        prompt_spans, prompt_rows = self._prompt_logprob_rows(seqs, num_decode, starts, ends, token_starts)
+        prompt_spans, prompt_rows = self._prompt_logprob_rows(seqs, starts, ends, token_starts)
         sampled_rows = rows[samples]
         width = -(-int(ends.max()) // block_size)  # blocks of the longest context
         parts = [
@@ -227,14 +227,15 @@ class ModelRunner:
 
     @staticmethod
     def _prompt_logprob_rows(
-        seqs: list[Sequence], num_decode: int, starts: np.ndarray, ends: np.ndarray, token_starts: np.ndarray
+        seqs: list[Sequence], starts: np.ndarray, ends: np.ndarray, token_starts: np.ndarray
     ) -> tuple[tuple[tuple[Sequence, int, int], ...], list[np.ndarray]]:
         """Rows whose logits give prompt logprobs: for each prefill chunk of a request that asks,
         its positions ``p`` with ``p + 1`` a prompt token not recorded yet (so a prompt recomputed
-        after preemption is not recorded twice)."""
+        after preemption is not recorded twice). Every sequence is looked at: a prefill chunk of one
+        token sorts with the decodes (a decode's positions are past its prompt: it gives none)."""
         spans: list[tuple[Sequence, int, int]] = []
         rows: list[np.ndarray] = []
-        for i in range(num_decode, len(seqs)):
+        for i in range(len(seqs)):
             seq = seqs[i]
             if seq.params.prompt_logprobs is None or seq.sample_index != 0:
                 continue

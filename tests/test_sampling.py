@@ -291,15 +291,16 @@ def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused(llm: LLM) ->
 
 def test_prompt_logprobs_match_the_model(tiny_model_dir: Path, tiny_hf_model: Any) -> None:
     """Each prompt token's logprob and rank, and the top ones, from Hugging Face's logits of the
-    same prompt; with the prompt split into chunks, and again when its blocks are cached (a
-    request for prompt logprobs computes its whole prompt)."""
+    same prompt; with the prompt split into chunks, again when its blocks are cached (a request
+    for prompt logprobs computes its whole prompt), and in chunks of one token beside decoding
+    requests (such a chunk is sorted with the decodes, and once lost its position's entry)."""
     llm = LLM(str(tiny_model_dir), num_pages=256, block_size=4, max_num_batched_tokens=8, kernels="torch")
     prompt = list(range(40, 63))  # 23 tokens: 3 chunks of at most 8
     with torch.inference_mode():
         reference = tiny_hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)  # [23, vocab]
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
-    for _ in range(2):  # the second run finds the prompt's blocks cached, and recomputes them
-        output = llm.generate([prompt], params, use_tqdm=False)[0]
+
+    def check(output: RequestOutput) -> None:
         entries = output.prompt_logprobs
         assert entries is not None and len(entries) == len(prompt) and entries[0] is None
         for position in range(1, len(prompt)):
@@ -313,5 +314,12 @@ def test_prompt_logprobs_match_the_model(tiny_model_dir: Path, tiny_hf_model: An
             for place, (top_value, token) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True)):
                 assert entry[token][0] == pytest.approx(top_value, abs=1e-4) and entry[token][1] in (place + 1, rank)
         assert output.num_cached_tokens == 0
+
+    for _ in range(2):  # the second run finds the prompt's blocks cached, and recomputes them
+        check(llm.generate([prompt], params, use_tqdm=False)[0])
+    # 7 requests of 2-token prompts take the first 3 steps' budget, then decode 7 of its 8 tokens
+    # a step for 40 steps: the prompt runs one token a step.
+    decoding = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    check(llm.generate([*[[5, 6]] * 7, prompt], [decoding] * 7 + [params], use_tqdm=False)[-1])
     plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
     assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0  # others still hit the cache
