@@ -159,7 +159,8 @@ class KVCacheManager:
             seq.block_ids.append(page_id)
         num_hit_tokens = len(seq.block_ids) * self.block_size
         seq.num_computed_tokens = num_hit_tokens
-        seq.num_cached_tokens = num_hit_tokens
+        if not seq.num_preemptions:  # reported: the prompt's hit when first admitted (vLLM's), not a recompute's
+            seq.num_cached_tokens = num_hit_tokens
         cache.num_hit_tokens += num_hit_tokens
         return num_hit_tokens
 
@@ -185,11 +186,12 @@ class KVCacheManager:
         cache = self._cache_for(seq)
         if cache is None:
             return  # nothing was matched, nor counted
-        cache.num_hit_tokens -= seq.num_cached_tokens
+        cache.num_hit_tokens -= seq.num_computed_tokens  # what match_prefix reused
         cache.num_queried_tokens -= seq.num_tokens
         self.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        if not seq.num_preemptions:
+            seq.num_cached_tokens = 0
 
     def cache_full_blocks(self, seqs: Iterable[Sequence]) -> None:
         """Register the blocks each of ``seqs`` has filled since the last call (one call a step):

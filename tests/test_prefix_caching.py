@@ -142,3 +142,19 @@ def test_reset_prefix_cache_frees_cached_pages_and_refuses_while_running(llm: LL
     again = _run(llm, None)
     assert again.num_cached_tokens == 0
     assert again.token_ids == first.token_ids
+
+
+def test_cached_tokens_report_the_first_admission_not_a_recompute(tiny_model_dir: Path) -> None:
+    """A request preempted by recompute finds its own blocks (generated tokens too) cached when it
+    comes back; what it reports as cached is still its prompt's hit when first admitted (vLLM's)."""
+    llm = LLM(str(tiny_model_dir), kernels="torch", block_size=4, num_pages=12, watermark=0.0)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine.add_request("a", [11, 12, 13, 14, 15], params)
+    engine.add_request("b", [21, 22, 23, 24, 25], params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    assert engine.scheduler.num_preemptions > 0
+    assert {rid: out.num_cached_tokens for rid, out in finished.items()} == {"a": 0, "b": 0}
+    engine.close()
