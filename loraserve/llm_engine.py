@@ -11,9 +11,11 @@ from collections.abc import Mapping
 import torch
 
 from loraserve.adapters import (
+    AdapterError,
     AdapterInfo,
     AdapterNotFoundError,
     BaseModelShapes,
+    RegistryUnavailableError,
 )
 from loraserve.config import EngineConfig
 from loraserve.decode_path import DecodePathChoice
@@ -199,6 +201,10 @@ class LLMEngine:
             return self.adapters.resolve_nowait(adapter_name)
         except AdapterNotFoundError:
             raise UnknownAdapterError(f"adapter {adapter_name!r} is not registered") from None
+        except RegistryUnavailableError:
+            raise
+        except AdapterError:  # its read or parse failed: the request waits with those that did, and
+            return None  # ends as they do at the next step (the resolver remembers the failure)
 
     # ---- adapters -------------------------------------------------------------------
     def add_adapter(self, name: str, path: str | os.PathLike[str], overwrite: bool = False) -> AdapterInfo:

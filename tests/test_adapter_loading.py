@@ -8,7 +8,9 @@ idle, the loader thread parses the files too (the manager-level tests at the end
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -102,19 +104,43 @@ def test_abort_while_loading_leaves_nothing_behind(llm: LLM, adapter_dir: Path) 
     assert llm.generate([PROMPT], PARAMS, adapters="aborted", use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
-def test_an_adapter_that_fails_to_load_ends_only_its_requests(llm: LLM, adapter_dir: Path) -> None:
-    """Stored files corrupted after registration: the request ends with ``abort``; others are served."""
+def test_an_adapter_that_fails_to_load_ends_only_its_requests(llm: LLM, adapter_dir: Path, tmp_path: Path) -> None:
+    """Stored files corrupted after registration: the requests waiting for them end with ``abort``
+    and the read's error, all from one read, however their arrivals fall around it; others are
+    served; a request for that content right after gets the same error; new content loads."""
     engine = llm.engine
     llm.add_adapter("corrupt", adapter_dir, overwrite=True)
     store_root = Path(engine.adapter_registry.store.root)
     weights = (store_root / "corrupt").resolve() / "adapter_model.safetensors"
     weights.write_bytes(b"not a safetensors file")
-    outputs = llm.generate([PROMPT, PROMPT], PARAMS, adapters=["corrupt", None], use_tqdm=False)
-    assert outputs[0].outputs[0].finish_reason == "abort" and outputs[0].token_ids == []
-    assert outputs[0].error is not None and "'corrupt' could not be loaded" in outputs[0].error
-    assert outputs[1].error is None
-    assert outputs[1].outputs[0].finish_reason == "length" and len(outputs[1].token_ids) == 6
-    assert not engine.scheduler.loading and not engine.requests
+    source = engine.adapters.resolver.source
+    reads: list[str] = []
+    read = source.read
+
+    def counted(name: str, key: str) -> Any:
+        reads.append(name)
+        return read(name, key)
+
+    source.read = counted  # type: ignore[method-assign]
+    try:
+        outputs = llm.generate([PROMPT] * 5, PARAMS, adapters=["corrupt"] * 4 + [None], use_tqdm=False)
+        for output in outputs[:4]:
+            assert output.outputs[0].finish_reason == "abort" and output.token_ids == []
+            assert output.error is not None and "'corrupt' could not be loaded" in output.error
+        assert reads == ["corrupt"]
+        assert outputs[4].error is None
+        assert outputs[4].outputs[0].finish_reason == "length" and len(outputs[4].token_ids) == 6
+        assert not engine.scheduler.loading and not engine.requests
+        again = llm.generate([PROMPT], PARAMS, adapters="corrupt", use_tqdm=False)[0]
+        assert again.error is not None and "'corrupt' could not be loaded" in again.error
+        assert reads == ["corrupt"]
+        other = shutil.copytree(adapter_dir, tmp_path / "other")  # other content: read again, served
+        config = json.loads((other / "adapter_config.json").read_text())
+        (other / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": config["lora_alpha"] + 1}))
+        llm.add_adapter("corrupt", other, overwrite=True)
+        assert llm.generate([PROMPT], PARAMS, adapters="corrupt", use_tqdm=False)[0].error is None
+    finally:
+        source.read = read  # type: ignore[method-assign]
 
 
 def test_a_request_too_large_with_its_adapter_ends_with_a_request_error(

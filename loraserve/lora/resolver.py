@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -47,6 +48,20 @@ class _Read:
     future: Future[tuple[str, Mapping[str, bytes] | LoRAAdapter]]  # files, or parsed in the background
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """A read or parse of a name's content that failed: every request waiting for that content
+    gets this error, rather than each starting a read of its own, until the name moves to other
+    content or ``FAILURE_MEMORY_S`` pass (a store's error may be transient)."""
+
+    key: str
+    error: AdapterError
+    at: float  # time.monotonic()
+
+
+FAILURE_MEMORY_S = 10.0
+
+
 class AdapterResolver:
     """``resolve`` and ``resolve_nowait`` run on the engine thread only; the name methods
     (``register``, ``remove``, ``info``) wait on the registry and run on worker threads."""
@@ -61,6 +76,7 @@ class AdapterResolver:
         self._loads: dict[str, _Read] = {}  # name -> the read of its files in flight on the loader thread
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraserve-adapter-load")
         self._unavailable: set[str] = set()  # names whose last resolve failed for want of the registry
+        self._failed: dict[str, _Failure] = {}  # name -> its content's failed read or parse
 
     # ---- names (any thread but the engine's: these wait on the registry) ----------------
     def register(self, name: str, files: Mapping[str, bytes], overwrite: bool = False) -> AdapterInfo:
@@ -133,8 +149,18 @@ class AdapterResolver:
             if key == read.key:
                 if read.future.cancelled():  # close() dropped it
                     raise AdapterError(f"reading adapter {name!r} was cancelled: the adapter manager is closed")
-                return self._take_in(name, *read.future.result())  # raises the read's error
+                try:
+                    return self._take_in(name, *read.future.result())  # raises the read's error
+                except RegistryUnavailableError:
+                    raise  # the registry's state, not the content's: the next resolve asks again
+                except AdapterError as error:
+                    self._failed[name] = _Failure(key, error, time.monotonic())
+                    raise
             # Otherwise the name moved on (deleted or re-registered) while its files were read.
+        failure = self._failed.pop(name, None)
+        if failure is not None and failure.key == key and time.monotonic() - failure.at < FAILURE_MEMORY_S:
+            self._failed[name] = failure
+            raise failure.error
         if key is None:
             if not self.source.up:
                 raise self.source.unavailable_error(f"adapter {name!r} cannot be looked up")
