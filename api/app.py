@@ -20,6 +20,7 @@ from .metrics import ServerMetrics
 from .prompt_encoder import PromptEncoder
 from .serving import ServerState
 from .settings import ServerSettings
+from .stats_reader import StatsReader
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     limiter = InFlightLimiter(settings.max_requests_per_key, settings.api_key, settings.admin_key)
     tokenizer = _api_tokenizer(engine)
     prompts = PromptEncoder(tokenizer, _api_tokenizer(engine))  # its worker thread's own instance
-    state = ServerState(engine, async_engine, settings, tokenizer, metrics, limiter, prompts)
+    state = ServerState(engine, async_engine, settings, tokenizer, metrics, limiter, prompts, StatsReader(async_engine))
     if settings.adapter_key is None:
         logger.warning("no --admin-key or --api-key: anyone who can reach the server can change adapters")
 

@@ -9,14 +9,17 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from loraserve.llm_engine import LLMEngine
-
 from .async_engine import EngineDeadError
 from .auth import require_api_key
 from .openai_responses import ErrorResponse, ModelCard, ModelList
 from .serving import ServerState, get_state, registry_call
 
 router = APIRouter()
+
+# How long /health and /metrics wait for the engine's stats (read between steps) before answering
+# with the last ones read: under a probe's timeout (Kubernetes': 1 s) and a scrape's (Prometheus': 10 s).
+HEALTH_WAIT_S = 0.5
+METRICS_WAIT_S = 2.0
 
 
 async def list_adapter_infos(state: ServerState) -> list[Any]:
@@ -62,10 +65,13 @@ async def health(request: Request) -> JSONResponse:
     except EngineDeadError as error:
         return JSONResponse({"status": "error", "message": str(error)}, status_code=503)
     try:
-        stats = await state.async_engine.call(LLMEngine.stats)
+        stats = await state.stats.read(HEALTH_WAIT_S)
     except EngineDeadError as error:
         return JSONResponse({"status": "error", "message": str(error)}, status_code=503)
-    body: dict[str, Any] = {"status": "ok", "model": state.settings.model_id, "kernels": stats.kernels}
+    body: dict[str, Any] = {"status": "ok", "model": state.settings.model_id}
+    if stats is None:  # the first read waits for a long step: the engine loop runs, so the server is up
+        return JSONResponse(body)
+    body["kernels"] = stats.kernels
     if stats.kernel_fallbacks:  # compiled kernels on a slower fallback (a library symbol missing)
         body["kernel_fallbacks"] = list(stats.kernel_fallbacks)
     if stats.cpu_gemm:  # the CPU GEMM kernel of each linear layer shape and row bucket, and how it was chosen
@@ -109,7 +115,7 @@ async def metrics(request: Request) -> Response:
     state = get_state(request)
     collector = state.metrics.engine_collector
     try:
-        collector.snapshot = await state.async_engine.call(LLMEngine.stats)
+        collector.snapshot = await state.stats.read(METRICS_WAIT_S)
     except EngineDeadError:
         collector.snapshot = None
     collector.num_step_errors = state.async_engine.num_step_errors

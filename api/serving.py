@@ -25,6 +25,7 @@ from .openai_protocol import _SamplingFields, unsupported_fields
 from .prompt_encoder import PromptEncoder
 from .request_stream import EngineDrainingError
 from .settings import ServerSettings
+from .stats_reader import StatsReader
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class ServerState:
     metrics: ServerMetrics
     in_flight: InFlightLimiter
     prompts: PromptEncoder  # prompt texts to token ids, long ones off the event loop
+    stats: StatsReader  # the engine's stats for /health and /metrics, not waiting out a long step
 
     @property
     def supports_adapters(self) -> bool:
