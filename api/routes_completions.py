@@ -112,7 +112,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     prompts = _prompts(body.prompt)
     max_choices = max_choices_of(len(prompts), state.settings.max_n)
     if len(prompts) * body.n > max_choices:
-        raise APIError(400, f"at most {max_choices} choices (prompts x n) per request", param="n")
+        blamed = "n" if len(prompts) == 1 or body.n > 1 else "prompt"  # with n = 1, the prompt count
+        raise APIError(400, f"at most {max_choices} choices (prompts x n) per request", param=blamed)
     echo_logprobs = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
     token_ids = await _token_ids(state, prompts, body.add_special_tokens)  # tokenized once, here

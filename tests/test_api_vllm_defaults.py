@@ -160,3 +160,10 @@ def test_generation_config_sources(tmp_path: Path) -> None:
     args = parser.parse_args(["serve", "--override-generation-config", '{"min_p": 0.05}'])
     assert build_settings(args, model).sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20,
                                                             "max_tokens": 64, "min_p": 0.05}  # fmt: skip
+
+
+def test_too_many_choices_name_the_field_at_fault(http: httpx.Client) -> None:
+    many = {"model": MODEL, "prompt": ["x"] * 300, "max_tokens": 1}
+    assert assert_openai_error(http.post("/v1/completions", json=many), 400)["param"] == "prompt"
+    samples = {"model": MODEL, "prompt": ["x", "y"], "max_tokens": 1, "n": 200, "temperature": 1}
+    assert assert_openai_error(http.post("/v1/completions", json=samples), 400)["param"] == "n"
