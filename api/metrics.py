@@ -33,6 +33,7 @@ Exposed names (``model`` is the base model id or the adapter name):
 * histograms ``loraserve_time_to_first_token_seconds{model}``,
   ``loraserve_inter_token_latency_seconds{model}``, ``loraserve_e2e_request_latency_seconds{model}``
   (TTFT and ITL from the engine's token times: a request not streamed counts as much as a streamed one)
+* vLLM's names of the engine's state, for what reads vLLM's (``vllm_metrics.py``)
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from prometheus_client.registry import Collector
 
 from loraserve.outputs import RequestOutput
 from loraserve.stats import EngineStats
+
+from .vllm_metrics import VLLMNamedCollector
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +159,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine_collector = EngineSnapshotCollector()
         self.registry.register(self.engine_collector)
+        self.registry.register(VLLMNamedCollector(base_model_id, lambda: self.engine_collector.snapshot))
         r = self.registry
         self.prompt_tokens = Counter("loraserve_prompt_tokens", "Prompt tokens", ["model"], registry=r)
         self.generation_tokens = Counter("loraserve_generation_tokens", "Generated tokens", ["model"], registry=r)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -9,6 +10,7 @@ from loraserve.page_pool import PageKind
 
 if TYPE_CHECKING:
     from loraserve.llm_engine import LLMEngine
+    from loraserve.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,9 @@ class EngineStats:
     num_running_adapters: int = 0  # distinct adapters among the running sequences
     adapter_region_pages: int = 0  # pages of a fixed adapter region (adapter_region="fixed"); 0: unified
     adapter_decode_paths: dict[int, str] = field(default_factory=dict)  # padded size -> path measured faster
+    running_adapter_names: tuple[str, ...] = ()  # adapters of the running sequences, sorted
+    waiting_adapter_names: tuple[str, ...] = ()  # adapters of the waiting ones (their files' reads included)
+    max_adapters_per_step: int = 0  # the fixed region's max_loras, else max_num_seqs (the unified pool's bound)
 
     @property
     def num_adapter_evictions(self) -> int:
@@ -84,4 +89,11 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_running_adapters=len({seq.adapter_id for seq in running if seq.adapter_id is not None}),
         adapter_region_pages=pools.adapter_region_pages,
         adapter_decode_paths={size: path.value for size, path in engine.runner.adapter_decode.chosen.items()},
+        running_adapter_names=_adapter_names(running),
+        waiting_adapter_names=_adapter_names([*scheduler.waiting, *scheduler.loading]),
+        max_adapters_per_step=engine.config.max_loras or engine.config.max_num_seqs,
     )
+
+
+def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    return tuple(sorted({seq.adapter_name for seq in seqs if seq.adapter_name is not None}))

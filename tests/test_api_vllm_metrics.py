@@ -1,0 +1,50 @@
+"""vLLM's Prometheus names of the engine's state (``api/vllm_metrics.py``), as LoRA-aware routers
+read them: requests running and waiting, the pool's share in use, and the adapters of the running
+requests in ``vllm:lora_requests_info``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from adapter_factory import make_peft_adapter
+from loraserve.api import ServerSettings, ServerThread, create_app
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraserve.config import EngineConfig
+from loraserve.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.slow
+
+
+def _vllm_samples(http: httpx.Client) -> dict[str, Any]:
+    found = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:"):
+                found[sample.name] = sample
+    return found
+
+
+def test_vllm_names_show_the_running_adapters(tiny_model_dir: Path, tiny_hf_model: Any, tmp_path: Path) -> None:
+    config = EngineConfig(model=str(tiny_model_dir), num_pages=64, kernels="torch", registry=f"dir:{tmp_path / 'r'}")
+    engine = LLMEngine(config)
+    engine.add_adapter("mine", make_peft_adapter(tiny_hf_model, tmp_path / "mine", rank=4, target_modules=["q_proj"]))
+    app = create_app(engine, ServerSettings(model_id="tiny"))
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        idle = _vllm_samples(http)
+        assert idle["vllm:num_requests_running"].value == 0
+        assert idle["vllm:num_requests_running"].labels == {"model_name": "tiny", "engine": "0"}
+        no_adapters = {"max_lora": str(config.max_num_seqs), "running_lora_adapters": "", "waiting_lora_adapters": ""}
+        assert idle["vllm:lora_requests_info"].labels == no_adapters
+        body = {"model": "mine", "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as streamed:
+            lines = streamed.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # running now
+            busy = _vllm_samples(http)
+        assert busy["vllm:num_requests_running"].value == 1
+        assert busy["vllm:lora_requests_info"].labels["running_lora_adapters"] == "mine"
+        assert 0 < busy["vllm:kv_cache_usage_perc"].value <= 1
+    engine.close()
