@@ -20,7 +20,6 @@ logger = logging.getLogger(__name__)
 # The fields vLLM takes from a generation config, by its names (HF's ``max_new_tokens``: max_tokens).
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 INT_FIELDS = ("top_k", "max_tokens")
-SOURCES = ("auto", "vllm")
 
 
 def load_sampling_defaults(model_dir: Path, source: str, overrides: str | None) -> dict[str, float | int]:

@@ -101,8 +101,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     asked = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_request_limits(state, body.n, [len(prompt_ids)], asked)
-    default = state.settings.sampling_defaults.get("max_tokens")  # the model's max_new_tokens; None: all that fit
-    default = None if default is None else int(default)
+    default = state.settings.default_max_tokens
     (max_tokens,) = output_budgets(state, [len(prompt_ids)], asked, default, field, "messages")  # vLLM's rule
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, state.settings.sampling_defaults)

@@ -70,6 +70,13 @@ class ServerSettings:
         object.__setattr__(self, "allowed_lora_dirs", resolved)
 
     @property
+    def default_max_tokens(self) -> int | None:
+        """A chat completion's ``max_tokens`` when it names none (the model's ``max_new_tokens``;
+        None: all that fit)."""
+        value = self.sampling_defaults.get("max_tokens")
+        return None if value is None else int(value)
+
+    @property
     def adapter_key(self) -> str | None:
         """The key that adapter-changing endpoints require (None: open)."""
         return self.admin_key or self.api_key

@@ -3,14 +3,13 @@
 The stats are read on the engine thread between steps (``AsyncEngine.call``), so they are
 exact; but a CPU prefill step can take seconds, and a load balancer's or Kubernetes' probe
 gives up after one. So a read waits at most ``wait_s``: past it the route answers with the last
-stats read (their ``age_s`` says how old), and the read still in flight refreshes them when the
-step ends. An idle engine answers at once, so tests and scrapes of an idle server see exact values.
+stats read, and the read still in flight refreshes them when the step ends. An idle engine
+answers at once, so tests and scrapes of an idle server see exact values.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 from loraserve.llm_engine import LLMEngine
 from loraserve.stats import EngineStats
@@ -24,13 +23,7 @@ class StatsReader:
     def __init__(self, async_engine: AsyncEngine) -> None:
         self.async_engine = async_engine
         self._last: EngineStats | None = None
-        self._last_at = 0.0  # time.monotonic() of the last read
         self._pending: asyncio.Future[EngineStats] | None = None  # a read waiting for the step to end
-
-    @property
-    def age_s(self) -> float | None:
-        """Seconds since the stats :meth:`read` last returned were read (None: never read)."""
-        return None if self._last is None else time.monotonic() - self._last_at
 
     async def read(self, wait_s: float) -> EngineStats | None:
         """The engine's stats, read between steps; past ``wait_s`` seconds the last ones read
@@ -46,4 +39,4 @@ class StatsReader:
     def _keep(self, read: asyncio.Future[EngineStats]) -> None:
         if read.cancelled() or read.exception() is not None:  # retrieved: a late failure is not logged as lost
             return
-        self._last, self._last_at = read.result(), time.monotonic()
+        self._last = read.result()
