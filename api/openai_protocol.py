@@ -110,7 +110,9 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="A string, a list of strings, a list of token ids, or a list of token-id lists"
     )
-    max_tokens: int | None = Field(None, ge=1, description="16 when left out or null (vLLM's default)")
+    max_tokens: int | None = Field(
+        None, ge=0, description="16 when left out or null (vLLM's default); 0 only with echo: the prompt scored"
+    )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

@@ -115,20 +115,26 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         blamed = "n" if len(prompts) == 1 or body.n > 1 else "prompt"  # with n = 1, the prompt count
         raise APIError(400, f"at most {max_choices} choices (prompts x n) per request", param=blamed)
     echo_logprobs = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
+    # vLLM's prompt scoring (lm-eval-harness's loglikelihood): echo with max_tokens 0 answers the
+    # prompt alone, its logprobs too; one token is generated and left out, as vLLM does.
+    scoring = body.echo and body.max_tokens == 0
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens must be at least 1, got 0 (0 only with echo)", param="max_tokens")
+    asked = 1 if scoring else body.max_tokens
     echoes = [_prompt_text(state, prompt) for prompt in prompts] if body.echo else [""] * len(prompts)
     token_ids = await _token_ids(state, prompts, body.add_special_tokens)  # tokenized once, here
     lengths = [len(ids) for ids in token_ids]
     # max_tokens: 16 when not sent or sent as null (OpenAI's and vLLM 0.32's default), each prompt's
     # lowered to the room the context leaves after it (vLLM's rule).
-    check_request_limits(state, body.n, lengths, body.max_tokens)
-    budgets = output_budgets(state, lengths, body.max_tokens, 16, "max_tokens", "prompt")
+    check_request_limits(state, body.n, lengths, asked)
+    budgets = output_budgets(state, lengths, asked, 16, "max_tokens", "prompt")
     echoed_logprobs = body.logprobs if echo_logprobs and body.prompt_logprobs is None else None
     defaults = state.settings.sampling_defaults
     by_budget = {
         b: sampling_params(body, b, body.logprobs, defaults, prompt_logprobs=echoed_logprobs) for b in set(budgets)
     }
     params = [by_budget[budget] for budget in budgets]
-    shape = _ChoiceShape(params[0], body.echo, echoes, echo_logprobs, bool(body.return_token_ids))
+    shape = _ChoiceShape(params[0], body.echo, echoes, echo_logprobs, bool(body.return_token_ids), scoring)
     request_id = new_id("cmpl", request, body.request_id)
     key = state.in_flight.bucket_of(request.headers.get("authorization"))
     state.in_flight.acquire(key)  # 429 past the limit
@@ -174,6 +180,7 @@ class _ChoiceShape:
     echoes: list[str]
     echo_logprobs: bool
     return_token_ids: bool
+    scoring: bool = False
 
 
 def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:
@@ -202,8 +209,8 @@ def _response(
         if shape.echo_logprobs and shape.params.logprobs is not None:
             echoed = echoed_prompt_logprobs(state, final, shape.params.logprobs)
         for completion in final.outputs:
-            logprobs = None
-            if shape.params.logprobs is not None:
+            logprobs = echoed if shape.scoring else None
+            if shape.params.logprobs is not None and not shape.scoring:
                 offset = len(prefix) if echoed is None else echoed.text_end
                 logprobs = completion_logprobs(state, completion, 0, len(completion.token_ids), offset)
                 if echoed is not None:  # vLLM's: the prompt's tokens first, the first one without logprobs
@@ -211,7 +218,7 @@ def _response(
             choices.append(
                 CompletionChoice(
                     index=prompt_index * n + completion.index,
-                    text=prefix + completion.text,
+                    text=prefix if shape.scoring else prefix + completion.text,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
@@ -260,7 +267,9 @@ class _ChoiceStreamer:
         finish_reason = completion.finish_reason
         tracker.finished = finish_reason is not None
         logprobs = echoed
-        if self.params.logprobs is not None and end > start:
+        if self.shape.scoring:  # the prompt alone; its one snapshot is the last (max_tokens 1)
+            text = prefix
+        elif self.params.logprobs is not None and end > start:
             generated = completion_logprobs(self.state, completion, start, end, self.text_offsets[index])
             if generated.tokens:
                 self.text_offsets[index] = generated.text_end

@@ -1,8 +1,9 @@
 """What vLLM 0.32's OpenAI server does with fields left out, null, empty or client-chosen, done the
 same here: the model's generation config as the sampling defaults (``--generation-config``), null
 meaning the default, an empty ``model`` the base model, ``seed: -1`` a random seed, the response id
-from ``X-Request-Id`` or ``request_id``, ``reasoning_effort`` to the chat template; and vLLM's
-fields that change the output and that loraserve does not implement refused by name."""
+from ``X-Request-Id`` or ``request_id``, ``reasoning_effort`` to the chat template, ``echo`` with
+``max_tokens: 0`` the prompt scored; and vLLM's fields that change the output and that loraserve
+does not implement refused by name."""
 
 from __future__ import annotations
 
@@ -167,3 +168,38 @@ def test_too_many_choices_name_the_field_at_fault(http: httpx.Client) -> None:
     assert assert_openai_error(http.post("/v1/completions", json=many), 400)["param"] == "prompt"
     samples = {"model": MODEL, "prompt": ["x", "y"], "max_tokens": 1, "n": 200, "temperature": 1}
     assert assert_openai_error(http.post("/v1/completions", json=samples), 400)["param"] == "n"
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(http: httpx.Client) -> None:
+    """vLLM's prompt scoring (lm-eval-harness's loglikelihood requests): the prompt's text and
+    tokens with their logprobs (the first without one), nothing generated after them, whole or
+    streamed; max_tokens 0 without echo is vLLM's 400."""
+    prompts = [PROMPT, "Paris is a city"]
+    body = {"model": MODEL, "prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choices = reply.json()["choices"]
+    for prompt, choice in zip(prompts, choices, strict=True):
+        ids = http.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()["tokens"]
+        scored = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                    "prompt_logprobs": 1}).json()["choices"][0]  # fmt: skip
+        entries = scored["prompt_logprobs"][1:]
+        expected = [entry[str(token)]["logprob"] for token, entry in zip(ids[1:], entries, strict=True)]
+        logprobs = choice["logprobs"]
+        assert (
+            choice["text"] == prompt and "".join(logprobs["tokens"]) == prompt and len(logprobs["tokens"]) == len(ids)
+        )
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+        assert choice["finish_reason"] == "length"
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as streamed:
+        chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    for index, choice in enumerate(choices):
+        mine = [chunk["choices"][0] for chunk in chunks if chunk["choices"][0]["index"] == index]
+        assert "".join(part["text"] for part in mine) == choice["text"]
+        tokens = [token for part in mine for token in (part["logprobs"] or {}).get("tokens", [])]
+        assert tokens == choice["logprobs"]["tokens"] and mine[-1]["finish_reason"] == "length"
+    plain = http.post("/v1/completions", json={**body, "prompt": PROMPT, "logprobs": None}).json()["choices"][0]
+    assert plain["text"] == PROMPT and plain["logprobs"] is None
+    alone = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0}
+    assert assert_openai_error(http.post("/v1/completions", json=alone), 400)["param"] == "max_tokens"
