@@ -46,7 +46,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     request) and stops at shutdown, aborting whatever is still in flight. The app owns the
     engine from then on: nothing else may call the engine while the app is running.
     """
-    metrics = ServerMetrics(settings.model_id)
+    metrics = ServerMetrics(settings.model_id, engine.max_model_len)
     async_engine = AsyncEngine(engine, observer=metrics)
     limiter = InFlightLimiter(settings.max_requests_per_key, settings.api_key, settings.admin_key)
     tokenizer = _api_tokenizer(engine)

@@ -33,7 +33,8 @@ Exposed names (``model`` is the base model id or the adapter name):
 * histograms ``loraserve_time_to_first_token_seconds{model}``,
   ``loraserve_inter_token_latency_seconds{model}``, ``loraserve_e2e_request_latency_seconds{model}``
   (TTFT and ITL from the engine's token times: a request not streamed counts as much as a streamed one)
-* vLLM's names of the engine's state, for what reads vLLM's (``vllm_metrics.py``)
+* vLLM's names of the engine's state and of the requests' statistics, for what reads vLLM's
+  (``vllm_metrics.py``)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from prometheus_client.registry import Collector
 from loraserve.outputs import RequestOutput
 from loraserve.stats import EngineStats
 
-from .vllm_metrics import VLLMNamedCollector
+from .vllm_metrics import VLLMNamedCollector, VLLMRequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class _RequestTiming:
 class ServerMetrics:
     """All metrics of one app; also the engine observer that records request statistics."""
 
-    def __init__(self, base_model_id: str) -> None:
+    def __init__(self, base_model_id: str, max_model_len: int) -> None:
         self.base_model_id = base_model_id
         self.registry = CollectorRegistry()
         self.engine_collector = EngineSnapshotCollector()
@@ -181,6 +182,7 @@ class ServerMetrics:
         self.e2e = Histogram(
             "loraserve_e2e_request_latency_seconds", "Request latency", ["model"], buckets=_E2E_BUCKETS, registry=r
         )
+        self.vllm = VLLMRequestMetrics(r, base_model_id, max_model_len)
         self._timings: dict[str, _RequestTiming] = {}
         per_model = (self.prompt_tokens, self.generation_tokens, self.prefix_cache_hits, self.prefix_cache_hit_tokens)
         for counter in per_model:
@@ -203,6 +205,7 @@ class ServerMetrics:
         new_tokens = sum(counts) - sum(timing.num_tokens_seen)
         if new_tokens > 0:
             self.generation_tokens.labels(timing.model).inc(new_tokens)
+            self.vllm.generation_tokens.inc(new_tokens)
         first_new = counts[0] - timing.num_tokens_seen[0]
         if first_new > 0:
             # The engine's token times: a request not streamed reports once, at its end.
@@ -210,23 +213,31 @@ class ServerMetrics:
             if timing.num_tokens_seen[0] == 0:
                 first = output.metrics.get("first_token_time", now)
                 self.ttft.labels(timing.model).observe(first - timing.arrival_time)
+                self.vllm.ttft.observe(first - timing.arrival_time)
                 self._record_prompt(output, timing.model)
                 since, gaps = first, first_new - 1
             else:
                 since, gaps = timing.last_token_time, first_new
             for _ in range(gaps):  # a report of several tokens: their mean gap, once per token
                 self.itl.labels(timing.model).observe((latest - since) / gaps)
+                self.vllm.itl.observe((latest - since) / gaps)
             timing.last_token_time = latest
         timing.num_tokens_seen = counts
         if output.finished:
-            self.request_success.labels(timing.model, output.outputs[0].finish_reason or "unknown").inc()
+            reason = output.outputs[0].finish_reason or "unknown"
+            self.request_success.labels(timing.model, reason).inc()
             self.e2e.labels(timing.model).observe(now - timing.arrival_time)
+            times = output.metrics
+            decode_s = times.get("last_token_time", now) - times.get("first_token_time", now)
+            self.vllm.finished(reason, now - timing.arrival_time, len(output.prompt_token_ids), sum(counts), decode_s)
 
     def request_ended(self, request_id: str) -> None:
         self._timings.pop(request_id, None)
 
     def _record_prompt(self, output: RequestOutput, model: str) -> None:
         self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
+        self.vllm.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.vllm.prompt_tokens_cached.inc(output.num_cached_tokens)
         if output.num_cached_tokens > 0:
             self.prefix_cache_hits.labels(model).inc()
             self.prefix_cache_hit_tokens.labels(model).inc(output.num_cached_tokens)

@@ -1,6 +1,6 @@
 """vLLM's Prometheus names of the engine's state (``api/vllm_metrics.py``), as LoRA-aware routers
 read them: requests running and waiting, the pool's share in use, and the adapters of the running
-requests in ``vllm:lora_requests_info``."""
+requests in ``vllm:lora_requests_info``; and vLLM's request counters and histograms."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ def _vllm_samples(http: httpx.Client) -> dict[str, Any]:
     for family in text_string_to_metric_families(http.get("/metrics").text):
         for sample in family.samples:
             if sample.name.startswith("vllm:"):
-                found[sample.name] = sample
+                found[sample.name + "".join(f",{v}" for k, v in sample.labels.items() if k == "finished_reason")] = (
+                    sample
+                )
     return found
 
 
@@ -47,4 +49,17 @@ def test_vllm_names_show_the_running_adapters(tiny_model_dir: Path, tiny_hf_mode
         assert busy["vllm:num_requests_running"].value == 1
         assert busy["vllm:lora_requests_info"].labels["running_lora_adapters"] == "mine"
         assert 0 < busy["vllm:kv_cache_usage_perc"].value <= 1
+        done = http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "x y", "max_tokens": 3, "ignore_eos": True}
+        )
+        assert done.status_code == 200, done.text
+        after = _vllm_samples(http)
+        assert after["vllm:request_success_total,length"].value == 1
+        assert after["vllm:request_generation_tokens_sum"].value == 3
+        assert after["vllm:e2e_request_latency_seconds_count"].value == 1
+        assert after["vllm:prompt_tokens_total"].labels == {"model_name": "tiny", "engine": "0"}
+        prompt_tokens = done.json()["usage"]["prompt_tokens"]
+        assert after["vllm:request_prompt_tokens_sum"].value == prompt_tokens
+        assert after["vllm:prefix_cache_queries_total"].value >= prompt_tokens  # both requests looked up
+        assert after["vllm:num_preemptions_total"].value == 0
     engine.close()

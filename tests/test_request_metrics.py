@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from loraserve.api.metrics import ServerMetrics
+from loraserve.api.vllm_metrics import token_buckets
 
 from loraserve import LLM, SamplingParams
 from loraserve.outputs import CompletionOutput, RequestOutput
@@ -29,7 +30,7 @@ def _histogram(metrics: ServerMetrics, name: str) -> tuple[float, float]:
 
 
 def test_a_request_reported_once_at_its_end_is_timed_by_its_tokens() -> None:
-    metrics = ServerMetrics(MODEL)
+    metrics = ServerMetrics(MODEL, 2048)
     metrics.request_started("r", None, 100.0)
     metrics.request_output(_output(5, True, first=100.5, last=101.3), now=102.0)  # final_only: one report
     assert _histogram(metrics, "loraserve_time_to_first_token_seconds") == (1, pytest.approx(0.5))
@@ -38,7 +39,7 @@ def test_a_request_reported_once_at_its_end_is_timed_by_its_tokens() -> None:
 
 
 def test_a_streamed_request_is_timed_by_its_tokens_too() -> None:
-    metrics = ServerMetrics(MODEL)
+    metrics = ServerMetrics(MODEL, 2048)
     metrics.request_started("r", None, 10.0)
     metrics.request_output(_output(1, False, first=10.2, last=10.2), now=10.25)
     metrics.request_output(_output(2, False, first=10.2, last=10.3), now=10.5)  # delivered late: not counted
@@ -52,3 +53,25 @@ def test_the_engine_reports_its_token_times(tiny_model_dir: Path) -> None:
     (output,) = llm.generate(["a prompt"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     times = output.metrics
     assert times["arrival_time"] <= times["first_token_time"] < times["last_token_time"]
+
+
+def test_vllm_names_record_the_same_requests() -> None:
+    """vLLM's series (labels ``model_name``, ``engine``) get what ``loraserve_*`` get, adapters'
+    requests in the one series, plus each request's token counts and time per output token."""
+    metrics = ServerMetrics(MODEL, 2048)
+    metrics.request_started("r", "an-adapter", 100.0)
+    metrics.request_output(_output(5, True, first=100.5, last=101.3), now=102.0)
+    labels = {"model_name": MODEL, "engine": "0"}
+
+    def value(name: str, **extra: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {**labels, **extra})
+
+    assert value("vllm:time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert value("vllm:inter_token_latency_seconds_count") == 4
+    assert value("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.8 / 4)
+    assert value("vllm:e2e_request_latency_seconds_sum") == pytest.approx(2.0)
+    assert value("vllm:request_prompt_tokens_sum") == 3 and value("vllm:request_generation_tokens_sum") == 5
+    assert value("vllm:prompt_tokens_total") == 3 and value("vllm:generation_tokens_total") == 5
+    assert value("vllm:request_success_total", finished_reason="length") == 1
+    assert value("vllm:request_success_total", finished_reason="stop") == 0  # every reason from the start
+    assert token_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
