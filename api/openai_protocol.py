@@ -88,8 +88,12 @@ class _SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no structured output
-    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object or json_schema (OpenAI's); read by structured_request.py"
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: one of json, json_object, regex, choice, grammar"
+    )
     structural_tag: str | None = None  # vLLM's structured-output extension: refused (unsupported_fields)
     best_of: int | None = Field(None, ge=1)  # only best_of == n is honoured (unsupported_fields)
     logits_processors: list[Any] | None = None
@@ -221,13 +225,11 @@ def unsupported_fields(request: _SamplingFields) -> list[str]:
         "vllm_xargs",
         "kv_transfer_params",
     )
-    for name in (*unset, "structured_outputs", "structural_tag", "logits_processors", *vllm_only):
+    for name in (*unset, "structural_tag", "logits_processors", *vllm_only):
         if getattr(request, name) not in (None, [], {}):  # vLLM reads an empty list or object as unset
             bad.append(name)
     if request.best_of is not None and request.best_of != request.n:
         bad.append("best_of")
-    if request.response_format and request.response_format.get("type") not in (None, "text"):
-        bad.append("response_format")
     if isinstance(request, CompletionRequest):
         if request.suffix:
             bad.append("suffix")

@@ -53,6 +53,7 @@ from .streaming import (
     sse_error,
     sse_event,
 )
+from .structured_request import structured_outputs_of
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     default = state.settings.default_max_tokens
     (max_tokens,) = output_budgets(state, [len(prompt_ids)], asked, default, field, "messages")  # vLLM's rule
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, logprobs, state.settings.sampling_defaults)
+    constraint = await structured_outputs_of(state, body)
+    params = sampling_params(
+        body, max_tokens, logprobs, state.settings.sampling_defaults, structured_outputs=constraint
+    )
     num_top = body.top_logprobs or 0
     # vLLM's: the reply takes the last message's role unless a generation prompt starts a new
     # assistant turn; ``echo`` starts its content with the last message's when their roles match.

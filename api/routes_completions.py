@@ -50,6 +50,7 @@ from .streaming import (
     sse_error,
     sse_event,
 )
+from .structured_request import structured_outputs_of
 
 router = APIRouter(tags=["inference"])
 
@@ -130,8 +131,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     budgets = output_budgets(state, lengths, asked, 16, "max_tokens", "prompt")
     echoed_logprobs = body.logprobs if echo_logprobs and body.prompt_logprobs is None else None
     defaults = state.settings.sampling_defaults
+    constraint = await structured_outputs_of(state, body)
     by_budget = {
-        b: sampling_params(body, b, body.logprobs, defaults, prompt_logprobs=echoed_logprobs) for b in set(budgets)
+        b: sampling_params(
+            body, b, body.logprobs, defaults, prompt_logprobs=echoed_logprobs, structured_outputs=constraint
+        )
+        for b in set(budgets)
     }
     params = [by_budget[budget] for budget in budgets]
     shape = _ChoiceShape(params[0], body.echo, echoes, echo_logprobs, bool(body.return_token_ids), scoring)

@@ -16,6 +16,7 @@ from loraserve.adapters import RegistryUnavailableError
 from loraserve.input_processor import RequestError
 from loraserve.llm_engine import LLMEngine, UnknownAdapterError
 from loraserve.sampling_params import SamplingParams, SamplingParamsError
+from loraserve.structured_outputs import StructuredOutputsParams
 
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
 from .errors import APIError, registry_unavailable
@@ -111,6 +112,7 @@ def sampling_params(
     *,
     n: int | None = None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """Build engine sampling parameters, refusing unsupported fields with a 400 (``prompt_logprobs``:
     the request's unless given). A field left out takes ``defaults``' value (the server's, from
@@ -161,6 +163,7 @@ def sampling_params(
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             allowed_token_ids=None if request.allowed_token_ids is None else tuple(request.allowed_token_ids),
             bad_words=tuple(request.bad_words or ()),
+            structured_outputs=structured_outputs,  # structured_request.py's reading of the request
             # A plain JSON response needs only the finished output (no per-step outputs or text).
             output_kind="cumulative" if request.stream else "final_only",
         )

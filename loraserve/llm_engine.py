@@ -38,6 +38,7 @@ from loraserve.scheduler import Scheduler
 from loraserve.sequence import FinishReason, Sequence
 from loraserve.stats import EngineStats, engine_stats
 from loraserve.stop_checker import StopChecker, decodes_at_end, model_eos_token_ids
+from loraserve.structured_outputs import GrammarCompiler, StructuredOutputsError
 
 logger = logging.getLogger(__name__)
 LOAD_WAIT_S = 0.05  # how long an idle step waits for an adapter load before returning
@@ -81,6 +82,7 @@ class LLMEngine:
         )
         eos_token_ids = model_eos_token_ids(self.model_dir, self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, int(self.hf_config.vocab_size), self.max_model_len, eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, int(self.hf_config.vocab_size), eos_token_ids)
         self.layout = PageLayout.for_model(self.hf_config, config.block_size)
         shapes = BaseModelShapes.from_hf_config(self.hf_config)
         memory = EngineMemory.build(config, self.layout, shapes)
@@ -171,6 +173,11 @@ class LLMEngine:
         params, error = self.scheduler.admission.fitted(params, len(token_ids), adapter_id)  # with its adapter
         if error is not None:
             raise RequestError(error)
+        constraint = params.structured_outputs
+        try:
+            grammars = [self.grammars.matcher(constraint) if constraint else None for _ in range(params.n)]
+        except StructuredOutputsError as bad:
+            raise RequestError(str(bad)) from None
         seqs = [
             Sequence(
                 request_id,
@@ -182,6 +189,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 random_seed=self._seed_rng.getrandbits(63),
                 bad_words_token_ids=bad_words,
+                grammar=grammars[i],
             )
             for i in range(params.n)
         ]

@@ -1,5 +1,5 @@
 """What sampling does to a step's logits before drawing: allowed tokens, bad words, logit bias,
-``min_tokens``, penalties.
+``min_tokens``, structured outputs' grammars, penalties.
 
 Only steps with such a request pay for it. The runner packs the host side (``host_parts``: every
 sampled row's output token ids, and prompt token ids when a repetition penalty asks for them,
@@ -7,7 +7,8 @@ padded with -1; the allowed tokens, the biases and the banned tokens as (row, to
 its one upload; the sampler applies them on the device (``apply``): a row with ``allowed_token_ids``
 keeps only those, then the bias, then the banned tokens (``min_tokens``' EOS and stop ids; each
 bad word's last token once the output ends with the word's other tokens, vLLM's rule), then
-repetition, frequency and presence penalties. ``min_p`` is applied by the sampler after the
+the tokens each row's grammar does not allow next (its matcher's bitmask, filled on the host),
+then repetition, frequency and presence penalties. ``min_p`` is applied by the sampler after the
 temperature.
 """
 
@@ -20,8 +21,9 @@ import torch
 
 from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import Sequence
+from loraserve.structured_outputs import apply_bitmasks, fill_bitmasks
 
-NUM_PARTS = 12  # arrays in host_parts / views in from_views
+NUM_PARTS = 14  # arrays in host_parts / views in from_views
 
 
 def _padded(rows: list[list[int]]) -> np.ndarray:  # [len(rows), longest] int64, -1 padded
@@ -48,10 +50,12 @@ class LogitsAdjustments:
     banned_tokens: torch.Tensor  # [m] int64
     allowed_rows: torch.Tensor  # [a] int64, rows limited to their allowed tokens
     allowed_tokens: torch.Tensor  # [a] int64
+    grammar_rows: torch.Tensor  # [g] int64, rows with a structured output
+    grammar_bitmask: torch.Tensor  # [g, ceil(vocab / 32)] int64 (int32 words; [0, 0] when g = 0)
     any_penalty: bool
 
     @staticmethod
-    def host_parts(seqs: list[Sequence], eos_token_ids: frozenset[int]) -> list[np.ndarray]:
+    def host_parts(seqs: list[Sequence], eos_token_ids: frozenset[int], vocab_size: int) -> list[np.ndarray]:
         """The arrays to upload for the sampled sequences ``seqs`` (row i is ``seqs[i]``)."""
         params = [seq.params for seq in seqs]
         repetition = any(p.repetition_penalty != 1.0 for p in params)
@@ -67,6 +71,8 @@ class LogitsAdjustments:
                 banned += [(i, t) for t in bad_word_bans(seq.bad_words_token_ids, seq.output_token_ids)]
         allowed = [(i, t) for i, p in enumerate(params) for t in p.allowed_token_ids or ()]
         penalized = [seq.params.has_penalties for seq in seqs]
+        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        bitmask = fill_bitmasks([seqs[i].grammar for i in constrained], vocab_size) if constrained else None
         return [
             np.array([p.presence_penalty for p in params], np.float64),
             np.array([p.frequency_penalty for p in params], np.float64),
@@ -82,6 +88,8 @@ class LogitsAdjustments:
             np.array([t for _, t in banned], np.int64),
             np.array([i for i, _ in allowed], np.int64),
             np.array([t for _, t in allowed], np.int64),
+            np.array(constrained, np.int64),
+            np.zeros((0, 0), np.int64) if bitmask is None else bitmask,
         ]
 
     @classmethod
@@ -90,7 +98,7 @@ class LogitsAdjustments:
     ) -> LogitsAdjustments:
         """The uploaded ``host_parts`` (1-D views of the device buffer) in their shapes."""
         p = [view.view(shape) for view, shape in zip(views, shapes, strict=True)]
-        return cls(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], any_penalty)
+        return cls(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13], any_penalty)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32 -> a new tensor
         logits = logits.clone()
@@ -105,6 +113,7 @@ class LogitsAdjustments:
             logits.index_put_((self.bias_rows, self.bias_tokens), self.bias_values.float(), accumulate=True)
         if self.banned_rows.numel():
             logits[self.banned_rows, self.banned_tokens] = float("-inf")
+        apply_bitmasks(logits, self.grammar_rows, self.grammar_bitmask)
         if not self.any_penalty:
             return logits
         # Counts of each token in the output (a spare column vocab takes the padding).

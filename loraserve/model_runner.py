@@ -170,7 +170,7 @@ class ModelRunner:
         adjusts = bool(rows_of.adjusts[sampled_rows].any())
         if adjusts:  # only steps with a penalty, bias or min_tokens pay for this
             sampled_seqs = [seq for seq, sample in zip(seqs, samples.tolist(), strict=True) if sample]
-            extra = LogitsAdjustments.host_parts(sampled_seqs, self.eos_token_ids)
+            extra = LogitsAdjustments.host_parts(sampled_seqs, self.eos_token_ids, self.vocab_size)
             parts.extend(extra)
         lora = LoRABatch.from_runs([seq.adapter_id for seq in seqs], token_ends, batch.adapters)
         # The LoRA hook's per-step tables travel in the same upload (not for steps by adapter slot).

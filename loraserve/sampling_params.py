@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraserve.structured_outputs import StructuredOutputsParams
+
 OUTPUT_KINDS = ("cumulative", "final_only")
 
 
@@ -27,6 +29,9 @@ class SamplingParams:
     uses it). ``lower_max_tokens_to_pool``: where the prompt, ``max_tokens`` and the adapter's pages
     cannot fit in the KV pool even alone, run with ``max_tokens`` lowered to what fits (the HTTP
     server's rule) instead of refusing the request; the adapter's size counts once it is known.
+    ``structured_outputs``: the output follows a JSON schema, a regex, a choice or a grammar
+    (``structured_outputs.py``); not with ``allowed_token_ids``, ``bad_words`` or ``min_tokens``,
+    whose masks could leave a step no token the grammar allows.
     """
 
     n: int = 1
@@ -53,6 +58,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     bad_words: tuple[str, ...] = ()  # never generated (vLLM's rule: see InputProcessor.bad_words_token_ids)
     lower_max_tokens_to_pool: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +112,11 @@ class SamplingParams:
             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
         )
         _require(
+            self.structured_outputs is None
+            or (self.allowed_token_ids is None and not self.bad_words and self.min_tokens == 0),
+            "structured_outputs cannot be combined with allowed_token_ids, bad_words or min_tokens",
+        )
+        _require(
             self.output_kind in OUTPUT_KINDS, f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}"
         )
 
@@ -115,8 +126,8 @@ class SamplingParams:
 
     @property
     def restricts_tokens(self) -> bool:
-        """Whether some tokens are masked out (``allowed_token_ids``, ``bad_words``)."""
-        return self.allowed_token_ids is not None or bool(self.bad_words)
+        """Whether some tokens are masked out (``allowed_token_ids``, ``bad_words``, a grammar)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words) or self.structured_outputs is not None
 
     @property
     def adjusts_logits(self) -> bool:

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraserve.sampling_params import SamplingParams
 
@@ -73,6 +74,8 @@ class Sequence:
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] = field(default_factory=lambda: [None])
     # params.bad_words as token ids (the engine's tokenizer): the last id is banned after the others
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # params.structured_outputs: this sample's xgrammar matcher, advanced by append_token
+    grammar: Any = None
     # Incremental detokenization state (see detokenizer.py).
     output_text: str = ""
     prefix_offset: int = 0
@@ -121,6 +124,8 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.is_terminated():
+            self.grammar.accept_token(token_id)  # a token its bitmask allowed
         self.last_token_time = time.monotonic()
         if self.first_token_time is None:
             self.first_token_time = self.last_token_time

@@ -29,7 +29,8 @@ class StopChecker:
         """As vLLM's v1 engine: EOS and stop token ids end a sequence from ``min_tokens`` output
         tokens on, and the text of the token that ended it is left out of ``output_text`` unless
         ``include_stop_str_in_output`` (its id stays in ``token_ids``); stop strings count once
-        the output is longer than ``min_tokens`` tokens."""
+        the output is longer than ``min_tokens`` tokens. A structured output ends with its
+        grammar's EOS, ``ignore_eos`` or not."""
         params = seq.params
         decode_at_end = decodes_at_end(params)
         num_tokens = len(seq.token_ids)
@@ -40,6 +41,8 @@ class StopChecker:
                 by_token = (FinishReason.STOP, None)
             elif token in params.stop_token_ids:
                 by_token = (FinishReason.STOP, token)
+            elif seq.grammar is not None and seq.grammar.is_terminated():  # its EOS, with ignore_eos
+                by_token = (FinishReason.STOP, None)
             if by_token is not None:
                 end = None if params.include_stop_str_in_output else num_tokens - 1
                 self.detokenizer.update(seq, end, at_once=decode_at_end)

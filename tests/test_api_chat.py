@@ -137,8 +137,8 @@ def test_vllm_fields_are_honoured_or_refused(http: httpx.Client) -> None:
     both = {**body, "add_generation_prompt": True}
     assert assert_openai_error(http.post("/v1/chat/completions", json=both), 400)["param"] == "continue_final_message"
     refused_everywhere: dict[str, Any] = {
-        "response_format": {"type": "json_object"},
-        "structured_outputs": {"choice": ["a", "b"]},
+        "response_format": {"type": "structural_tag"},  # json_object, json_schema: test_api_structured_outputs.py
+        "structured_outputs": {"structural_tag": "{}"},
         "logits_processors": ["x"],
         "return_tokens_as_token_ids": True,
         "priority": 1,

@@ -266,7 +266,7 @@ CHAT_PARAMETERS: dict[str, tuple[Any, str]] = {
     "prompt_cache_options": (None, "ok"),
     "prompt_cache_retention": ("24h", "ok"),
     "reasoning_effort": ("low", "ok"),  # vLLM hands it to the chat template; SmolLM2's ignores it
-    "response_format": ({"type": "json_object"}, "refused"),
+    "response_format": ({"type": "json_object"}, "ok"),
     "safety_identifier": ("someone", "ok"),
     "seed": (7, "ok"),
     "service_tier": ("default", "ok"),

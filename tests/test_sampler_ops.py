@@ -176,7 +176,7 @@ def test_penalties_and_bias_match_the_reference() -> None:
         for token in (2, 5, 5, 11, 30 + i):
             seq.append_token(token)
         seqs.append(seq)
-    parts = LogitsAdjustments.host_parts(seqs, frozenset({0}))
+    parts = LogitsAdjustments.host_parts(seqs, frozenset({0}), 64)
     views = [torch.from_numpy(p.reshape(-1)) for p in parts]
     adjustments = LogitsAdjustments.from_views(views, [p.shape for p in parts], any_penalty=True)
     got = adjustments.apply(logits)
@@ -192,13 +192,13 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     seq = Sequence("r", [1, 2], params)
     logits = torch.zeros(1, 8)
     logits[0, 3], logits[0, 4] = 10.0, 9.0  # EOS (3) and a stop id (4) are the likeliest
-    parts = LogitsAdjustments.host_parts([seq], frozenset({3}))
+    parts = LogitsAdjustments.host_parts([seq], frozenset({3}), 64)
     views = [torch.from_numpy(p.reshape(-1)) for p in parts]
     banned = LogitsAdjustments.from_views(views, [p.shape for p in parts], any_penalty=False).apply(logits)
     assert banned[0, 3] == banned[0, 4] == float("-inf") and banned.argmax().item() not in (3, 4)
     seq.append_token(6)
     seq.append_token(6)  # min_tokens reached: nothing banned any more
-    parts = LogitsAdjustments.host_parts([seq], frozenset({3}))
+    parts = LogitsAdjustments.host_parts([seq], frozenset({3}), 64)
     assert parts[8].size == 0
 
 
@@ -213,7 +213,7 @@ def test_allowed_token_ids_and_bad_words_match_the_reference() -> None:
     other = Sequence("c", [1, 2], SamplingParams(bad_words=("x",)), bad_words_token_ids=((8, 9),))
     worded.append_token(8)  # ends with the two-token word's first token: its last is banned
     other.append_token(9)
-    parts = LogitsAdjustments.host_parts([limited, worded, other], frozenset())
+    parts = LogitsAdjustments.host_parts([limited, worded, other], frozenset(), 64)
     views = [torch.from_numpy(p.reshape(-1)) for p in parts]
     got = LogitsAdjustments.from_views(views, [p.shape for p in parts], any_penalty=False).apply(logits)
     expected = logits.clone()

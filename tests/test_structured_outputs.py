@@ -1,0 +1,141 @@
+"""Structured outputs (``loraserve/structured_outputs.py``) on a tiny random Llama: its tokens are
+noise, so every well-formed output is the grammar's doing. JSON schemas, regexes, choices and
+EBNF grammars, sampled and greedy, several samples, beside unconstrained requests that must not
+change, with async scheduling; the bitmask op against a per-token reference."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from loraserve import LLM, SamplingParams, StructuredOutputsParams
+from loraserve.structured_outputs import (
+    StructuredOutputsError,
+    apply_bitmasks,
+    choice_grammar,
+    fill_bitmasks,
+)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "digit"],
+    "additionalProperties": False,
+}
+PROMPTS = ["The weather today is", "In a galaxy far away"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    return LLM(str(tiny_model_dir), num_pages=256, kernels="torch")
+
+
+def _texts(llm: LLM, params: SamplingParams, prompts: list[str] = PROMPTS) -> list[tuple[str, str | None]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [(c.text, c.finish_reason) for o in outputs for c in o.outputs]
+
+
+def test_json_schema_regex_choice_and_grammar_hold(llm: LLM) -> None:
+    sampled = {"temperature": 1.0, "seed": 5, "max_tokens": 40, "n": 2}
+    constraints = {
+        "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+        "regex": StructuredOutputsParams(regex=r"[a-c]{3}-\d{2}"),
+        "choice": StructuredOutputsParams(choice=("red", 'say "hi"', "naïve")),
+        "grammar": StructuredOutputsParams(grammar='root ::= "<" [0-9]+ ">"'),
+        "json_object": StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+    }
+    for name, constraint in constraints.items():
+        for params in (SamplingParams(**sampled), SamplingParams(temperature=0.0, max_tokens=40)):
+            for text, reason in _texts(llm, SamplingParams(**{**params.__dict__, "structured_outputs": constraint})):
+                if name == "json":
+                    value = json.loads(text)
+                    assert set(value) == {"ok", "digit"} and isinstance(value["ok"], bool) and 0 <= value["digit"] <= 9
+                elif name == "regex":
+                    assert re.fullmatch(r"[a-c]{3}-\d{2}", text), text
+                elif name == "choice":
+                    assert text in ("red", 'say "hi"', "naïve"), text
+                elif name == "grammar":  # a length cap may cut it: only the start is sure
+                    assert re.fullmatch(r"<\d+>" if reason == "stop" else r"<\d*", text), (text, reason)
+                elif reason == "stop":
+                    assert isinstance(json.loads(text), dict), text
+                assert reason == "stop" or name in ("grammar", "json_object"), (name, text, reason)
+
+
+def test_unconstrained_requests_beside_constrained_ones_are_unchanged(llm: LLM) -> None:
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = _texts(llm, plain)
+    constrained = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(
+        regex=r"\d+"))  # fmt: skip
+    requests = [(prompt, params) for prompt in PROMPTS for params in (plain, constrained)]
+    outputs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs[::2]] == alone
+    assert all(re.fullmatch(r"\d+", o.outputs[0].text) for o in outputs[1::2])
+
+
+def test_a_complete_grammar_ends_the_output_even_with_ignore_eos(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=30, ignore_eos=True, structured_outputs=StructuredOutputsParams(choice=("no",)))
+    (output,) = llm.generate(["x"], params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.text == "no" and completion.finish_reason == "stop"
+    assert completion.token_ids[-1] in llm.engine.inputs.eos_token_ids  # the grammar's end, as EOS
+
+
+def test_async_scheduling_waits_for_each_token_of_a_constrained_request(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), num_pages=128, kernels="torch", async_scheduling=True)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(regex=r"(ab|cd){2,4}"))  # fmt: skip
+    for text, reason in _texts(llm, params, PROMPTS * 2):
+        assert re.fullmatch(r"(ab|cd){2,4}", text) and reason == "stop", text
+
+
+def test_constraints_are_checked_when_made() -> None:
+    with pytest.raises(StructuredOutputsError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=("b",))
+    with pytest.raises(StructuredOutputsError, match="exactly one"):
+        StructuredOutputsParams()
+    for bad in ((), "abc", ("a", 1)):
+        with pytest.raises(StructuredOutputsError, match="choice"):
+            StructuredOutputsParams(choice=bad)  # type: ignore[arg-type]
+    with pytest.raises(StructuredOutputsError, match="boolean"):
+        StructuredOutputsParams(json_object="yes")  # type: ignore[arg-type]
+    assert list(json.loads(str(StructuredOutputsParams(json={"b": 1, "a": 2}).json))) == ["b", "a"]  # order kept
+    with pytest.raises(ValueError, match="cannot be combined"):
+        SamplingParams(min_tokens=1, structured_outputs=StructuredOutputsParams(regex="a"))
+    assert choice_grammar(('a"b', "c\\d")) == 'root ::= "a\\"b" | "c\\\\d"'
+
+
+def test_bad_constraints_are_refused_by_name(llm: LLM) -> None:
+    from loraserve.input_processor import RequestError
+
+    for constraint, field in (
+        (StructuredOutputsParams(regex="("), "regex"),
+        (StructuredOutputsParams(json="{not json"), "json"),
+        (StructuredOutputsParams(grammar="root ::= missing"), "grammar"),
+    ):
+        with pytest.raises(RequestError, match=f"structured_outputs.{field}: "):
+            llm.generate(["x"], SamplingParams(structured_outputs=constraint), use_tqdm=False)
+
+
+def test_bitmask_op_matches_a_per_token_reference() -> None:
+    """``apply_bitmasks`` against setting -inf token by token from the bits, over vocabularies
+    that do and do not fill their last word, words with the sign bit set, rows left alone."""
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (64, 70, 95):
+        logits = torch.randn(5, vocab, generator=generator)  # [rows, vocab] float32
+        rows = torch.tensor([3, 0, 4])
+        words = -(-vocab // 32)
+        bitmask = torch.randint(-(2**31), 2**31, (3, words), generator=generator, dtype=torch.int64)  # int32 values
+        expected = logits.clone()
+        for i, row in enumerate(rows.tolist()):
+            for token in range(vocab):
+                if not (int(bitmask[i, token // 32]) >> (token % 32)) & 1:
+                    expected[row, token] = float("-inf")
+        got = logits.clone()
+        apply_bitmasks(got, rows, bitmask)
+        assert torch.equal(got, expected)
+    assert fill_bitmasks([], 100).shape == (0, 4) and fill_bitmasks([], 100).dtype == np.int64
