@@ -229,7 +229,8 @@ class ServerMetrics:
             self.e2e.labels(timing.model).observe(now - timing.arrival_time)
             times = output.metrics
             decode_s = times.get("last_token_time", now) - times.get("first_token_time", now)
-            self.vllm.finished(reason, now - timing.arrival_time, len(output.prompt_token_ids), sum(counts), decode_s)
+            reasons = [completion.finish_reason or "error" for completion in output.outputs]
+            self.vllm.finished(reasons, now - timing.arrival_time, len(output.prompt_token_ids), counts, decode_s)
 
     def request_ended(self, request_id: str) -> None:
         self._timings.pop(request_id, None)

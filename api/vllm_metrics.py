@@ -152,11 +152,16 @@ class VLLMRequestMetrics:
             "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
         )
 
-    def finished(self, reason: str, e2e_s: float, prompt_tokens: int, generation_tokens: int, decode_s: float) -> None:
-        """A finished request: ``decode_s`` from its first token to its last."""
-        self.request_success[reason if reason in self.request_success else "error"].inc()
-        self.e2e.observe(e2e_s)
-        self.request_prompt_tokens.observe(prompt_tokens)
-        self.request_generation_tokens.observe(generation_tokens)
-        if generation_tokens > 1:
-            self.time_per_output_token.observe(decode_s / (generation_tokens - 1))
+    def finished(
+        self, reasons: list[str], e2e_s: float, prompt_tokens: int, generation_tokens: list[int], decode_s: float
+    ) -> None:
+        """A finished request: each sample (``reasons[i]``, ``generation_tokens[i]``) counted as
+        vLLM counts the ``n`` samples of a request, as a request each; the time per output token
+        from the first sample's ``decode_s`` (its first token to its last; 0 with one token, vLLM's)."""
+        for reason, tokens in zip(reasons, generation_tokens, strict=True):
+            self.request_success[reason if reason in self.request_success else "error"].inc()
+            self.e2e.observe(e2e_s)
+            self.request_prompt_tokens.observe(prompt_tokens)
+            self.request_generation_tokens.observe(tokens)
+        first = generation_tokens[0]
+        self.time_per_output_token.observe(decode_s / (first - 1) if first > 1 else 0.0)

@@ -175,7 +175,8 @@ class LLMEngine:
             raise RequestError(error)
         constraint = params.structured_outputs
         try:
-            grammars = [self.grammars.matcher(constraint) if constraint else None for _ in range(params.n)]
+            stops = params.stop_token_ids
+            grammars = [self.grammars.matcher(constraint, stops) if constraint else None for _ in range(params.n)]
         except StructuredOutputsError as bad:
             raise RequestError(str(bad)) from None
         seqs = [

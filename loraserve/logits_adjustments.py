@@ -7,9 +7,10 @@ padded with -1; the allowed tokens, the biases and the banned tokens as (row, to
 its one upload; the sampler applies them on the device (``apply``): a row with ``allowed_token_ids``
 keeps only those, then the bias, then the banned tokens (``min_tokens``' EOS and stop ids; each
 bad word's last token once the output ends with the word's other tokens, vLLM's rule), then
-the tokens each row's grammar does not allow next (its matcher's bitmask, filled on the host),
-then repetition, frequency and presence penalties. ``min_p`` is applied by the sampler after the
-temperature.
+repetition, frequency and presence penalties. The tokens each row's grammar does not allow next
+(its matcher's bitmask, filled on the host) are masked first, in the model's logits themselves
+(``mask_grammars``, called by the runner), so logprobs see the grammar as vLLM's do. ``min_p``
+is applied by the sampler after the temperature.
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ class LogitsAdjustments:
         p = [view.view(shape) for view, shape in zip(views, shapes, strict=True)]
         return cls(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13], any_penalty)
 
+    def mask_grammars(self, logits: torch.Tensor) -> None:  # [rows, vocab], in place
+        """-inf for the tokens each constrained row's grammar does not allow next, in the model's
+        logits themselves (before ``apply``), so logprobs see the grammar too, as vLLM's."""
+        apply_bitmasks(logits, self.grammar_rows, self.grammar_bitmask)
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32 -> a new tensor
         logits = logits.clone()
         rows, vocab = logits.shape
@@ -113,7 +119,6 @@ class LogitsAdjustments:
             logits.index_put_((self.bias_rows, self.bias_tokens), self.bias_values.float(), accumulate=True)
         if self.banned_rows.numel():
             logits[self.banned_rows, self.banned_tokens] = float("-inf")
-        apply_bitmasks(logits, self.grammar_rows, self.grammar_bitmask)
         if not self.any_penalty:
             return logits
         # Counts of each token in the output (a spare column vocab takes the padding).

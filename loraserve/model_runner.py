@@ -273,6 +273,8 @@ class ModelRunner:
         if not sampling_index:
             return launched
         self._downloads = self._downloads[::-1]  # the other buffer: the last step's may be unread
+        if sampling.adjustments is not None:
+            sampling.adjustments.mask_grammars(logits)  # for the sampler and the logprobs below
         launched.sampled = SampledTokens(self.sampler(logits, sampling), self._download_buffer())
         self.num_downloads += 1
         codes = placeholder_codes(len(sampling_index))  # until the tokens are on the host

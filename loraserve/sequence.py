@@ -76,6 +76,7 @@ class Sequence:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # params.structured_outputs: this sample's xgrammar matcher, advanced by append_token
     grammar: Any = None
+    grammar_rejected: bool = False
     # Incremental detokenization state (see detokenizer.py).
     output_text: str = ""
     prefix_offset: int = 0
@@ -124,8 +125,8 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        if self.grammar is not None and not self.grammar.is_terminated():
-            self.grammar.accept_token(token_id)  # a token its bitmask allowed
+        if self.grammar is not None and not self.grammar.is_terminated() and not self.grammar.accept_token(token_id):
+            self.grammar_rejected = True  # its bitmask allowed it: only a broken mask gets here; ends it
         self.last_token_time = time.monotonic()
         if self.first_token_time is None:
             self.first_token_time = self.last_token_time

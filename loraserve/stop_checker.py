@@ -6,12 +6,15 @@ after a step), so the sequence is finished and its pages freed in the same place
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from loraserve.detokenizer import Detokenizer, find_stop_string
 from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
 
 Stop = tuple[FinishReason, str | int | None]  # (finish reason, the stop string or token that ended it)
 
@@ -32,6 +35,10 @@ class StopChecker:
         the output is longer than ``min_tokens`` tokens. A structured output ends with its
         grammar's EOS, ``ignore_eos`` or not."""
         params = seq.params
+        if seq.grammar_rejected:  # vLLM ends such a request as an error
+            logger.error("request %s: its grammar rejected token %d; ending it", seq.request_id, token)
+            self.detokenizer.update(seq, at_once=decodes_at_end(params))
+            return (FinishReason.ABORT, None)
         decode_at_end = decodes_at_end(params)
         num_tokens = len(seq.token_ids)
         num_output_tokens = num_tokens - seq.num_prompt_tokens

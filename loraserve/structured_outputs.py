@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 BITS = 32  # tokens per bitmask word (xgrammar's int32 words)
+CACHE_LIMIT_BYTES = 512 * 2**20  # compiled grammars kept (vLLM's default VLLM_XGRAMMAR_CACHE_MB)
 
 
 class StructuredOutputsError(ValueError):
@@ -85,6 +86,13 @@ class StructuredOutputsParams:
         return next(kind for kind in ConstraintKind if getattr(self, kind.value) not in (None, False))
 
 
+def _whitespace(params: StructuredOutputsParams) -> dict[str, Any]:
+    """xgrammar's JSON options: no optional whitespace and compact separators when asked (vLLM's)."""
+    if params.disable_any_whitespace:
+        return {"any_whitespace": False, "separators": (",", ":")}
+    return {"any_whitespace": True}
+
+
 def choice_grammar(choices: tuple[str, ...]) -> str:
     """An EBNF grammar whose language is exactly ``choices`` (string literals JSON-escaped)."""
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
@@ -117,7 +125,7 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
             return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -128,11 +136,9 @@ class GrammarCompiler:
         try:
             if kind is ConstraintKind.JSON:
                 assert isinstance(params.json, str)
-                return compiler.compile_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
+                return compiler.compile_json_schema(params.json, **_whitespace(params))
             if kind is ConstraintKind.JSON_OBJECT:
-                return compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=not params.disable_any_whitespace
-                )
+                return compiler.compile_json_schema('{"type": "object"}', **_whitespace(params))
             if kind is ConstraintKind.REGEX:
                 return compiler.compile_regex(params.regex)
             if kind is ConstraintKind.CHOICE:
@@ -142,11 +148,13 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as error:
             raise StructuredOutputsError(f"structured_outputs.{kind.value}: {_message(error)}") from None
 
-    def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A new matcher (one sample's state) at the start of ``params``' grammar."""
+    def matcher(self, params: StructuredOutputsParams, stop_token_ids: tuple[int, ...] = ()) -> Any:
+        """A new matcher (one sample's state) at the start of ``params``' grammar; a complete
+        output ends with EOS or one of the request's ``stop_token_ids`` (vLLM's)."""
         import xgrammar
 
-        return xgrammar.GrammarMatcher(self.compile(params))
+        stops = sorted({*self.stop_token_ids, *stop_token_ids})
+        return xgrammar.GrammarMatcher(self.compile(params), override_stop_tokens=stops)
 
 
 def fill_bitmasks(matchers: list[Any], vocab_size: int) -> np.ndarray:

@@ -75,3 +75,13 @@ def test_vllm_names_record_the_same_requests() -> None:
     assert value("vllm:request_success_total", finished_reason="length") == 1
     assert value("vllm:request_success_total", finished_reason="stop") == 0  # every reason from the start
     assert token_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    # n = 2: each sample counted as a request (vLLM's), the time per output token from the first
+    samples = [CompletionOutput(0, "", [1, 2, 3], "stop"), CompletionOutput(1, "", [4], "length")]
+    times = {"arrival_time": 0.0, "first_token_time": 10.2, "last_token_time": 10.6}
+    metrics.request_started("s", None, 10.0)
+    metrics.request_output(RequestOutput("s", None, [1, 2], samples, True, metrics=times), now=11.0)
+    assert value("vllm:request_success_total", finished_reason="stop") == 1
+    assert value("vllm:request_success_total", finished_reason="length") == 2
+    assert value("vllm:request_generation_tokens_count") == 3 and value("vllm:e2e_request_latency_seconds_count") == 3
+    assert value("vllm:request_time_per_output_token_seconds_count") == 2
+    assert value("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.8 / 4 + 0.4 / 2)

@@ -53,6 +53,7 @@ def test_json_schema_regex_choice_and_grammar_hold(llm: LLM) -> None:
         for params in (SamplingParams(**sampled), SamplingParams(temperature=0.0, max_tokens=40)):
             for text, reason in _texts(llm, SamplingParams(**{**params.__dict__, "structured_outputs": constraint})):
                 if name == "json":
+                    assert " " not in text, text  # compact separators, as vLLM's
                     value = json.loads(text)
                     assert set(value) == {"ok", "digit"} and isinstance(value["ok"], bool) and 0 <= value["digit"] <= 9
                 elif name == "regex":
@@ -139,3 +140,40 @@ def test_bitmask_op_matches_a_per_token_reference() -> None:
         apply_bitmasks(got, rows, bitmask)
         assert torch.equal(got, expected)
     assert fill_bitmasks([], 100).shape == (0, 4) and fill_bitmasks([], 100).dtype == np.int64
+
+
+def test_logprobs_see_the_grammar_and_request_stop_ids_end_it(llm: LLM) -> None:
+    """vLLM's: the mask is in the logits logprobs come from (only allowed tokens are likely), and a
+    request's stop token ids may end a complete output as EOS does."""
+    choices = ("yes", "no")
+    params = SamplingParams(max_tokens=8, logprobs=5, structured_outputs=StructuredOutputsParams(choice=choices))
+    (output,) = llm.generate(["x"], params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.logprobs is not None and completion.text in choices
+    first = {llm.tokenizer.decode([token]) for token, logprob in completion.logprobs[0].items() if logprob > -1e30}
+    assert first and all(any(choice.startswith(text) for choice in choices) for text in first), first
+    stop_id = 1234  # made likeliest by its bias: once the choice is complete, only it or EOS may come
+    stopped = SamplingParams(max_tokens=8, stop_token_ids=(stop_id,), logit_bias={stop_id: 100.0},
+                             structured_outputs=StructuredOutputsParams(choice=("no",)))  # fmt: skip
+    (output,) = llm.generate(["x"], stopped, use_tqdm=False)
+    assert output.outputs[0].text == "no" and output.outputs[0].stop_reason == stop_id
+
+
+def test_a_token_the_grammar_rejects_ends_the_sample(tiny_model_dir: Path) -> None:
+    """Only a broken bitmask lets one through; the sample then ends (``abort``), as vLLM ends it."""
+    from loraserve.detokenizer import Detokenizer
+    from loraserve.sequence import Sequence
+    from loraserve.stop_checker import StopChecker
+
+    class Refusing:  # an xgrammar matcher's two methods the engine calls after a step
+        def is_terminated(self) -> bool:
+            return False
+
+        def accept_token(self, token: int) -> bool:
+            return False
+
+    llm = LLM(str(tiny_model_dir), num_pages=32, kernels="torch")
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=5), grammar=Refusing())
+    checker = StopChecker(Detokenizer(llm.tokenizer), frozenset({0}), 100)
+    seq.append_token(7)
+    assert seq.grammar_rejected and checker(seq, 7) == ("abort", None)
