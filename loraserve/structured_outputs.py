@@ -12,8 +12,8 @@ The parts, in the order of a step:
   (``LogitsAdjustments.host_parts`` uploads them with the step's other arrays);
 * :func:`apply_bitmasks`: the device side, ``-inf`` for every token whose bit is 0.
 
-A sample ends (finish reason ``stop``) when its grammar is complete: EOS is then the only token
-allowed, and accepting it ends the matcher.
+A sample ends (finish reason ``stop``) when its grammar is complete: EOS (or one of the request's
+stop token ids) is then all that is allowed, and accepting it ends the matcher.
 """
 
 from __future__ import annotations
