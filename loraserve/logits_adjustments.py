@@ -24,8 +24,6 @@ from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import Sequence
 from loraserve.structured_outputs import apply_bitmasks, fill_bitmasks
 
-NUM_PARTS = 14  # arrays in host_parts / views in from_views
-
 
 def _padded(rows: list[list[int]]) -> np.ndarray:  # [len(rows), longest] int64, -1 padded
     width = max((len(r) for r in rows), default=0)
