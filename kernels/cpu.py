@@ -97,6 +97,9 @@ each, float32 or bfloat16; their semantics are those of ``RMSNorm``, ``apply_rop
 ``F.silu(gate, inplace=True).mul_(up)`` in ``models/llama.py``, rounding where those torch ops
 round (RoPE bit for bit; SiLU's exp within a few ulp of torch's).
 
+``mask_by_bitmask_`` is structured outputs' grammar mask on float32 logits, in place (bit for bit
+as ``structured_outputs.apply_bitmasks``).
+
 The extension is built and loaded by ``cpu_build.py``.
 """
 
@@ -278,6 +281,19 @@ def silu_and_mul_(
     module = load_extension()
     assert module is not None, "silu_and_mul_ needs the compiled CPU kernels"
     module.silu_and_mul_(gate, up)
+
+
+def mask_by_bitmask_(
+    logits: torch.Tensor,  # [num_rows, vocab] float32, rows contiguous; masked in place
+    rows: torch.Tensor,  # [g] int64: the constrained rows of logits
+    bitmask: torch.Tensor,  # [g, ceil(vocab / 32)] int64 holding int32 words
+) -> None:
+    """``logits[rows[i], t] = -inf`` wherever bit ``t % 32`` of ``bitmask[i, t // 32]`` is 0:
+    structured outputs' grammar mask (``structured_outputs.apply_bitmasks`` is the reference),
+    reading each word once and writing only the banned logits."""
+    module = load_extension()
+    assert module is not None, "mask_by_bitmask_ needs the compiled CPU kernels"
+    module.mask_by_bitmask_(logits, rows.contiguous(), bitmask.contiguous())
 
 
 PANEL_WIDTH = 16  # output columns per panel (kernels/csrc/linear_panels.cpp)

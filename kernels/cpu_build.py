@@ -38,6 +38,7 @@ _SOURCES = (
     "linear_dot.cpp",
     "linear_amx.cpp",
     "prefill_attention.cpp",
+    "token_bitmask.cpp",
 )
 _lock = threading.Lock()
 _state: dict[str, ModuleType | str] = {}

@@ -3,7 +3,8 @@
 * ``torch``: the torch implementations in ``kernels/`` (the references; any device, any dtype).
 * ``cpu``: the compiled C++ kernels of ``kernels/cpu.py`` (CPU): paged decode attention, the
   prefill attention of all a step's prompts in one call, and the KV write (any dtype), fused
-  RMSNorm / RoPE / SiLU-and-mul and the LoRA segments (float32 and bfloat16);
+  RMSNorm / RoPE / SiLU-and-mul and the LoRA segments (float32 and bfloat16), structured outputs'
+  token mask;
   the model's float32 and bfloat16 linear layers run on the GEMM kernel timed fastest on this CPU
   for their shape and row count (``models/gemm_choice.py``).
 * ``triton``: the Triton kernels (GPU): the paged attention of a whole step, decode and prefill,
@@ -30,6 +31,7 @@ from loraserve.kernels import cpu
 from loraserve.lora.apply_cpu import CompiledLoRAApplier
 from loraserve.lora.apply_torch import LoRAApplier, PerBatchLoRAHook
 from loraserve.models.model_kernels import ModelKernels
+from loraserve.structured_outputs import TokenMask, apply_bitmasks
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,8 @@ class KernelBackend:
     ``decode_graphs``: the backend's decode forward can be captured (``decode_graphs.py``);
     ``lora_tile_choice``: its hook takes the segment lengths that run on AMX tiles and on the vector
     loops, and how the loops' expand runs (``tile_lengths``, ``loop_lengths``, ``expand_rank_block``,
-    ``expand_pairs``, timed by ``lora/tile_choice.py``)."""
+    ``expand_pairs``, timed by ``lora/tile_choice.py``); ``mask_tokens``: structured outputs'
+    grammar mask on the logits."""
 
     name: str
     model: ModelKernels
@@ -51,6 +54,7 @@ class KernelBackend:
     pack_linears: bool = False
     decode_graphs: bool = False  # decode steps padded on static buffers, adapters by slot (CUDA graphs)
     lora_tile_choice: bool = False
+    mask_tokens: TokenMask = apply_bitmasks
 
 
 def _torch_backend(dtype: torch.dtype) -> KernelBackend:
@@ -62,9 +66,12 @@ def _cpu_backend(dtype: torch.dtype) -> KernelBackend:
         raise RuntimeError("kernels='cpu' needs the compiled CPU kernels, which could not be built (see the log)")
     attention = (cpu.paged_decode_attention, cpu.paged_prefill_attention, cpu.write_kv_)  # any dtype
     fused = ModelKernels(*attention, cpu.rms_norm, cpu.rope_, silu_and_mul=cpu.silu_and_mul_)
+    mask = cpu.mask_by_bitmask_  # the logits are float32 whatever the model's dtype
     if dtype in (torch.float32, torch.bfloat16):
-        return KernelBackend("cpu", fused, CompiledLoRAApplier, pack_linears=True, lora_tile_choice=True)
-    return KernelBackend("cpu", ModelKernels(*attention), LoRAApplier, pack_linears=True)
+        return KernelBackend(
+            "cpu", fused, CompiledLoRAApplier, pack_linears=True, lora_tile_choice=True, mask_tokens=mask
+        )
+    return KernelBackend("cpu", ModelKernels(*attention), LoRAApplier, pack_linears=True, mask_tokens=mask)
 
 
 def _triton_backend(dtype: torch.dtype) -> KernelBackend:

@@ -121,6 +121,7 @@ class LLMEngine:
             # Slot rows wide enough for rank 64 on every module: common adapters never regrow them.
             adapter_slot_pages=max_rank_pages(shapes.module_shapes, 64, self.layout.page_elems),
             adapter_decode=DecodePathChoice(config.adapter_decode_path),
+            mask_tokens=self.kernels.mask_tokens,
         )
         if self.runner.decode_graphs is not None:
             self.runner.decode_graphs.warm_up()  # CUDA: every padded decode size captured now

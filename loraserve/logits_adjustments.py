@@ -22,7 +22,7 @@ import torch
 
 from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import Sequence
-from loraserve.structured_outputs import apply_bitmasks, fill_bitmasks
+from loraserve.structured_outputs import TokenMask, fill_bitmasks
 
 
 def _padded(rows: list[list[int]]) -> np.ndarray:  # [len(rows), longest] int64, -1 padded
@@ -99,10 +99,12 @@ class LogitsAdjustments:
         p = [view.view(shape) for view, shape in zip(views, shapes, strict=True)]
         return cls(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13], any_penalty)
 
-    def mask_grammars(self, logits: torch.Tensor) -> None:  # [rows, vocab], in place
+    def mask_grammars(self, logits: torch.Tensor, mask_tokens: TokenMask) -> None:  # [rows, vocab], in place
         """-inf for the tokens each constrained row's grammar does not allow next, in the model's
-        logits themselves (before ``apply``), so logprobs see the grammar too, as vLLM's."""
-        apply_bitmasks(logits, self.grammar_rows, self.grammar_bitmask)
+        logits themselves (before ``apply``), so logprobs see the grammar too, as vLLM's;
+        ``mask_tokens``: the kernel backend's (``structured_outputs.apply_bitmasks`` or its twin)."""
+        if self.grammar_rows.numel():
+            mask_tokens(logits, self.grammar_rows, self.grammar_bitmask)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32 -> a new tensor
         logits = logits.clone()

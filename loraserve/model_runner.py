@@ -28,6 +28,7 @@ from loraserve.pool_storage import PoolStorage
 from loraserve.sampler import Sampler, SamplingBatch, record_logprobs, record_prompt_logprobs
 from loraserve.scheduled_batch import ScheduledBatch
 from loraserve.sequence import Sequence
+from loraserve.structured_outputs import TokenMask, apply_bitmasks
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +61,21 @@ class ModelRunner:
         decode_graphs: bool = False,
         adapter_slot_pages: int = 8,
         adapter_decode: DecodePathChoice | None = None,
+        mask_tokens: TokenMask = apply_bitmasks,
     ) -> None:
         """``decode_graphs``: run decode-only steps padded on static buffers with adapters by slot
         (``decode_graphs.py``; the Triton backend), captured as CUDA graphs on a CUDA device.
         ``adapter_slot_pages``: the slot tables' first row width (a wider adapter grows them, and
         the graphs are captured again). ``adapter_decode``: how decode-only steps with adapters
-        run under ``decode_graphs`` (``decode_path.py``; default: timed, the faster kept)."""
+        run under ``decode_graphs`` (``decode_path.py``; default: timed, the faster kept). ``mask_tokens``: the kernel
+        backend's structured-outputs mask (``structured_outputs.apply_bitmasks`` or its twin)."""
         self.model = model
         self.layout = layout
         self.device = device
         self.vocab_size = int(model.config.vocab_size)
         self.pool = PoolStorage(layout, num_pages, num_swap_pages, dtype, device)
         self.sampler = Sampler()
+        self.mask_tokens = mask_tokens
         self.lora_hook = make_lora_hook(self.pool.storage)
         max_blocks = min(num_pages, -(-max_model_len // layout.block_size) + 1)
         self.input_batch = InputBatch(max_num_seqs, max_blocks, max_model_len, self.vocab_size, device)
@@ -274,7 +278,7 @@ class ModelRunner:
             return launched
         self._downloads = self._downloads[::-1]  # the other buffer: the last step's may be unread
         if sampling.adjustments is not None:
-            sampling.adjustments.mask_grammars(logits)  # for the sampler and the logprobs below
+            sampling.adjustments.mask_grammars(logits, self.mask_tokens)  # for the sampler and the logprobs below
         launched.sampled = SampledTokens(self.sampler(logits, sampling), self._download_buffer())
         self.num_downloads += 1
         codes = placeholder_codes(len(sampling_index))  # until the tokens are on the host

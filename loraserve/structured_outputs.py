@@ -10,7 +10,8 @@ The parts, in the order of a step:
   and accepts each token as the scheduler appends it (``Sequence.append_token``);
 * :func:`fill_bitmasks`: the host side of a step, each constrained row's allowed tokens as bits
   (``LogitsAdjustments.host_parts`` uploads them with the step's other arrays);
-* :func:`apply_bitmasks`: the device side, ``-inf`` for every token whose bit is 0.
+* :func:`apply_bitmasks`: the device side, ``-inf`` for every token whose bit is 0 (the torch
+  reference; the ``cpu`` kernel backend runs ``kernels.cpu.mask_by_bitmask_`` in its place).
 
 A sample ends (finish reason ``stop``) when its grammar is complete: EOS (or one of the request's
 stop token ids) is then all that is allowed, and accepting it ends the matcher.
@@ -22,6 +23,7 @@ import enum
 import json
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,10 @@ import torch
 
 BITS = 32  # tokens per bitmask word (xgrammar's int32 words)
 CACHE_LIMIT_BYTES = 512 * 2**20  # compiled grammars kept (vLLM's default VLLM_XGRAMMAR_CACHE_MB)
+
+# (logits [num_rows, vocab] float32, rows [g] int64, bitmask [g, words] int64) -> None: the grammar
+# mask in place, as :func:`apply_bitmasks` (a kernel backend's ``mask_tokens``).
+TokenMask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class StructuredOutputsError(ValueError):

@@ -12,10 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from loraserve.kernels import cpu
 
 from loraserve import LLM, SamplingParams, StructuredOutputsParams
 from loraserve.structured_outputs import (
     StructuredOutputsError,
+    TokenMask,
     apply_bitmasks,
     choice_grammar,
     fill_bitmasks,
@@ -122,24 +124,69 @@ def test_bad_constraints_are_refused_by_name(llm: LLM) -> None:
             llm.generate(["x"], SamplingParams(structured_outputs=constraint), use_tqdm=False)
 
 
-def test_bitmask_op_matches_a_per_token_reference() -> None:
-    """``apply_bitmasks`` against setting -inf token by token from the bits, over vocabularies
-    that do and do not fill their last word, words with the sign bit set, rows left alone."""
+def _masks() -> list[tuple[str, TokenMask]]:
+    masks: list[tuple[str, TokenMask]] = [("torch", apply_bitmasks)]
+    if cpu.load_extension() is not None:
+        masks.append(("compiled", cpu.mask_by_bitmask_))
+    return masks
+
+
+@pytest.mark.parametrize(("name", "mask"), _masks(), ids=[name for name, _ in _masks()])
+def test_bitmask_op_matches_a_per_token_reference(name: str, mask: TokenMask) -> None:
+    """``apply_bitmasks`` and the ``cpu`` backend's twin (``kernels.cpu.mask_by_bitmask_``, run
+    where the extension builds) against setting -inf token by token from the bits, over
+    vocabularies that do and do not fill their last word; random words (the sign bit set in
+    some), all-banned words (filled whole except past the vocabulary) and all-allowed ones;
+    rows left alone."""
     generator = torch.Generator().manual_seed(0)
-    for vocab in (64, 70, 95):
+    for vocab in (1, 32, 64, 70, 95):
         logits = torch.randn(5, vocab, generator=generator)  # [rows, vocab] float32
         rows = torch.tensor([3, 0, 4])
         words = -(-vocab // 32)
-        bitmask = torch.randint(-(2**31), 2**31, (3, words), generator=generator, dtype=torch.int64)  # int32 values
-        expected = logits.clone()
-        for i, row in enumerate(rows.tolist()):
-            for token in range(vocab):
-                if not (int(bitmask[i, token // 32]) >> (token % 32)) & 1:
-                    expected[row, token] = float("-inf")
-        got = logits.clone()
-        apply_bitmasks(got, rows, bitmask)
-        assert torch.equal(got, expected)
+        random_words = torch.randint(-(2**31), 2**31, (3, words), generator=generator, dtype=torch.int64)
+        whole_words = torch.where(torch.rand(3, words, generator=generator) < 0.5, 0, -1)  # all banned / allowed
+        for bitmask in (random_words, whole_words, torch.zeros(3, words, dtype=torch.int64)):  # int32 values
+            expected = logits.clone()
+            for i, row in enumerate(rows.tolist()):
+                for token in range(vocab):
+                    if not (int(bitmask[i, token // 32]) >> (token % 32)) & 1:
+                        expected[row, token] = float("-inf")
+            got = logits.clone()
+            mask(got, rows, bitmask)
+            assert torch.equal(got, expected), (name, vocab)
     assert fill_bitmasks([], 100).shape == (0, 4) and fill_bitmasks([], 100).dtype == np.int64
+
+
+@pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
+def test_compiled_mask_refuses_what_it_cannot_mask() -> None:
+    """The compiled mask names the argument it refuses instead of writing out of bounds."""
+    logits = torch.zeros(2, 40)
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu.mask_by_bitmask_(logits, torch.tensor([2]), torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="cannot cover"):
+        cpu.mask_by_bitmask_(logits, torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu.mask_by_bitmask_(logits.bfloat16(), torch.tensor([0]), torch.zeros(1, 2, dtype=torch.int64))
+
+
+@pytest.mark.skipif(cpu.load_extension() is None, reason="the C++ CPU kernels could not be built")
+def test_cpu_backend_masks_with_the_compiled_kernel(tiny_model_dir: Path) -> None:
+    """On the ``cpu`` kernel backend the runner masks with the compiled twin, and a schema still
+    holds the tiny model's noise to well-formed JSON, greedy and sampled, next to a free request."""
+    engine = LLM(str(tiny_model_dir), num_pages=256, kernels="cpu")
+    assert engine.engine.runner.mask_tokens is cpu.mask_by_bitmask_
+    constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    for params in (
+        SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=constraint),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=2, structured_outputs=constraint),
+    ):
+        outputs = engine.generate(PROMPTS, params, use_tqdm=False)
+        for completion in (c for o in outputs for c in o.outputs):
+            assert completion.finish_reason == "stop", completion.text
+            value = json.loads(completion.text)
+            assert set(value) == {"ok", "digit"} and 0 <= value["digit"] <= 9
+    (free,) = engine.generate(["x"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(free.outputs[0].token_ids) == 5
 
 
 def test_logprobs_see_the_grammar_and_request_stop_ids_end_it(llm: LLM) -> None:

@@ -1,9 +1,10 @@
 // Compiled CPU kernels of loraserve: paged decode attention, the KV write, and the module
 // definition (segmented LoRA is in lora_segments.cpp, linear layers in linear_panels.cpp,
-// linear_pair_panels.cpp, linear_dot.cpp and linear_amx.cpp, the fused elementwise ops in elementwise.cpp, prefill
-// attention in prefill_attention.cpp). Semantics and argument shapes are documented in
-// kernels/cpu.py and kernels/cpu_linear.py; the torch references they are
-// tested against are kernels/paged_attention.py, models/llama.py and F.linear.
+// linear_pair_panels.cpp, linear_dot.cpp and linear_amx.cpp, the fused elementwise ops in
+// elementwise.cpp, prefill attention in prefill_attention.cpp, structured outputs' token mask in
+// token_bitmask.cpp). Semantics and argument shapes are documented in kernels/cpu.py and
+// kernels/cpu_linear.py; the torch references they are tested against are
+// kernels/paged_attention.py, models/llama.py, structured_outputs.py and F.linear.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -273,6 +274,8 @@ bool linear_dot_available();
 std::vector<at::Tensor> linear_amx(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                    const std::vector<c10::optional<at::Tensor>>& biases);
 bool linear_amx_available();
+// token_bitmask.cpp
+void mask_by_bitmask_(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask);
 // prefill_attention.cpp
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv, const at::Tensor& query_starts,
                                    const at::Tensor& cached_lens, const at::Tensor& block_tables, double scale,
@@ -322,6 +325,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil());
   m.def("rope_", &rope_, "rotary embedding in place (see kernels/cpu.py)", no_gil());
   m.def("silu_and_mul_", &silu_and_mul_, "gate <- silu(gate) * up in place (see kernels/cpu.py)", no_gil());
+  m.def("mask_by_bitmask_", &mask_by_bitmask_, "structured outputs' token mask on the logits, in place (see kernels/cpu.py)",
+        no_gil());
   m.def("write_kv_", &write_kv_, "store K and V rows in their slots (see kernels/cpu.py)", no_gil());
   m.def("linear_panels", &linear_panels, "linear layers on 16-column weight panels (see kernels/cpu.py)", no_gil());
   m.def("linear_panels_variants", &linear_panels_variants, "the panel tilings compiled in, widest first");
