@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from .errors import APIError
 from .openai_protocol import ChatCompletionRequest, ChatMessage
 from .responses_protocol import LOGPROBS_INCLUDE, ResponsesRequest
@@ -109,17 +111,19 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "include_stop_str_in_output", "skip_special_tokens", "user", "cache_salt", "chat_template_kwargs", "priority",
     )  # fmt: skip
     fields: dict[str, Any] = {name: getattr(body, name) for name in same}
-    return ChatCompletionRequest.model_validate(
-        {
-            **fields,
-            "messages": messages,
-            "max_completion_tokens": body.max_output_tokens,
-            "stream": body.stream,
-            "logprobs": logprobs,
-            "top_logprobs": body.top_logprobs if logprobs else None,
-            "add_generation_prompt": not continued,
-            "continue_final_message": continued,
-            "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
-            "structured_outputs": _constraint(body),
-        }
-    )
+    fields |= {
+        "messages": messages,
+        "max_completion_tokens": body.max_output_tokens,
+        "stream": body.stream,
+        "logprobs": logprobs,
+        "top_logprobs": body.top_logprobs if logprobs else None,
+        "add_generation_prompt": not continued,
+        "continue_final_message": continued,
+        "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
+        "structured_outputs": _constraint(body),
+    }
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as error:  # its fields were checked as the chat route checks them: rare
+        problem = error.errors()[0]
+        raise APIError(400, f"{'.'.join(map(str, problem['loc']))}: {problem['msg']}") from None
