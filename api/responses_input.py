@@ -23,6 +23,9 @@ UNFINISHED = ("in_progress", "incomplete")  # an assistant message in these stat
 def refuse_unsupported(body: ResponsesRequest) -> None:
     """400 (404 for a previous response: none is ever stored, vLLM's default) for what loraserve
     does not serve, with vLLM's messages where vLLM refuses the same."""
+    refused = [name for name in body.REFUSED if getattr(body, name) not in (None, False, {}, [])]
+    if refused:
+        raise APIError(400, f"unsupported parameter(s) {refused}: loraserve does not implement them", param=refused[0])
     if body.background:
         message = "background can only be used when `store` is true" if not body.store else (
             "background mode needs stored responses, which loraserve does not keep"
@@ -42,7 +45,7 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.truncation == "auto":
         raise APIError(400, "truncation 'auto' is not supported: the input is never cut", param="truncation")
     if body.structured_outputs and body.text is not None and body.text.format is not None:
-        raise APIError(400, "Cannot specify both structured_outputs and text.format", param="text")
+        raise APIError(400, "Cannot specify both structured_outputs and text.format", param="structured_outputs")
 
 
 def _content(item: dict[str, Any], index: int) -> str:
@@ -95,6 +98,8 @@ def _constraint(body: ResponsesRequest) -> dict[str, Any] | None:
     if form.get("type") == "json_object":
         return {"json_object": True}
     if form.get("type") == "json_schema":
+        if not isinstance(form.get("name"), str) or not form["name"]:
+            raise APIError(400, "text.format.name is required for a json_schema format", param="text")
         if not isinstance(form.get("schema"), dict):
             raise APIError(400, "text.format.schema must be a JSON schema object", param="text")
         return {"json": form["schema"]}

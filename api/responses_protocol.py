@@ -28,8 +28,8 @@ IncludeValue = Literal[
 
 class ReasoningConfig(RequestBody):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    summary: str | None = None
-    generate_summary: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # echoed: no reasoning parser to summarise
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class TextConfig(RequestBody):
@@ -37,7 +37,7 @@ class TextConfig(RequestBody):
     ``{"type": "json_schema", "name": ..., "schema": {...}}`` (OpenAI's flat form)."""
 
     format: dict[str, Any] | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # echoed only, as vLLM
 
 
 class ResponsesRequest(RequestBody):
@@ -67,11 +67,11 @@ class ResponsesRequest(RequestBody):
     background: bool = Field(False, description="Refused when true (it needs storage)")
     previous_response_id: str | None = Field(None, description="Nothing is stored: any id is not found (404)")
     include: list[IncludeValue] | None = Field(None, description=f"{LOGPROBS_INCLUDE!r} turns logprobs on")
-    top_logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS, description=f"Only with {LOGPROBS_INCLUDE!r} in include")
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = Field(None, description="effort goes to the chat template, as in chat")
     tools: list[dict[str, Any]] = Field(default_factory=list, description="Refused when not empty")
-    tool_choice: str | dict[str, Any] = "auto"
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] = "auto"
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = None
     truncation: Literal["auto", "disabled"] | None = Field("disabled", description="auto is refused")
@@ -84,6 +84,15 @@ class ResponsesRequest(RequestBody):
     cache_salt: str | None = Field(None, min_length=1, description="vLLM extension")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension")
     structured_outputs: dict[str, Any] | None = Field(None, description="vLLM extension (not with text.format)")
+    # vLLM's fields that change the output and that loraserve does not implement: refused when set.
+    REFUSED: ClassVar[tuple[str, ...]] = (
+        "vllm_xargs", "kv_transfer_params", "ec_transfer_params", "watermarking", "enable_response_messages"
+    )  # fmt: skip
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    watermarking: Any = None
+    enable_response_messages: bool = False
 
 
 class OutputTopLogprob(BaseModel):

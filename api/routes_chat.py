@@ -48,6 +48,7 @@ from .streaming import (
     DeltaTracker,
     SSEResponse,
     cancel_on_disconnect,
+    closing,
     collect_final,
     merge_streams,
     sse_error,
@@ -128,7 +129,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
         stream = _stream(state, request_id, model, streams[0], params, reply, include_usage, continuous)
-        return SSEResponse(stream, on_close=lambda: state.in_flight.release(key))
+        return SSEResponse(stream, on_close=closing(streams, lambda: state.in_flight.release(key)))
 
     async def complete() -> ChatCompletionResponse:
         streams = await submit(state, request_id, [prompt_ids], [params], adapter_name, model, body.cache_salt)

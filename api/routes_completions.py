@@ -45,6 +45,7 @@ from .streaming import (
     DeltaTracker,
     SSEResponse,
     cancel_on_disconnect,
+    closing,
     collect_final,
     merge_streams,
     sse_error,
@@ -152,7 +153,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
         events = _stream(state, request_id, model, streams, shape, include_usage, continuous)
-        return SSEResponse(events, on_close=lambda: state.in_flight.release(key))
+        return SSEResponse(events, on_close=closing(streams, lambda: state.in_flight.release(key)))
 
     async def complete() -> CompletionResponse:
         streams = await submit(state, request_id, token_ids, params, adapter_name, model, body.cache_salt)

@@ -56,6 +56,7 @@ from .streaming import (
     DeltaTracker,
     SSEResponse,
     cancel_on_disconnect,
+    closing,
     collect_final,
     merge_streams,
     request_error,
@@ -151,7 +152,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     prompt_ids = await render_chat_prompt(
         state, chat.messages, chat.add_generation_prompt, False, chat.continue_final_message, template_variables(chat)
     )
-    check_request_limits(state, 1, [len(prompt_ids)], body.max_output_tokens)
+    try:
+        check_request_limits(state, 1, [len(prompt_ids)], body.max_output_tokens)
+    except APIError as error:  # named as this API names them
+        error.param = {"max_tokens": "max_output_tokens", "prompt": "input"}.get(error.param or "", error.param)
+        raise
     default = state.settings.default_max_tokens
     (max_tokens,) = output_budgets(
         state, [len(prompt_ids)], body.max_output_tokens, default, "max_output_tokens", "input"
@@ -178,7 +183,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         except BaseException:
             state.in_flight.release(key)
             raise
-        return SSEResponse(_events(state, streams[0], reply), on_close=lambda: state.in_flight.release(key))
+        events = _events(state, streams[0], reply)
+        return SSEResponse(events, on_close=closing(streams, lambda: state.in_flight.release(key)))
 
     async def complete() -> dict[str, Any]:
         streams = await submit(state, reply.response_id, [prompt_ids], [params], adapter_name, model, body.cache_salt)
@@ -211,21 +217,20 @@ def _event_writer() -> Callable[..., str]:
 
 
 async def _events(state: ServerState, stream: RequestStream, reply: _Reply) -> AsyncIterator[str]:
+    """The event sequence. Tokens without text of their own (EOS, the first bytes of a character)
+    pass their logprobs to the next delta; the finished part holds every token's (vLLM's streamed
+    part drops those that never reach a delta)."""
     event = _event_writer()
-    started = reply.response("in_progress", [], None).model_dump(mode="json")
-    yield event("response.created", response=started)
-    yield event("response.in_progress", response=started)
     tracker = DeltaTracker.for_stops(reply.params.stop)
     item = OutputMessage(id=_item_id(), status="in_progress")
     place = {"item_id": item.id, "output_index": 0, "content_index": 0}
-    text, logprobs, pending = (
-        "",
-        list[OutputTokenLogprob](),
-        list[OutputTokenLogprob](),
-    )  # pending: logprobs of tokens whose text has not come yet
+    text, logprobs, pending = "", list[OutputTokenLogprob](), list[OutputTokenLogprob]()
     opened = False
     final: RequestOutput | None = None
     try:
+        started = reply.response("in_progress", [], None).model_dump(mode="json")
+        yield event("response.created", response=started)
+        yield event("response.in_progress", response=started)
         async with aclosing(merge_streams([stream])) as merged:
             async for _, output in merged:
                 completion = output.outputs[0]

@@ -57,6 +57,20 @@ def sse_error(error: BaseException) -> str:
     return sse_event(request_error(error).body())
 
 
+def closing(streams: list[RequestStream], release: Callable[[], None]) -> Callable[[], None]:
+    """A streamed response's ``on_close``: abort its engine requests (nothing for finished ones; a
+    generator closed before its first event never reaches its own ``finally``), then ``release``."""
+
+    def close() -> None:
+        try:
+            for stream in streams:
+                stream.abort()
+        finally:
+            release()
+
+    return close
+
+
 class SSEResponse(StreamingResponse):
     """``text/event-stream`` that always closes its generator, so an abandoned stream aborts its
     engine requests at once instead of whenever the generator is garbage collected."""
