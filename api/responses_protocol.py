@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field
 
 from .openai_protocol import MAX_LOGPROBS, RequestBody
+from .openai_responses import ChatTokenLogprob
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # OpenAI's ``include`` values; only the logprobs one applies to a text model's output (vLLM's set).
@@ -95,24 +96,11 @@ class ResponsesRequest(RequestBody):
     enable_response_messages: bool = False
 
 
-class OutputTopLogprob(BaseModel):
-    token: str
-    bytes: list[int] | None = None
-    logprob: float
-
-
-class OutputTokenLogprob(BaseModel):
-    token: str
-    bytes: list[int] | None = None
-    logprob: float
-    top_logprobs: list[OutputTopLogprob] = Field(default_factory=list)
-
-
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[OutputTokenLogprob] | None = None
+    logprobs: list[ChatTokenLogprob] | None = None  # the chat shape: token, logprob, bytes, top_logprobs
 
 
 class OutputMessage(BaseModel):

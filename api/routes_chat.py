@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Request
 
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -30,6 +30,7 @@ from .openai_responses import (
     ChatResponseMessage,
     UsageInfo,
 )
+from .response_modes import answer
 from .routes_completions import ERROR_RESPONSES, choice_usage, usage_for
 from .serving import (
     ServerState,
@@ -44,12 +45,7 @@ from .serving import (
 )
 from .streaming import (
     SSE_DONE,
-    ClientDisconnectedError,
     DeltaTracker,
-    SSEResponse,
-    cancel_on_disconnect,
-    closing,
-    collect_final,
     merge_streams,
     sse_error,
     sse_event,
@@ -118,22 +114,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     echo = str(message_dict(last, len(body.messages) - 1)["content"]) if body.echo and last.role == role else ""
     reply = _Reply(role, echo, num_top, len(prompt_ids), prompt_ids if body.return_token_ids else None)
     request_id = new_id("chatcmpl", request, body.request_id)
-    key = state.in_flight.bucket_of(request.headers.get("authorization"))
-    state.in_flight.acquire(key)  # 429 past the limit
-    if body.stream:
-        try:
-            streams = await submit(state, request_id, [prompt_ids], [params], adapter_name, model, body.cache_salt)
-        except BaseException:
-            state.in_flight.release(key)
-            raise
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        stream = _stream(state, request_id, model, streams[0], params, reply, include_usage, continuous)
-        return SSEResponse(stream, on_close=closing(streams, lambda: state.in_flight.release(key)))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
-    async def complete() -> ChatCompletionResponse:
-        streams = await submit(state, request_id, [prompt_ids], [params], adapter_name, model, body.cache_salt)
-        (final,) = await collect_final(streams)
+    def events(streams: list[RequestStream]) -> AsyncIterator[str]:
+        return _stream(state, request_id, model, streams[0], params, reply, include_usage, continuous)
+
+    def whole(finals: list[RequestOutput]) -> ChatCompletionResponse:
+        (final,) = finals
         choices = [
             ChatChoice(
                 index=completion.index,
@@ -154,12 +142,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             prompt_token_ids=prompt_ids if body.return_token_ids else None,
         )
 
-    try:
-        return await cancel_on_disconnect(request, complete())
-    except ClientDisconnectedError:
-        return Response(status_code=499)
-    finally:
-        state.in_flight.release(key)
+    def add() -> Awaitable[list[RequestStream]]:
+        return submit(state, request_id, [prompt_ids], [params], adapter_name, model, body.cache_salt)
+
+    return await answer(state, request, add, body.stream, events, whole)
 
 
 def _logprobs(

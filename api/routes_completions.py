@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Request
 
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -28,6 +28,7 @@ from .openai_responses import (
     PromptTokensDetails,
     UsageInfo,
 )
+from .response_modes import answer
 from .serving import (
     ServerState,
     check_request_limits,
@@ -41,12 +42,7 @@ from .serving import (
 )
 from .streaming import (
     SSE_DONE,
-    ClientDisconnectedError,
     DeltaTracker,
-    SSEResponse,
-    cancel_on_disconnect,
-    closing,
-    collect_final,
     merge_streams,
     sse_error,
     sse_event,
@@ -142,30 +138,18 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     params = [by_budget[budget] for budget in budgets]
     shape = _ChoiceShape(params[0], body.echo, echoes, echo_logprobs, bool(body.return_token_ids), scoring)
     request_id = new_id("cmpl", request, body.request_id)
-    key = state.in_flight.bucket_of(request.headers.get("authorization"))
-    state.in_flight.acquire(key)  # 429 past the limit
-    if body.stream:
-        try:
-            streams = await submit(state, request_id, token_ids, params, adapter_name, model, body.cache_salt)
-        except BaseException:
-            state.in_flight.release(key)
-            raise
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        events = _stream(state, request_id, model, streams, shape, include_usage, continuous)
-        return SSEResponse(events, on_close=closing(streams, lambda: state.in_flight.release(key)))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
-    async def complete() -> CompletionResponse:
-        streams = await submit(state, request_id, token_ids, params, adapter_name, model, body.cache_salt)
-        finals = await collect_final(streams)
-        return _response(state, request_id, model, finals, shape)
+    def events(streams: list[RequestStream]) -> AsyncIterator[str]:
+        return _stream(state, request_id, model, streams, shape, include_usage, continuous)
 
-    try:
-        return await cancel_on_disconnect(request, complete())
-    except ClientDisconnectedError:
-        return Response(status_code=499)
-    finally:
-        state.in_flight.release(key)
+    def add() -> Awaitable[list[RequestStream]]:
+        return submit(state, request_id, token_ids, params, adapter_name, model, body.cache_salt)
+
+    return await answer(
+        state, request, add, body.stream, events, lambda finals: _response(state, request_id, model, finals, shape)
+    )
 
 
 async def _token_ids(state: ServerState, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:

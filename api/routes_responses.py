@@ -14,12 +14,12 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Request
 
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -29,12 +29,13 @@ from .auth import require_api_key
 from .chat_template import render_chat_prompt
 from .errors import APIError
 from .logprobs import chat_logprobs
+from .openai_responses import ChatTokenLogprob
+from .response_modes import answer
 from .responses_input import chat_request, refuse_unsupported
 from .responses_protocol import (
     InputTokensDetails,
     OutputMessage,
     OutputText,
-    OutputTokenLogprob,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -52,12 +53,7 @@ from .serving import (
     submit,
 )
 from .streaming import (
-    ClientDisconnectedError,
     DeltaTracker,
-    SSEResponse,
-    cancel_on_disconnect,
-    closing,
-    collect_final,
     merge_streams,
     request_error,
 )
@@ -108,11 +104,10 @@ class _Reply:
 
     def logprobs(
         self, state: ServerState, completion: CompletionOutput, start: int, end: int
-    ) -> list[OutputTokenLogprob]:
+    ) -> list[ChatTokenLogprob]:
         if self.params.logprobs is None:
             return []
-        entries = chat_logprobs(state, completion, start, end, self.params.logprobs)
-        return [OutputTokenLogprob.model_validate(entry.model_dump()) for entry in entries]
+        return chat_logprobs(state, completion, start, end, self.params.logprobs)
 
 
 def _status(completion: CompletionOutput) -> Status:
@@ -173,22 +168,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         chat, max_tokens, logprobs, state.settings.sampling_defaults, structured_outputs=constraint
     )
     reply = _Reply(body, body.request_id or f"resp_{uuid.uuid4().hex}", model, int(time.time()), params)
-    key = state.in_flight.bucket_of(request.headers.get("authorization"))
-    state.in_flight.acquire(key)  # 429 past the limit
-    if body.stream:
-        try:
-            streams = await submit(
-                state, reply.response_id, [prompt_ids], [params], adapter_name, model, body.cache_salt
-            )
-        except BaseException:
-            state.in_flight.release(key)
-            raise
-        events = _events(state, streams[0], reply)
-        return SSEResponse(events, on_close=closing(streams, lambda: state.in_flight.release(key)))
 
-    async def complete() -> dict[str, Any]:
-        streams = await submit(state, reply.response_id, [prompt_ids], [params], adapter_name, model, body.cache_salt)
-        (final,) = await collect_final(streams)
+    def whole(finals: list[RequestOutput]) -> dict[str, Any]:
+        (final,) = finals
         completion = final.outputs[0]
         logprobs = (
             reply.logprobs(state, completion, 0, len(completion.token_ids)) if params.logprobs is not None else None
@@ -197,12 +179,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         output = [OutputMessage(id=_item_id(), content=content)]
         return reply.response(_status(completion), output, _usage(state, final)).model_dump(mode="json")
 
-    try:
-        return await cancel_on_disconnect(request, complete())
-    except ClientDisconnectedError:
-        return Response(status_code=499)
-    finally:
-        state.in_flight.release(key)
+    def add() -> Awaitable[list[RequestStream]]:
+        return submit(state, reply.response_id, [prompt_ids], [params], adapter_name, model, body.cache_salt)
+
+    return await answer(state, request, add, body.stream, lambda streams: _events(state, streams[0], reply), whole)
 
 
 def _event_writer() -> Callable[..., str]:
@@ -224,7 +204,7 @@ async def _events(state: ServerState, stream: RequestStream, reply: _Reply) -> A
     tracker = DeltaTracker.for_stops(reply.params.stop)
     item = OutputMessage(id=_item_id(), status="in_progress")
     place = {"item_id": item.id, "output_index": 0, "content_index": 0}
-    text, logprobs, pending = "", list[OutputTokenLogprob](), list[OutputTokenLogprob]()
+    text, logprobs, pending = "", list[ChatTokenLogprob](), list[ChatTokenLogprob]()
     opened = False
     final: RequestOutput | None = None
     try:
