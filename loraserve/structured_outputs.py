@@ -1,5 +1,5 @@
 """Structured outputs (vLLM's ``structured_outputs``): the output is held to a JSON schema, any
-JSON object, a regular expression, one of a list of strings, or an EBNF grammar, by masking at
+JSON object, a regular expression, one of a list of strings, or a grammar (EBNF or Lark), by masking at
 each step every token the grammar does not allow next (xgrammar, vLLM's default backend).
 
 The parts, in the order of a step:
@@ -55,7 +55,8 @@ class StructuredOutputsParams:
     """One constraint (exactly one of the first five fields set, as vLLM's): ``json`` a JSON
     schema (an object, kept as its text), ``json_object`` any JSON object, ``regex`` a regular
     expression, ``choice`` one of these strings, ``grammar`` an EBNF grammar (xgrammar's, GBNF
-    style, rule ``root`` first). ``disable_any_whitespace``: JSON without optional whitespace."""
+    style, rule ``root`` first) or a Lark one (rule ``start``; told apart by :func:`is_lark`, as
+    vLLM does). ``disable_any_whitespace``: JSON without optional whitespace."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -104,6 +105,12 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
+def is_lark(grammar: str) -> bool:
+    """Whether ``grammar`` reads as Lark rather than EBNF: no line defines a rule with ``::=``
+    once comments (``#``, ``//``) are cut (vLLM's test, so the same text means the same grammar)."""
+    return bool(grammar) and not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
+
+
 def _message(error: Exception) -> str:
     """xgrammar's error text without its log prefix (``[time] file.cc:line: ``)."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -150,6 +157,9 @@ class GrammarCompiler:
             if kind is ConstraintKind.CHOICE:
                 assert params.choice is not None
                 return compiler.compile_grammar(choice_grammar(params.choice))
+            assert params.grammar is not None
+            if is_lark(params.grammar):
+                return compiler.compile_lark(params.grammar)
             return compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as error:
             raise StructuredOutputsError(f"structured_outputs.{kind.value}: {_message(error)}") from None

@@ -64,9 +64,10 @@ def test_structured_outputs_choice_and_regex_whole_and_streamed(http: httpx.Clie
     assert stream.status_code == 200
     assert re.fullmatch(phone, "".join(c["choices"][0]["text"] for c in chunks))
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    chat = {"model": MODEL, "messages": ASK, "max_tokens": 20, "structured_outputs": {"grammar": "root ::= [0-9]+"}}
-    content = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
-    assert re.fullmatch(r"[0-9]+", content), content
+    for grammar in ("root ::= [0-9]+", "start: /[0-9]+/"):  # EBNF, Lark
+        chat = {"model": MODEL, "messages": ASK, "max_tokens": 20, "structured_outputs": {"grammar": grammar}}
+        content = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+        assert re.fullmatch(r"[0-9]+", content), (grammar, content)
 
 
 def test_bad_constraints_name_the_field(http: httpx.Client) -> None:
@@ -77,6 +78,7 @@ def test_bad_constraints_name_the_field(http: httpx.Client) -> None:
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty strings"),
         ({"structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs", 'Rule "nothing"'),
+        ({"structured_outputs": {"grammar": "start: nothing"}}, "structured_outputs", "unknown name 'nothing'"),
         ({"structured_outputs": {"regx": "a"}}, "structured_outputs", "no field 'regx'"),
         ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "not supported"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "'json_schema' field must be provided"),

@@ -21,6 +21,7 @@ from loraserve.structured_outputs import (
     apply_bitmasks,
     choice_grammar,
     fill_bitmasks,
+    is_lark,
 )
 
 SCHEMA = {
@@ -49,6 +50,7 @@ def test_json_schema_regex_choice_and_grammar_hold(llm: LLM) -> None:
         "regex": StructuredOutputsParams(regex=r"[a-c]{3}-\d{2}"),
         "choice": StructuredOutputsParams(choice=("red", 'say "hi"', "naïve")),
         "grammar": StructuredOutputsParams(grammar='root ::= "<" [0-9]+ ">"'),
+        "lark": StructuredOutputsParams(grammar='start: "<" DIGITS ">"  // Lark\nDIGITS: /[0-9]+/'),
         "json_object": StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
     }
     for name, constraint in constraints.items():
@@ -62,11 +64,11 @@ def test_json_schema_regex_choice_and_grammar_hold(llm: LLM) -> None:
                     assert re.fullmatch(r"[a-c]{3}-\d{2}", text), text
                 elif name == "choice":
                     assert text in ("red", 'say "hi"', "naïve"), text
-                elif name == "grammar":  # a length cap may cut it: only the start is sure
+                elif name in ("grammar", "lark"):  # a length cap may cut it: only the start is sure
                     assert re.fullmatch(r"<\d+>" if reason == "stop" else r"<\d*", text), (text, reason)
                 elif reason == "stop":
                     assert isinstance(json.loads(text), dict), text
-                assert reason == "stop" or name in ("grammar", "json_object"), (name, text, reason)
+                assert reason == "stop" or name in ("grammar", "lark", "json_object"), (name, text, reason)
 
 
 def test_unconstrained_requests_beside_constrained_ones_are_unchanged(llm: LLM) -> None:
@@ -110,6 +112,8 @@ def test_constraints_are_checked_when_made() -> None:
     with pytest.raises(ValueError, match="cannot be combined"):
         SamplingParams(min_tokens=1, structured_outputs=StructuredOutputsParams(regex="a"))
     assert choice_grammar(('a"b', "c\\d")) == 'root ::= "a\\"b" | "c\\\\d"'
+    assert is_lark('start: "a"\n// root ::= "b" is a comment here') and not is_lark('# Lark?\nroot ::= "a"')
+    assert not is_lark("")  # vLLM's test: an empty grammar is EBNF's
 
 
 def test_bad_constraints_are_refused_by_name(llm: LLM) -> None:
@@ -118,9 +122,10 @@ def test_bad_constraints_are_refused_by_name(llm: LLM) -> None:
     for constraint, field in (
         (StructuredOutputsParams(regex="("), "regex"),
         (StructuredOutputsParams(json="{not json"), "json"),
-        (StructuredOutputsParams(grammar="root ::= missing"), "grammar"),
+        (StructuredOutputsParams(grammar="root ::= missing"), "grammar: EBNF parser error"),
+        (StructuredOutputsParams(grammar="start: missing  # Lark: no ::= anywhere"), "grammar: Lark error"),
     ):
-        with pytest.raises(RequestError, match=f"structured_outputs.{field}: "):
+        with pytest.raises(RequestError, match=f"structured_outputs.{field}"):
             llm.generate(["x"], SamplingParams(structured_outputs=constraint), use_tqdm=False)
 
 
