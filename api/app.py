@@ -12,7 +12,15 @@ from fastapi import FastAPI
 
 from loraserve.llm_engine import LLMEngine
 
-from . import routes_adapters, routes_chat, routes_completions, routes_models, routes_responses, routes_tokenize
+from . import (
+    routes_adapters,
+    routes_chat,
+    routes_completions,
+    routes_invocations,
+    routes_models,
+    routes_responses,
+    routes_tokenize,
+)
 from .async_engine import AsyncEngine
 from .errors import install_error_handlers
 from .limits import InFlightLimiter, RequestBodyLimit
@@ -71,6 +79,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_body_bytes)
-    for module in (routes_completions, routes_chat, routes_responses, routes_tokenize, routes_models, routes_adapters):
+    routes = (routes_completions, routes_chat, routes_responses, routes_invocations, routes_tokenize, routes_models)
+    for module in (*routes, routes_adapters):
         app.include_router(module.router)
     return app

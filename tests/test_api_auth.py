@@ -51,6 +51,7 @@ def test_inference_needs_the_api_key(url: str) -> None:
     assert_auth_error(httpx.post(url + "/v1/completions", json=COMPLETION, headers=bearer("sk-wrong")), 401)
     assert_auth_error(httpx.get(url + "/v1/models", headers={"Authorization": USER_KEY}), 401)  # no scheme
     assert_auth_error(httpx.get(url + "/v1/adapters"), 401)
+    assert_auth_error(httpx.post(url + "/invocations", json=COMPLETION), 401)  # SageMaker's route too
     for key in (USER_KEY, ADMIN_KEY):
         response = httpx.post(url + "/v1/completions", json=COMPLETION, headers=bearer(key), timeout=60)
         assert response.status_code == 200, response.text
