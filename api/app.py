@@ -17,6 +17,7 @@ from . import (
     routes_chat,
     routes_completions,
     routes_invocations,
+    routes_messages,
     routes_models,
     routes_responses,
     routes_tokenize,
@@ -79,7 +80,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_body_bytes)
-    routes = (routes_completions, routes_chat, routes_responses, routes_invocations, routes_tokenize, routes_models)
-    for module in (*routes, routes_adapters):
+    routes = (routes_completions, routes_chat, routes_responses, routes_messages, routes_invocations, routes_tokenize)
+    for module in (*routes, routes_models, routes_adapters):
         app.include_router(module.router)
     return app

@@ -40,17 +40,31 @@ def _presented_key(credentials: HTTPAuthorizationCredentials | None) -> str:
     return credentials.credentials
 
 
+def _check_api_key(settings: ServerSettings, key: str) -> None:
+    assert settings.api_key is not None
+    if _same(key, settings.api_key) or (settings.admin_key is not None and _same(key, settings.admin_key)):
+        return
+    raise APIError(401, "invalid API key", headers=_CHALLENGE)
+
+
 def require_api_key(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
     """Dependency of inference and read endpoints."""
     settings = _settings(request)
-    if settings.api_key is None:
-        return
-    key = _presented_key(credentials)
-    if _same(key, settings.api_key) or (settings.admin_key is not None and _same(key, settings.admin_key)):
-        return
-    raise APIError(401, "invalid API key", headers=_CHALLENGE)
+    if settings.api_key is not None:
+        _check_api_key(settings, _presented_key(credentials))
+
+
+def require_api_key_or_x_api_key(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    """Dependency of Anthropic's routes: the key as a bearer token, or in the ``x-api-key`` header
+    that Anthropic's clients send."""
+    settings = _settings(request)
+    key = request.headers.get("x-api-key")
+    if settings.api_key is not None:
+        _check_api_key(settings, key if credentials is None and key else _presented_key(credentials))
 
 
 def require_admin_key(

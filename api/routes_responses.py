@@ -47,6 +47,7 @@ from .serving import (
     check_request_limits,
     get_state,
     output_budgets,
+    prefix_cache_writes,
     require_json,
     resolve_adapter,
     sampling_params,
@@ -115,12 +116,9 @@ def _status(completion: CompletionOutput) -> Status:
 
 
 def _usage(state: ServerState, final: RequestOutput) -> ResponseUsage:
-    """Token counts; the prompt's cache writes as vLLM counts them: the prompt tokens in full blocks
-    (the prefix cache registers those once computed) less the ones it found there."""
+    """Token counts, the prefix cache's reads and writes among the prompt's."""
     prompt, output = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
-    config = state.engine.config
-    in_full_blocks = prompt // config.block_size * config.block_size if config.enable_prefix_caching else 0
-    writes = max(0, in_full_blocks - final.num_cached_tokens)
+    writes = prefix_cache_writes(state, final)
     cached = InputTokensDetails(cached_tokens=final.num_cached_tokens, cache_write_tokens=writes)
     return ResponseUsage(
         input_tokens=prompt, input_tokens_details=cached, output_tokens=output, total_tokens=prompt + output

@@ -15,6 +15,7 @@ from loraserve.adapters import RegistryUnavailableError
 
 from loraserve.input_processor import RequestError
 from loraserve.llm_engine import LLMEngine, UnknownAdapterError
+from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams, SamplingParamsError
 from loraserve.structured_outputs import StructuredOutputsParams
 
@@ -244,6 +245,15 @@ def require_json(request: Request) -> None:
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != "application/json":
         raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+
+
+def prefix_cache_writes(state: ServerState, final: RequestOutput) -> int:
+    """The prompt tokens a request wrote to the prefix cache, as vLLM counts them: those in full
+    blocks (the cache registers those once computed) less the ones it found there."""
+    config = state.engine.config
+    prompt = len(final.prompt_token_ids)
+    in_full_blocks = prompt // config.block_size * config.block_size if config.enable_prefix_caching else 0
+    return max(0, in_full_blocks - final.num_cached_tokens)
 
 
 def limited_max_tokens(state: ServerState, default: int) -> int:

@@ -52,6 +52,13 @@ def test_inference_needs_the_api_key(url: str) -> None:
     assert_auth_error(httpx.get(url + "/v1/models", headers={"Authorization": USER_KEY}), 401)  # no scheme
     assert_auth_error(httpx.get(url + "/v1/adapters"), 401)
     assert_auth_error(httpx.post(url + "/invocations", json=COMPLETION), 401)  # SageMaker's route too
+    # Anthropic's routes also take the key in x-api-key, as Anthropic's clients send it.
+    message = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+    assert_auth_error(httpx.post(url + "/v1/messages", json=message), 401)
+    assert_auth_error(httpx.post(url + "/v1/messages", json=message, headers={"x-api-key": "sk-wrong"}), 401)
+    assert_auth_error(httpx.post(url + "/v1/completions", json=COMPLETION, headers={"x-api-key": USER_KEY}), 401)
+    for headers in ({"x-api-key": USER_KEY}, bearer(USER_KEY)):
+        assert httpx.post(url + "/v1/messages", json=message, headers=headers, timeout=60).status_code == 200
     for key in (USER_KEY, ADMIN_KEY):
         response = httpx.post(url + "/v1/completions", json=COMPLETION, headers=bearer(key), timeout=60)
         assert response.status_code == 200, response.text
