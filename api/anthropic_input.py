@@ -7,7 +7,8 @@ schema, ``output_config.effort`` and ``thinking: disabled`` the template's reaso
 One rule differs from vLLM's, to keep Anthropic's meaning: a conversation that ends with an
 assistant message is that message's continuation (Anthropic's prefill), not a new turn after it.
 Thinking blocks of earlier turns are left out (the model's template does not see them, as
-Anthropic's API drops them). Tools, tool blocks, images and a thinking budget are refused by name."""
+Anthropic's API drops them). Tools, tool blocks, images and ``thinking`` of type ``enabled`` (a
+budget) or with a ``display`` are refused by name: there is no tool-call or reasoning parser."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ DROPPED = ("thinking", "redacted_thinking")  # earlier turns' reasoning, not sho
 
 def refuse_unsupported(body: MessagesRequest | CountTokensRequest) -> None:
     """400 naming what loraserve does not serve here."""
-    refused = [name for name in getattr(body, "REFUSED", ()) if getattr(body, name) not in (None, {}, [])]
+    refused = [name for name in getattr(body, "REFUSED", ()) if getattr(body, name) not in (None, False, {}, [])]
     if refused:
         raise APIError(400, f"unsupported parameter(s) {refused}: loraserve does not implement them", param=refused[0])
     if body.tools:
@@ -36,6 +37,9 @@ def refuse_unsupported(body: MessagesRequest | CountTokensRequest) -> None:
     if body.thinking is not None and body.thinking.type == "enabled":
         message = "thinking 'enabled' is not supported: loraserve has no reasoning parser or thinking budget"
         raise APIError(400, message, param="thinking")
+    if body.thinking is not None and body.thinking.display is not None:
+        message = "thinking.display is not supported: loraserve has no reasoning parser to set thinking apart"
+        raise APIError(400, message, param="thinking")
 
 
 def _text(content: str | list[ContentBlock], where: str, separator: str = "\n") -> str:
@@ -44,7 +48,7 @@ def _text(content: str | list[ContentBlock], where: str, separator: str = "\n") 
         return content
     texts = []
     for index, block in enumerate(content):
-        if block.type in DROPPED:
+        if block.type in DROPPED or (block.type == "text" and not block.text):  # vLLM skips empty text
             continue
         if block.type != "text" or block.text is None:
             place = f"{where}.{index}"

@@ -42,17 +42,23 @@ class ContentBlock(RequestBody):
 
 
 class Message(RequestBody):
+    """One turn: its role and its text (a string, or blocks)."""
+
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
 class Tool(RequestBody):
+    """A tool the model may call (declared to be refused: no tool-call parser)."""
+
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
 
 
 class ToolChoice(RequestBody):
+    """Whether and which tool to call (only ``none`` is served)."""
+
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -103,7 +109,7 @@ class MessagesRequest(_Conversation):
     vllm_xargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
-    watermarking: dict[str, Any] | None = None
+    watermarking: bool | None = None
 
     @model_validator(mode="after")
     def _budget_under_max_tokens(self) -> MessagesRequest:
@@ -143,6 +149,18 @@ class MessageResponse(BaseModel):
     stop_reason: StopReason | None
     stop_sequence: str | None = None
     usage: Usage
+
+
+class ErrorDetail(BaseModel):
+    type: str  # vLLM's type names: BadRequestError, NotFoundError, ...
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    """Anthropic's error shape, which vLLM gives errors raised while a request is handled."""
+
+    type: Literal["error"] = "error"
+    error: ErrorDetail
 
 
 class CountTokensResponse(BaseModel):

@@ -40,11 +40,16 @@ def _presented_key(credentials: HTTPAuthorizationCredentials | None) -> str:
     return credentials.credentials
 
 
-def _check_api_key(settings: ServerSettings, key: str) -> None:
+def _check_api_key(request: Request, settings: ServerSettings, key: str) -> None:
+    """Accept the server's API key or admin key, and note which (``request.state.key_bucket``, the
+    in-flight limiter's bucket, so a key counts as itself whichever header brought it)."""
     assert settings.api_key is not None
-    if _same(key, settings.api_key) or (settings.admin_key is not None and _same(key, settings.admin_key)):
-        return
-    raise APIError(401, "invalid API key", headers=_CHALLENGE)
+    if _same(key, settings.api_key):
+        request.state.key_bucket = "api"
+    elif settings.admin_key is not None and _same(key, settings.admin_key):
+        request.state.key_bucket = "admin"
+    else:
+        raise APIError(401, "invalid API key", headers=_CHALLENGE)
 
 
 def require_api_key(
@@ -53,7 +58,7 @@ def require_api_key(
     """Dependency of inference and read endpoints."""
     settings = _settings(request)
     if settings.api_key is not None:
-        _check_api_key(settings, _presented_key(credentials))
+        _check_api_key(request, settings, _presented_key(credentials))
 
 
 def require_api_key_or_x_api_key(
@@ -63,8 +68,15 @@ def require_api_key_or_x_api_key(
     that Anthropic's clients send."""
     settings = _settings(request)
     key = request.headers.get("x-api-key")
-    if settings.api_key is not None:
-        _check_api_key(settings, key if credentials is None and key else _presented_key(credentials))
+    if settings.api_key is None:
+        return
+    if credentials is None and not key:
+        raise APIError(
+            401,
+            "missing API key: send the header 'x-api-key: <key>' or 'Authorization: Bearer <key>'",
+            headers=_CHALLENGE,
+        )
+    _check_api_key(request, settings, key if credentials is None and key else _presented_key(credentials))
 
 
 def require_admin_key(

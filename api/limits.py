@@ -148,3 +148,8 @@ class InFlightLimiter:
     def in_flight(self, key: str) -> int:
         with self._lock:
             return self._counts[key]
+
+    def total(self) -> int:
+        """Requests in flight over every key."""
+        with self._lock:
+            return sum(self._counts.values())

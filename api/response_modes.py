@@ -26,7 +26,8 @@ async def answer(
 ) -> Any:
     """``events(streams)`` as server-sent events when ``stream``, else ``whole(final outputs)``;
     ``submit`` adds the engine requests (``serving.submit``) once the slot is taken."""
-    key = state.in_flight.bucket_of(request.headers.get("authorization"))
+    # The key the auth check accepted (whichever header brought it), else the bearer token's bucket.
+    key = getattr(request.state, "key_bucket", None) or state.in_flight.bucket_of(request.headers.get("authorization"))
     state.in_flight.acquire(key)  # 429 past the limit
 
     def release() -> None:

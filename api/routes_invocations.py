@@ -21,7 +21,7 @@ from .routes_chat import create_chat_completion
 from .routes_completions import ERROR_RESPONSES, create_completion
 from .serving import require_json
 
-router = APIRouter()
+router = APIRouter(tags=["inference"])
 
 ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"  # SageMaker's (model_hosting_container_standards)
 
@@ -59,6 +59,8 @@ async def invocations(request: Request) -> Any:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise APIError(400, f"JSON decode error: {error}") from None
+    except RecursionError:
+        raise APIError(400, "JSON decode error: the body is nested too deeply") from None
     if isinstance(body, dict) and request.headers.get(ADAPTER_HEADER):
         body = {**body, "model": request.headers[ADAPTER_HEADER]}
     for request_type, key_field, endpoint in _REQUEST_TYPES:

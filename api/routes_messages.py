@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Any
 
@@ -30,6 +30,7 @@ from .anthropic_input import chat_request, refuse_unsupported
 from .anthropic_protocol import (
     CountTokensRequest,
     CountTokensResponse,
+    ErrorResponse,
     MessageResponse,
     MessagesRequest,
     StopReason,
@@ -43,7 +44,6 @@ from .errors import APIError, error_type_for, registry_unavailable
 from .openai_protocol import ChatCompletionRequest
 from .response_modes import answer
 from .routes_chat import template_variables
-from .routes_completions import ERROR_RESPONSES
 from .serving import (
     ServerState,
     check_request_limits,
@@ -60,6 +60,9 @@ from .structured_request import structured_outputs_of
 
 router = APIRouter(tags=["inference"])
 DEPENDENCIES = [Depends(require_api_key_or_x_api_key), Depends(require_json)]
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)
+}
 
 
 def _error(error: APIError) -> dict[str, Any]:
@@ -77,7 +80,10 @@ async def _anthropic_errors(route: Awaitable[Any]) -> Any:
         return JSONResponse(_error(error), status_code=error.status_code, headers=error.headers)
 
 
-async def _prompt(state: ServerState, body: MessagesRequest | CountTokensRequest) -> tuple[ChatCompletionRequest, Any]:
+async def _prompt(
+    state: ServerState, body: MessagesRequest | CountTokensRequest
+) -> tuple[ChatCompletionRequest, list[int]]:
+    """The chat request ``body`` stands for and its prompt's token ids (what is not served refused)."""
     refuse_unsupported(body)
     chat = chat_request(body)
     variables = template_variables(chat)
@@ -85,7 +91,11 @@ async def _prompt(state: ServerState, body: MessagesRequest | CountTokensRequest
     return chat, await render_chat_prompt(state, chat.messages, not continued, False, continued, variables)
 
 
-def _stop(completion: CompletionOutput) -> tuple[StopReason, str | None]:
+def _stop(completion: CompletionOutput) -> tuple[StopReason | None, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence``; none for an aborted output (cut short by
+    a drain's deadline or a token its grammar rejected), as vLLM's."""
+    if completion.finish_reason == "abort":
+        return None, None
     if completion.finish_reason == "length":
         return "max_tokens", None
     if isinstance(completion.stop_reason, str):  # a stop string matched
@@ -94,6 +104,7 @@ def _stop(completion: CompletionOutput) -> tuple[StopReason, str | None]:
 
 
 def _usage(state: ServerState, final: RequestOutput) -> Usage:
+    """The counts, the prompt split as Anthropic splits it: read from the cache, written to it, the rest."""
     read, written = final.num_cached_tokens, prefix_cache_writes(state, final)
     return Usage(
         input_tokens=max(0, len(final.prompt_token_ids) - read - written),
@@ -131,7 +142,7 @@ async def _create_message(body: MessagesRequest, request: Request) -> Any:
         message = error.message.replace("structured_outputs.json:", "output_config.format.schema:")
         raise APIError(400, message, param="output_config") from None
     params = sampling_params(chat, max_tokens, None, state.settings.sampling_defaults, structured_outputs=constraint)
-    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    message_id = f"msg_{request.headers.get('x-request-id') or uuid.uuid4().hex[:24]}"  # X-Request-Id, as vLLM
 
     def whole(finals: list[RequestOutput]) -> dict[str, Any]:
         (final,) = finals
@@ -155,17 +166,16 @@ async def _create_message(body: MessagesRequest, request: Request) -> Any:
     return await answer(state, request, add, bool(body.stream), events, whole)
 
 
-def _event_writer() -> Callable[..., str]:
-    def event(kind: str, **fields: Any) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, separators=(',', ':'))}\n\n"
-
-    return event
+def _event(kind: str, **fields: Any) -> str:
+    """One server-sent event: its ``event:`` line and its data, whose ``type`` is the event's."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, separators=(',', ':'))}\n\n"
 
 
 async def _events(
     state: ServerState, stream: RequestStream, params: SamplingParams, message_id: str, model: str, prompt: int
 ) -> AsyncIterator[str]:
-    event = _event_writer()
+    """The event sequence of one streamed message (the module's docstring)."""
+    event = _event
     tracker = DeltaTracker.for_stops(params.stop)
     opened = False
     final: RequestOutput | None = None

@@ -1,4 +1,4 @@
-"""``GET /v1/models``, ``GET /health`` (and vLLM's ``/ping``), ``GET /version`` and ``GET /metrics``."""
+"""``GET /v1/models``, ``GET /health`` (and vLLM's ``/ping``), ``GET /version``, ``GET /load`` and ``GET /metrics``."""
 
 from __future__ import annotations
 
@@ -94,6 +94,13 @@ _PING_SUMMARY = "/health's status, no body (vLLM's route)"
 @router.post("/ping", tags=["operations"], summary=_PING_SUMMARY, response_class=Response, operation_id="ping_post")
 async def ping(request: Request) -> Response:
     return Response(status_code=(await health(request)).status_code)
+
+
+@router.get("/load", tags=["operations"], summary="Inference requests in flight (vLLM's route)")
+async def load(request: Request) -> dict[str, int]:
+    """vLLM's ``server_load``: the completion, chat, responses and messages requests being answered
+    (always counted here; vLLM counts them with ``--enable-server-load-tracking``)."""
+    return {"server_load": get_state(request).in_flight.total()}
 
 
 @router.get("/version", tags=["operations"], summary="The server's version (vLLM's route)")

@@ -42,7 +42,7 @@ def assert_auth_error(response: httpx.Response, status: int) -> None:
 
 
 def test_open_endpoints(url: str) -> None:
-    for path in ("/health", "/metrics", "/openapi.json", "/docs"):
+    for path in ("/health", "/metrics", "/load", "/openapi.json", "/docs"):
         assert httpx.get(url + path).status_code == 200, path
 
 
@@ -57,7 +57,10 @@ def test_inference_needs_the_api_key(url: str) -> None:
     assert_auth_error(httpx.post(url + "/v1/messages", json=message), 401)
     assert_auth_error(httpx.post(url + "/v1/messages", json=message, headers={"x-api-key": "sk-wrong"}), 401)
     assert_auth_error(httpx.post(url + "/v1/completions", json=COMPLETION, headers={"x-api-key": USER_KEY}), 401)
-    for headers in ({"x-api-key": USER_KEY}, bearer(USER_KEY)):
+    wrong_bearer = {**bearer("sk-wrong"), "x-api-key": USER_KEY}  # the bearer token is the one checked
+    assert_auth_error(httpx.post(url + "/v1/messages", json=message, headers=wrong_bearer), 401)
+    basic = {"Authorization": "Basic abc", "x-api-key": USER_KEY}  # not a bearer token: x-api-key is read
+    for headers in ({"x-api-key": USER_KEY}, {"x-api-key": ADMIN_KEY}, bearer(USER_KEY), basic):
         assert httpx.post(url + "/v1/messages", json=message, headers=headers, timeout=60).status_code == 200
     for key in (USER_KEY, ADMIN_KEY):
         response = httpx.post(url + "/v1/completions", json=COMPLETION, headers=bearer(key), timeout=60)

@@ -57,7 +57,7 @@ def test_every_operation_fuzzed_from_the_schema(server: tuple[str, LLMEngine]) -
             assert response.status_code < 500, f"{case.as_curl_command()}\n{response.status_code} {response.text[:500]}"
             if 400 <= response.status_code < 500:
                 body = response.json()
-                if body.get("type") == "error" and "/v1/messages" in operation.label:  # Anthropic's shape
+                if body.get("type") == "error" and "/v1/messages" in case.operation.label:  # Anthropic's shape
                     assert set(body["error"]) == {"type", "message"}, response.text[:500]
                     return
                 error = body["error"]

@@ -67,6 +67,11 @@ def test_bodies_of_neither_kind_or_broken_ones_are_refused_by_name(http: httpx.C
     broken = http.post("/invocations", content=b'{"prompt": ', headers={"Content-Type": "application/json"})
     assert assert_openai_error(broken, 400)["message"].startswith("JSON decode error: ")
     assert http.post("/invocations", content=b"{}", headers={"Content-Type": "text/plain"}).status_code == 400
+    nested = http.post("/invocations", content=b"[" * 5000, headers={"Content-Type": "application/json"})
+    assert "JSON decode error" in assert_openai_error(nested, 400)["message"]
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # valid JSON nested past Python's recursion limit
+    response = http.post("/invocations", content=deep, headers={"Content-Type": "application/json"})
+    assert "nested too deeply" in assert_openai_error(response, 400)["message"]
     schema = http.get("/openapi.json").json()["paths"]["/invocations"]["post"]["requestBody"]
     refs = [ref["$ref"] for ref in schema["content"]["application/json"]["schema"]["anyOf"]]
     components = http.get("/openapi.json").json()["components"]["schemas"]

@@ -88,6 +88,7 @@ def test_requests_in_flight_per_key(server: tuple[httpx.Client, LLMEngine]) -> N
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=key_a) as held:
         lines = held.iter_lines()
         next(lines)  # key a has one request in flight
+        assert http.get("/load").json() == {"server_load": 1}  # vLLM's route: requests in flight
         busy = http.post("/v1/completions", json=body, headers=key_a)
         assert error_of(busy, 429)["code"] == 429
         # No key is checked here: another made-up token, or the scheme in other case, is the same bucket.
@@ -96,6 +97,7 @@ def test_requests_in_flight_per_key(server: tuple[httpx.Client, LLMEngine]) -> N
         for _ in lines:
             pass
     assert http.post("/v1/completions", json=body, headers=key_a).status_code == 200  # released when it ended
+    assert http.get("/load").json() == {"server_load": 0}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     assert http.post("/v1/chat/completions", json=chat, headers=key_a).status_code == 200
 
@@ -116,6 +118,7 @@ def test_in_flight_buckets_are_the_servers_keys() -> None:
     limiter.acquire("anonymous")  # the other buckets are free
     limiter.release("api")
     limiter.acquire("api")
+    assert limiter.total() == 2
 
 
 def test_adapter_rank_and_count(server: tuple[httpx.Client, LLMEngine], tmp_path: Path) -> None:

@@ -57,9 +57,10 @@ def test_a_message_is_the_chat_completion_it_stands_for(http: httpx.Client) -> N
     blocks = [
         {"type": "text", "text": "Hello."},
         {"type": "thinking", "thinking": "x"},
+        {"type": "text"},  # skipped, as vLLM's
         {"type": "text", "text": QUESTION},
     ]
-    message = _message(http, system=system, messages=[{"role": "user", "content": blocks}])
+    message = _message(http, system=system, messages=[{"role": "user", "content": blocks}], watermarking=False)
     chat = _chat(http, [{"role": "system", "content": "Answer in one short sentence."},
                         {"role": "user", "content": "Hello.\n" + QUESTION}], max_tokens=12)  # fmt: skip
     assert message["id"].startswith("msg_") and message["type"] == "message" and message["role"] == "assistant"
@@ -114,6 +115,12 @@ def test_streamed_events_carry_the_same_text(http: httpx.Client) -> None:
     assert text == whole["content"][0]["text"]
     assert events[-2]["delta"] == {"stop_reason": whole["stop_reason"], "stop_sequence": None}
     assert events[-2]["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
+    stop = whole["content"][0]["text"].split()[1]
+    with http.stream("POST", "/v1/messages", json={**body, "stop_sequences": [stop]}) as stream:
+        data = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+    assert data[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+    text = "".join(e["delta"]["text"] for e in data if e["type"] == "content_block_delta")
+    assert text == whole["content"][0]["text"][: whole["content"][0]["text"].index(stop)]  # held back, then cut
 
 
 def test_anthropic_client_reads_both(server: tuple[ServerThread, LLMEngine]) -> None:
@@ -146,6 +153,8 @@ def test_what_is_not_served_is_refused_in_anthropics_shape(
         ({"tools": [tool]}, 400, "tools are not supported"),
         ({"tool_choice": {"type": "any"}}, 400, "tool_choice 'any'"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2000}, 400, "thinking 'enabled'"),
+        ({"thinking": {"type": "adaptive", "display": "omitted"}}, 400, "thinking.display"),
+        ({"watermarking": True}, 400, "['watermarking']"),
         ({"messages": [*ASK, use]}, 400, "messages.1.content.0: content blocks of type 'tool_use'"),
         ({"vllm_xargs": {"a": 1}}, 400, "['vllm_xargs']"),
         ({"messages": []}, 400, "at least one message"),
