@@ -48,12 +48,12 @@ def _text(content: str | list[ContentBlock], where: str, separator: str = "\n") 
         return content
     texts = []
     for index, block in enumerate(content):
-        if block.type in DROPPED or (block.type == "text" and not block.text):  # vLLM skips empty text
+        if block.type in DROPPED:
             continue
-        if block.type != "text" or block.text is None:
+        if block.type != "text":
             place = f"{where}.{index}"
             raise APIError(400, f"{place}: content blocks of type '{block.type}' are not supported", param=place)
-        if block.text and not block.text.startswith(BILLING_HEADER):
+        if block.text and not block.text.startswith(BILLING_HEADER):  # empty text skipped, as vLLM's
             texts.append(block.text)
     return separator.join(texts)
 
