@@ -2,7 +2,9 @@
 chat model without tool or reasoning parsers: ``system`` a leading system message (its text
 blocks joined with nothing between them, vLLM's), each message's text blocks joined by newlines
 (the chat template's join), ``stop_sequences`` the stop strings, ``output_config.format`` a JSON
-schema, ``output_config.effort`` and ``thinking: disabled`` the template's reasoning effort.
+schema, ``output_config.effort`` and ``thinking: disabled`` the template's reasoning effort;
+system messages among the turns kept in place, or merged into the leading one for a template that
+refuses them (vLLM's probe).
 
 One rule differs from vLLM's, to keep Anthropic's meaning: a conversation that ends with an
 assistant message is that message's continuation (Anthropic's prefill), not a new turn after it.
@@ -58,18 +60,28 @@ def _text(content: str | list[ContentBlock], where: str, separator: str = "\n") 
     return separator.join(texts)
 
 
-def chat_messages(body: MessagesRequest | CountTokensRequest) -> tuple[list[ChatMessage], bool]:
-    """The chat messages, and whether the last one (an assistant message) is continued."""
-    messages = []
-    if body.system is not None:
-        system = _text(body.system, "system", separator="")
-        if system:
-            messages.append(ChatMessage(role="system", content=system))
-    for index, message in enumerate(body.messages):
-        messages.append(ChatMessage(role=message.role, content=_text(message.content, f"messages.{index}.content")))
+def chat_messages(
+    body: MessagesRequest | CountTokensRequest, merge_inline_system: bool
+) -> tuple[list[ChatMessage], bool]:
+    """The chat messages, and whether the last one (an assistant message) is continued. A system
+    message among ``messages`` (vLLM takes them) keeps its place with its text blocks joined with
+    nothing between them, or is left out when it has no text; with ``merge_inline_system`` (a
+    template that refuses them) its text is appended to the leading system message instead."""
     if not body.messages:
         raise APIError(400, "messages must hold at least one message", param="messages")
-    return messages, body.messages[-1].role == "assistant"
+    system = [_text(body.system, "system", separator="")] if body.system is not None else []
+    turns = []
+    for index, message in enumerate(body.messages):
+        where = f"messages.{index}.content"
+        if message.role != "system":
+            turns.append(ChatMessage(role=message.role, content=_text(message.content, where)))
+        elif merge_inline_system:
+            system.append(_text(message.content, where, separator=""))
+        elif text := _text(message.content, where, separator=""):
+            turns.append(ChatMessage(role="system", content=text))
+    leading = "".join(system)
+    messages = [ChatMessage(role="system", content=leading)] if leading else []
+    return messages + turns, body.messages[-1].role == "assistant"
 
 
 def _constraint(body: MessagesRequest | CountTokensRequest) -> dict[str, Any] | None:
@@ -87,9 +99,9 @@ def _effort(body: MessagesRequest | CountTokensRequest) -> str | None:
     return body.output_config.effort if body.output_config is not None else None
 
 
-def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+def chat_request(body: MessagesRequest | CountTokensRequest, merge_inline_system: bool) -> ChatCompletionRequest:
     """The chat completion this request asks for (after :func:`refuse_unsupported`)."""
-    messages, continued = chat_messages(body)
+    messages, continued = chat_messages(body, merge_inline_system)
     fields: dict[str, Any] = {
         "model": body.model,
         "messages": messages,

@@ -23,6 +23,7 @@ from . import (
     routes_tokenize,
 )
 from .async_engine import AsyncEngine
+from .chat_template import refuses_inline_system
 from .errors import install_error_handlers
 from .limits import InFlightLimiter, RequestBodyLimit
 from .metrics import ServerMetrics
@@ -60,7 +61,14 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     limiter = InFlightLimiter(settings.max_requests_per_key, settings.api_key, settings.admin_key)
     tokenizer = _api_tokenizer(engine)
     prompts = PromptEncoder(tokenizer, _api_tokenizer(engine))  # its worker thread's own instance
-    state = ServerState(engine, async_engine, settings, tokenizer, metrics, limiter, prompts, StatsReader(async_engine))
+    merge_system = refuses_inline_system(tokenizer)
+    if merge_system and getattr(tokenizer, "chat_template", None) is not None:
+        logger.warning(
+            "the chat template refuses system messages after the first turn: /v1/messages merges inline system "
+            "messages into the leading one (each new one changes the prompt's prefix, so the prefix cache misses)"
+        )
+    stats = StatsReader(async_engine)
+    state = ServerState(engine, async_engine, settings, tokenizer, metrics, limiter, prompts, stats, merge_system)
     if settings.adapter_key is None:
         logger.warning("no --admin-key or --api-key: anyone who can reach the server can change adapters")
 

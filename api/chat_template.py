@@ -8,6 +8,8 @@ import inspect
 import json
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+
 from .errors import APIError
 from .openai_protocol import ChatMessage, ToolCall
 from .serving import ServerState
@@ -110,3 +112,18 @@ def render_chat_text(
     except Exception as error:  # jinja raises for conversations the template refuses
         raise APIError(400, f"the chat template refused the messages: {error}", param="messages") from None
     return str(text)
+
+
+INLINE_SYSTEM_PROBE = [{"role": "system", "content": "t"}, {"role": "user", "content": "t"}] * 2
+
+
+def refuses_inline_system(tokenizer: Any) -> bool:
+    """Whether the chat template refuses a system message after the first turn (vLLM's probe: it
+    renders system, user, system, user); a tokenizer without a template counts as refusing."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return True
+    try:
+        tokenizer.apply_chat_template(INLINE_SYSTEM_PROBE, tokenize=False, add_generation_prompt=False)
+    except TemplateError:  # a template's raise_exception (e.g. "System message must be at the beginning")
+        return True
+    return False

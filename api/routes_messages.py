@@ -85,7 +85,7 @@ async def _prompt(
 ) -> tuple[ChatCompletionRequest, list[int]]:
     """The chat request ``body`` stands for and its prompt's token ids (what is not served refused)."""
     refuse_unsupported(body)
-    chat = chat_request(body)
+    chat = chat_request(body, state.merge_inline_system)
     variables = template_variables(chat)
     continued = chat.continue_final_message
     return chat, await render_chat_prompt(state, chat.messages, not continued, False, continued, variables)

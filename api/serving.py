@@ -53,6 +53,9 @@ class ServerState:
     in_flight: InFlightLimiter
     prompts: PromptEncoder  # prompt texts to token ids, long ones off the event loop
     stats: StatsReader  # the engine's stats for /health and /metrics, not waiting out a long step
+    # The chat template refuses system messages after the first turn: /v1/messages then merges
+    # inline ones into the leading system message (vLLM's rule; see chat_template.refuses_inline_system).
+    merge_inline_system: bool
 
     @property
     def supports_adapters(self) -> bool:

@@ -149,7 +149,6 @@ class KVCacheManager:
             return 0
         assert not seq.block_ids and seq.num_computed_tokens == 0, "match_prefix needs a fresh sequence"
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        cache.num_queried_tokens += seq.num_tokens
         for block_hash in extend_block_hashes(seq, max_blocks, self.block_size):
             page_id = cache.lookup(block_hash)
             if page_id is None:
@@ -159,9 +158,12 @@ class KVCacheManager:
             seq.block_ids.append(page_id)
         num_hit_tokens = len(seq.block_ids) * self.block_size
         seq.num_computed_tokens = num_hit_tokens
-        if not seq.num_preemptions:  # reported: the prompt's hit when first admitted (vLLM's), not a recompute's
+        # Reported and counted: the prompt's hit when first admitted, not a recompute's (vLLM's
+        # prefix_cache_queries/hits leave preempted requests' lookups out too).
+        if not seq.num_preemptions:
             seq.num_cached_tokens = num_hit_tokens
-        cache.num_hit_tokens += num_hit_tokens
+            cache.num_queried_tokens += seq.num_tokens
+            cache.num_hit_tokens += num_hit_tokens
         return num_hit_tokens
 
     def _cache_for(self, seq: Sequence) -> PrefixCacheIndex | None:
@@ -186,12 +188,12 @@ class KVCacheManager:
         cache = self._cache_for(seq)
         if cache is None:
             return  # nothing was matched, nor counted
-        cache.num_hit_tokens -= seq.num_computed_tokens  # what match_prefix reused
-        cache.num_queried_tokens -= seq.num_tokens
+        if not seq.num_preemptions:  # only a first admission's lookup was counted
+            cache.num_hit_tokens -= seq.num_computed_tokens  # what match_prefix reused
+            cache.num_queried_tokens -= seq.num_tokens
+            seq.num_cached_tokens = 0
         self.free(seq)
         seq.num_computed_tokens = 0
-        if not seq.num_preemptions:
-            seq.num_cached_tokens = 0
 
     def cache_full_blocks(self, seqs: Iterable[Sequence]) -> None:
         """Register the blocks each of ``seqs`` has filled since the last call (one call a step):

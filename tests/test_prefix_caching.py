@@ -146,7 +146,8 @@ def test_reset_prefix_cache_frees_cached_pages_and_refuses_while_running(llm: LL
 
 def test_cached_tokens_report_the_first_admission_not_a_recompute(tiny_model_dir: Path) -> None:
     """A request preempted by recompute finds its own blocks (generated tokens too) cached when it
-    comes back; what it reports as cached is still its prompt's hit when first admitted (vLLM's)."""
+    comes back; what it reports as cached is still its prompt's hit when first admitted, and the
+    cache's query and hit counters hold only first admissions (vLLM's)."""
     llm = LLM(str(tiny_model_dir), kernels="torch", block_size=4, num_pages=12, watermark=0.0)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -157,4 +158,7 @@ def test_cached_tokens_report_the_first_admission_not_a_recompute(tiny_model_dir
         finished.update({out.request_id: out for out in engine.step() if out.finished})
     assert engine.scheduler.num_preemptions > 0
     assert {rid: out.num_cached_tokens for rid, out in finished.items()} == {"a": 0, "b": 0}
+    cache = engine.kv_manager.prefix_cache
+    assert cache is not None
+    assert (cache.num_queried_tokens, cache.num_hit_tokens) == (10, 0)  # two 5-token prompts, once each
     engine.close()

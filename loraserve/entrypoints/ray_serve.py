@@ -36,7 +36,6 @@ FastAPI must see the route's parameter types as objects, and later names would b
 """
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -57,6 +56,7 @@ from loraserve.entrypoints.fleet_metrics import (
     live_replica_ids,
     merge_replica_metrics,
 )
+from loraserve.entrypoints.ingress_protocol import EventCounter, adapter_and_stream, stream_cut_event, unavailable_body
 from loraserve.entrypoints.startup_heap import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -162,32 +162,8 @@ def _passable(headers: httpx.Headers, replica_id: str) -> dict[str, str]:
     return passed
 
 
-def adapter_and_stream(body: bytes, content_type: str, base_model: str) -> tuple[str, bool]:
-    """The adapter a JSON body names in ``model`` ("" for the base model or none) and its ``stream``."""
-    if "json" not in content_type or not body:
-        return "", False
-    try:
-        fields = json.loads(body)
-    except ValueError:
-        return "", False  # the replica answers the 400
-    if not isinstance(fields, dict):
-        return "", False
-    model = fields.get("model")
-    adapter = model if isinstance(model, str) and model != base_model else ""
-    return adapter, fields.get("stream") is True
-
-
-def _unavailable_body(message: str) -> dict[str, Any]:
-    """vLLM's error body for a 503 (as the replicas' own errors are shaped)."""
-    return {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}
-
-
 def _unavailable(message: str) -> JSONResponse:
-    return JSONResponse(_unavailable_body(message), status_code=503, headers={"Retry-After": "1"})
-
-
-def _sse_error(message: str) -> bytes:
-    return f"data: {json.dumps(_unavailable_body(message))}\n\n".encode()
+    return JSONResponse(unavailable_body(message), status_code=503, headers={"Retry-After": "1"})
 
 
 ingress_app = FastAPI(title="loraserve (Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -241,7 +217,7 @@ class Ingress:
             return error_response(too_large)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
-        adapter, stream = adapter_and_stream(body, request.headers.get("content-type", ""), self.base_model)
+        adapter, stream = adapter_and_stream("/" + path, request.headers, body, self.base_model)
         routed = adapter and self.route_by_adapter
         handle = self.replicas.options(multiplexed_model_id=adapter) if routed else self.replicas
         self._started()
@@ -250,7 +226,7 @@ class Ingress:
             call = (request.method, target, headers, body)
             if not stream:
                 return await self._whole(handle, call)
-            reply = await self._stream(handle, call)
+            reply = await self._stream(handle, call, "/" + path)
             done_here = not isinstance(reply, StreamingResponse)  # a stream ends when its body is sent
             return reply
         finally:
@@ -268,7 +244,9 @@ class Ingress:
                     self.resent.inc()
         return _unavailable(f"no engine replica could answer: {failure}")
 
-    async def _stream(self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes]) -> Response:
+    async def _stream(
+        self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes], path: str
+    ) -> Response:
         for attempt in range(MAX_ATTEMPTS):
             chunks: Any = handle.options(stream=True).forward_stream.remote(*call)
             try:
@@ -284,15 +262,17 @@ class Ingress:
 
         async def rest() -> AsyncIterator[bytes]:
             finished = False
+            events = EventCounter()  # the Responses API numbers its events, the error event too
             try:
                 async for chunk in chunks:
+                    events.feed(chunk)
                     yield chunk
                 finished = True
             except RayActorError as error:
                 finished = True
                 self.cut.inc()
                 if event_stream:
-                    yield _sse_error(f"the engine replica serving this stream died: {error}")
+                    yield stream_cut_event(path, f"the engine replica serving this stream died: {error}", events.count)
             finally:
                 if not finished:  # the client left: stop the replica's request too
                     chunks.cancel()

@@ -1,0 +1,67 @@
+"""What the Ray Serve ingress reads from a request and writes into a reply on its own.
+
+The ingress forwards bodies and headers as they are; it reads only the adapter a request names
+(to route it by Serve's multiplexed model id) and whether it streams, and it writes only the
+errors of its own: a 503 when no replica could answer, and the last event of a stream whose
+replica died, in the shape of the route the stream came from (clients of each API parse their
+own). No Ray here, so this is testable without a Ray instance.
+"""
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from loraserve.api.routes_invocations import ADAPTER_HEADER
+
+
+def adapter_and_stream(path: str, headers: Mapping[str, str], body: bytes, base_model: str) -> tuple[str, bool]:
+    """The adapter a JSON body names in ``model`` ("" for the base model or none) and its ``stream``;
+    on ``/invocations`` SageMaker's adapter header, where sent, names it instead (as the replica reads it)."""
+    if "json" not in headers.get("content-type", "") or not body:
+        return "", False
+    try:
+        fields = json.loads(body)
+    except (ValueError, RecursionError):
+        return "", False  # the replica answers the 400
+    if not isinstance(fields, dict):
+        return "", False
+    model = fields.get("model")
+    if path == "/invocations" and headers.get(ADAPTER_HEADER.lower()):
+        model = headers[ADAPTER_HEADER.lower()]
+    adapter = model if isinstance(model, str) and model != base_model else ""
+    return adapter, fields.get("stream") is True
+
+
+def unavailable_body(message: str) -> dict[str, Any]:
+    """vLLM's error body for a 503 (as the replicas' own errors are shaped)."""
+    return {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}
+
+
+class EventCounter:
+    """Counts the typed server-sent events (``event:`` lines; data lines hold JSON, which has no raw
+    newlines) of a stream read in raw chunks, which may split a line anywhere."""
+
+    MARK = b"\nevent:"
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._tail = b"\n"  # the stream's first line starts one too
+
+    def feed(self, chunk: bytes) -> None:
+        # The tail is shorter than the mark, so a match here ends in this chunk: none counted twice.
+        seen = self._tail + chunk
+        self.count += seen.count(self.MARK)
+        self._tail = seen[-(len(self.MARK) - 1) :]
+
+
+def stream_cut_event(path: str, message: str, events_sent: int) -> bytes:
+    """The event that ends a stream cut by its replica's death, as the route's own errors after the
+    stream started: Anthropic's ``error`` event on ``/v1/messages``, the Responses API's numbered
+    ``error`` event on ``/v1/responses``, else vLLM's error body as a ``data:`` line."""
+    if path == "/v1/messages":
+        data: dict[str, Any] = {"type": "error", "error": {"type": "ServiceUnavailableError", "message": message}}
+        return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
+    if path == "/v1/responses":
+        data = {"code": "503", "message": message, "param": None, "sequence_number": events_sent, "type": "error"}
+        return f"event: error\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+    return f"data: {json.dumps(unavailable_body(message))}\n\n".encode()

@@ -1,0 +1,99 @@
+"""The Ray Serve ingress's own reading of requests and its stream-cut events, parsed by each API's
+official client (no Ray needed: ``loraserve.entrypoints.ingress_protocol``)."""
+
+import json
+from types import ModuleType
+from typing import Any
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+
+from loraserve.entrypoints.ingress_protocol import EventCounter, adapter_and_stream, stream_cut_event
+
+JSON = {"content-type": "application/json"}
+SAGEMAKER = "x-amzn-sagemaker-adapter-identifier"
+
+
+def test_the_adapter_is_the_bodys_model_or_on_invocations_the_sagemaker_header() -> None:
+    body = json.dumps({"model": "sql", "prompt": "x", "stream": True}).encode()
+    assert adapter_and_stream("/v1/completions", JSON, body, "base") == ("sql", True)
+    assert adapter_and_stream("/v1/completions", JSON, json.dumps({"model": "base"}).encode(), "base") == ("", False)
+    header = {**JSON, SAGEMAKER: "poems"}
+    assert adapter_and_stream("/invocations", header, body, "base") == ("poems", True)
+    assert adapter_and_stream("/invocations", {**JSON, SAGEMAKER: "base"}, body, "base") == ("", True)
+    assert adapter_and_stream("/v1/completions", header, body, "base") == ("sql", True)  # only /invocations reads it
+    assert adapter_and_stream("/invocations", JSON, body, "base") == ("sql", True)
+
+
+@pytest.mark.parametrize(
+    "headers, body",
+    [
+        ({"content-type": "text/plain"}, b'{"model": "sql"}'),
+        (JSON, b""),
+        (JSON, b'{"model": '),
+        (JSON, b"[" * 100_000 + b"]" * 100_000),  # too deep for json: the replica answers the 400
+        (JSON, b'["sql"]'),
+        (JSON, b'{"model": 3, "stream": "yes"}'),
+    ],
+)
+def test_bodies_the_ingress_cannot_read_go_to_any_replica_unstreamed(headers: dict[str, str], body: bytes) -> None:
+    assert adapter_and_stream("/v1/completions", headers, body, "base") == ("", False)
+
+
+def test_events_are_counted_wherever_the_raw_chunks_split_them() -> None:
+    stream = b"".join(f'event: e{i}\ndata: {{"n": "event: {i}"}}\n\n'.encode() for i in range(5))
+    for size in (1, 2, 3, 5, 7, 11, len(stream)):
+        counter = EventCounter()
+        for start in range(0, len(stream), size):
+            counter.feed(stream[start : start + size])
+        assert counter.count == 5, size
+    untyped = EventCounter()
+    untyped.feed(b'data: {"x": 1}\n\ndata: [DONE]\n\n')
+    assert untyped.count == 0
+
+
+def _client_stream(http: ModuleType, events: bytes) -> Any:
+    """An HTTP client (of the SDK's own HTTP library) whose every request gets ``events`` as a stream."""
+
+    def answer(request: Any) -> Any:
+        return http.Response(200, headers={"content-type": "text/event-stream"}, content=events)
+
+    return http.Client(transport=http.MockTransport(answer))
+
+
+def test_a_cut_messages_stream_raises_in_anthropics_client() -> None:
+    before = b'event: ping\ndata: {"type": "ping"}\n\n'
+    events = before + stream_cut_event("/v1/messages", "the engine replica serving this stream died", 1)
+    client = anthropic.Anthropic(api_key="k", base_url="http://ingress", http_client=_client_stream(httpx2, events))
+    stream = client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}], stream=True)
+    with pytest.raises(anthropic.APIStatusError, match="replica serving this stream died") as raised:
+        list(stream)
+    cut = {"type": "ServiceUnavailableError", "message": "the engine replica serving this stream died"}
+    assert raised.value.body == {"type": "error", "error": cut}
+
+
+def test_a_cut_responses_stream_ends_with_the_next_numbered_error_event() -> None:
+    delta = {"type": "response.output_text.delta", "delta": "a", "item_id": "m", "output_index": 0,
+             "content_index": 0, "logprobs": []}  # fmt: skip
+    before = b"".join(
+        f"event: {delta['type']}\ndata: {json.dumps({**delta, 'sequence_number': i})}\n\n".encode() for i in range(3)
+    )
+    counter = EventCounter()
+    counter.feed(before)
+    events = before + stream_cut_event("/v1/responses", "died", counter.count)
+    client = openai.OpenAI(api_key="k", base_url="http://ingress/v1", http_client=_client_stream(httpx, events))
+    received = list(client.responses.create(model="m", input="hi", stream=True))
+    assert [e.type for e in received] == ["response.output_text.delta"] * 3 + ["error"]
+    last = received[-1]
+    assert (last.sequence_number, last.code, last.message, last.param) == (3, "503", "died", None)
+
+
+def test_a_cut_completions_stream_raises_in_openais_client() -> None:
+    events = b'data: {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": []}\n\n'
+    events += stream_cut_event("/v1/completions", "died", 0)
+    client = openai.OpenAI(api_key="k", base_url="http://ingress/v1", http_client=_client_stream(httpx, events))
+    with pytest.raises(openai.APIError, match="died"):
+        list(client.completions.create(model="m", prompt="hi", stream=True))
