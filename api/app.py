@@ -15,6 +15,7 @@ from loraserve.llm_engine import LLMEngine
 from . import (
     routes_adapters,
     routes_chat,
+    routes_chat_batch,
     routes_completions,
     routes_invocations,
     routes_messages,
@@ -88,7 +89,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_body_bytes)
-    routes = (routes_completions, routes_chat, routes_responses, routes_messages, routes_invocations, routes_tokenize)
-    for module in (*routes, routes_models, routes_adapters):
+    inference = (routes_completions, routes_chat, routes_chat_batch, routes_responses, routes_messages)
+    for module in (*inference, routes_invocations, routes_tokenize, routes_models, routes_adapters):
         app.include_router(module.router)
     return app

@@ -8,7 +8,7 @@ clear 400 instead of silently ignoring them (see :func:`unsupported_fields`).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -150,9 +150,10 @@ class ChatMessage(RequestBody):
     tool_call_id: str | None = None  # tool messages: the call this answers
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatFields(_SamplingFields):
+    """A chat completion request's fields but its ``messages`` (one conversation, or a batch's several)."""
+
     NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream", "logprobs")
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -175,6 +176,17 @@ class ChatCompletionRequest(_SamplingFields):
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     web_search_options: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(ChatFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class BatchChatCompletionRequest(ChatFields):
+    """vLLM's ``/v1/chat/completions/batch``: the chat fields, with one conversation per item of
+    ``messages``, each answered by its own choice."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(min_length=1)
 
 
 class TokenizeRequest(RequestBody):
@@ -235,7 +247,7 @@ def unsupported_fields(request: _SamplingFields) -> list[str]:
             bad.append("suffix")
         if request.prompt_embeds is not None:
             bad.append("prompt_embeds")
-    if isinstance(request, ChatCompletionRequest):
+    if isinstance(request, ChatFields):
         if request.tools:
             bad.append("tools")
         for name in ("chat_template", "documents"):

@@ -19,7 +19,7 @@ from .auth import require_api_key
 from .chat_template import message_dict, render_chat_prompt
 from .errors import APIError
 from .logprobs import chat_logprobs, prompt_logprobs
-from .openai_protocol import ChatCompletionRequest
+from .openai_protocol import ChatCompletionRequest, ChatFields
 from .openai_responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 router = APIRouter(tags=["inference"])
 
 
-def template_variables(body: ChatCompletionRequest) -> dict[str, Any] | None:
+def template_variables(body: ChatFields) -> dict[str, Any] | None:
     """The chat template's extra variables: ``chat_template_kwargs``, and ``reasoning_effort`` with
     ``enable_thinking`` (false for ``none``) where the client sets an effort and not that
     variable, as vLLM hands them over (a template that does not read them ignores them)."""
@@ -126,7 +126,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             ChatChoice(
                 index=completion.index,
                 message=ChatResponseMessage(role=role, content=echo + completion.text),
-                logprobs=_logprobs(state, completion, 0, len(completion.token_ids), params, num_top),
+                logprobs=choice_logprobs(state, completion, 0, len(completion.token_ids), params, num_top),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
                 token_ids=list(completion.token_ids) if body.return_token_ids else None,
@@ -148,7 +148,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await answer(state, request, add, body.stream, events, whole)
 
 
-def _logprobs(
+def choice_logprobs(
     state: ServerState, completion: CompletionOutput, start: int, end: int, params: SamplingParams, num_top: int
 ) -> ChatLogprobs | None:
     if params.logprobs is None:
@@ -209,7 +209,7 @@ async def _stream(
                     text = tracker.next_text(completion)
                     start, end = tracker.next_token_range(completion)
                     tracker.finished = completion.finish_reason is not None
-                    logprobs = _logprobs(state, completion, start, end, params, num_top) if end > start else None
+                    logprobs = choice_logprobs(state, completion, start, end, params, num_top) if end > start else None
                     if not text and not tracker.finished and end == start:
                         continue  # nothing new (a token whose text is still incomplete still gets its chunk)
                     delta = ChatDelta(content=text)

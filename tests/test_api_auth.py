@@ -52,6 +52,8 @@ def test_inference_needs_the_api_key(url: str) -> None:
     assert_auth_error(httpx.get(url + "/v1/models", headers={"Authorization": USER_KEY}), 401)  # no scheme
     assert_auth_error(httpx.get(url + "/v1/adapters"), 401)
     assert_auth_error(httpx.post(url + "/invocations", json=COMPLETION), 401)  # SageMaker's route too
+    batch = {"model": MODEL, "max_tokens": 1, "messages": [[{"role": "user", "content": "Hi"}]]}
+    assert_auth_error(httpx.post(url + "/v1/chat/completions/batch", json=batch), 401)
     # Anthropic's routes also take the key in x-api-key, as Anthropic's clients send it.
     message = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
     assert_auth_error(httpx.post(url + "/v1/messages", json=message), 401)
