@@ -19,7 +19,7 @@ from .auth import require_api_key
 from .chat_template import message_dict, render_chat_prompt
 from .errors import APIError
 from .logprobs import chat_logprobs, prompt_logprobs
-from .openai_protocol import ChatCompletionRequest, ChatFields
+from .openai_protocol import ChatCompletionRequest, ChatFields, ChatMessage
 from .openai_responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -67,6 +67,12 @@ def template_variables(body: ChatFields) -> dict[str, Any] | None:
     return {**effort, **(body.chat_template_kwargs or {})}
 
 
+def echoed_content(messages: list[ChatMessage], role: str) -> str:
+    """What a reply starts with under ``echo``: the last message's content when it has the reply's role (vLLM's)."""
+    last = messages[-1]
+    return str(message_dict(last, len(messages) - 1)["content"]) if last.role == role else ""
+
+
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletionResponse,
@@ -110,8 +116,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     # vLLM's: the reply takes the last message's role unless a generation prompt starts a new
     # assistant turn; ``echo`` starts its content with the last message's when their roles match.
     role = "assistant" if body.add_generation_prompt else body.messages[-1].role
-    last = body.messages[-1]
-    echo = str(message_dict(last, len(body.messages) - 1)["content"]) if body.echo and last.role == role else ""
+    echo = echoed_content(body.messages, role) if body.echo else ""
     reply = _Reply(role, echo, num_top, len(prompt_ids), prompt_ids if body.return_token_ids else None)
     request_id = new_id("chatcmpl", request, body.request_id)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -18,12 +18,12 @@ from loraserve.outputs import RequestOutput
 
 from .async_engine import RequestStream
 from .auth import require_api_key
-from .chat_template import message_dict, render_chat_prompt
+from .chat_template import render_chat_prompt
 from .errors import APIError
-from .openai_protocol import BatchChatCompletionRequest, ChatMessage
+from .openai_protocol import BatchChatCompletionRequest
 from .openai_responses import ChatChoice, ChatCompletionResponse, ChatResponseMessage
 from .response_modes import answer
-from .routes_chat import choice_logprobs, template_variables
+from .routes_chat import choice_logprobs, echoed_content, template_variables
 from .routes_completions import ERROR_RESPONSES, MAX_CHOICES, usage_for
 from .serving import (
     check_request_limits,
@@ -53,12 +53,6 @@ def _refuse_unserved(body: BatchChatCompletionRequest) -> None:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
 
 
-def _echo(conversation: list[ChatMessage], role: str, echo: bool) -> str:
-    """The last message's content the reply starts with: with ``echo``, when the roles match (vLLM's)."""
-    last = conversation[-1]
-    return str(message_dict(last, len(conversation) - 1)["content"]) if echo and last.role == role else ""
-
-
 @router.post(
     "/v1/chat/completions/batch",
     response_model=ChatCompletionResponse,
@@ -86,7 +80,8 @@ async def create_batch_chat_completion(body: BatchChatCompletionRequest, request
     params = [by_budget[budget] for budget in budgets]
     # vLLM's: a reply takes its conversation's last role unless a generation prompt starts a new turn.
     roles = ["assistant" if body.add_generation_prompt else conversation[-1].role for conversation in body.messages]
-    echoes = [_echo(conversation, role, body.echo) for conversation, role in zip(body.messages, roles, strict=True)]
+    conversations = zip(body.messages, roles, strict=True)
+    echoes = [echoed_content(conversation, role) if body.echo else "" for conversation, role in conversations]
     request_id = new_id("chatcmpl", request, body.request_id)
     num_top = body.top_logprobs or 0
 
