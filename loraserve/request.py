@@ -38,7 +38,7 @@ def make_output(request: Request) -> RequestOutput:
             token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            logprobs=_logprobs_of_tokens(seq) if seq.params.logprobs is not None else None,
         )
         for seq in request.seqs
     ]
@@ -63,3 +63,10 @@ def _token_times(seq: Sequence) -> dict[str, float]:
         times["first_token_time"] = seq.first_token_time
         times["last_token_time"] = seq.last_token_time
     return times
+
+
+def _logprobs_of_tokens(seq: Sequence) -> list[dict[int, float]]:
+    """One entry per output token. With async scheduling a launched step records its token's entry
+    at launch and the token only when collected, so a request ended between the two (a drain's
+    deadline) holds one entry more than tokens: that token is never delivered, nor is its entry."""
+    return seq.output_logprobs[: len(seq.output_token_ids)]

@@ -153,6 +153,26 @@ def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
     _all_pages_back(engine)
 
 
+def test_a_request_finished_while_its_step_is_in_flight_has_a_logprob_per_token(tiny_model_dir: Path) -> None:
+    """A drain's deadline (``finish_request``) between a step's launch and its collection: the
+    token on its way is not delivered, and neither is the logprobs entry its launch recorded."""
+    llm = _make(tiny_model_dir, {}, True, num_pages=100)
+    engine = llm.engine
+    engine.add_request("x", "hello there my friend", SamplingParams(max_tokens=20, logprobs=1, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine._in_flight is not None and engine.requests["x"].seqs[0].num_pending_tokens == 1
+    output = engine.finish_request("x")
+    assert output is not None
+    (completion,) = output.outputs
+    assert completion.finish_reason == "abort" and completion.logprobs is not None
+    assert len(completion.token_ids) == 3 and len(completion.logprobs) == 3
+    assert all(token in entry for token, entry in zip(completion.token_ids, completion.logprobs, strict=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    _all_pages_back(engine)
+
+
 def test_requests_that_need_host_tokens_turn_the_overlap_off(tiny_model_dir: Path) -> None:
     """While a request with logprobs, penalties or n > 1 runs, each step waits for the one
     before; its outputs (logprobs included) equal the engine's without async scheduling."""
