@@ -75,9 +75,13 @@ def chat_messages(
         where = f"messages.{index}.content"
         if message.role != "system":
             turns.append(ChatMessage(role=message.role, content=_text(message.content, where)))
-        elif merge_inline_system:
-            system.append(_text(message.content, where, separator=""))
-        elif text := _text(message.content, where, separator=""):
+            continue
+        text = _text(message.content, where, separator="")
+        if text.startswith(BILLING_HEADER):  # a string's too (vLLM's): its per-request hash defeats the prefix cache
+            text = ""
+        if merge_inline_system:
+            system.append(text)
+        elif text:
             turns.append(ChatMessage(role="system", content=text))
     leading = "".join(system)
     messages = [ChatMessage(role="system", content=leading)] if leading else []

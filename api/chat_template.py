@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from typing import Any
 
 from jinja2.exceptions import TemplateError
@@ -13,6 +14,8 @@ from jinja2.exceptions import TemplateError
 from .errors import APIError
 from .openai_protocol import ChatMessage, ToolCall
 from .serving import ServerState
+
+logger = logging.getLogger(__name__)
 
 
 def message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
@@ -119,11 +122,16 @@ INLINE_SYSTEM_PROBE = [{"role": "system", "content": "t"}, {"role": "user", "con
 
 def refuses_inline_system(tokenizer: Any) -> bool:
     """Whether the chat template refuses a system message after the first turn (vLLM's probe: it
-    renders system, user, system, user); a tokenizer without a template counts as refusing."""
+    renders system, user, system, user); a tokenizer without a template counts as refusing. The
+    probe renders as a request does (``bos_token``, ``raise_exception`` defined), so a template
+    that needs those is judged by its messages' order, not by a missing variable as in vLLM's."""
     if getattr(tokenizer, "chat_template", None) is None:
         return True
     try:
         tokenizer.apply_chat_template(INLINE_SYSTEM_PROBE, tokenize=False, add_generation_prompt=False)
     except TemplateError:  # a template's raise_exception (e.g. "System message must be at the beginning")
+        return True
+    except Exception:  # any other failure: merging is the safe reading, and the server must still start
+        logger.warning("the chat template failed on the inline-system probe; inline system messages will be merged")
         return True
     return False

@@ -3,9 +3,9 @@ it. The body is a chat completion request whose ``messages`` is a list of conver
 rendered through the chat template and generated as an engine request of its own (all added in one
 submission, so they share the running batch), and the reply is one chat completion whose choice
 ``i`` answers conversation ``i`` and whose usage sums theirs. Sampling fields apply to every
-conversation (a ``seed`` to each alike, as vLLM's). As in vLLM, ``n`` must be 1; what vLLM's
-batch route does not serve and silently ignores (``stream``, ``prompt_logprobs``) is refused
-here by name."""
+conversation (a ``seed`` to each alike, as vLLM's). As in vLLM, ``n`` must be 1 and tools are
+refused; what vLLM's batch route does not serve and silently ignores (``stream``,
+``prompt_logprobs``) is refused here by name, as are more than 256 conversations."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ from .async_engine import RequestStream
 from .auth import require_api_key
 from .chat_template import render_chat_prompt
 from .errors import APIError
-from .openai_protocol import BatchChatCompletionRequest
+from .openai_protocol import BatchChatCompletionRequest, ChatMessage
 from .openai_responses import ChatChoice, ChatCompletionResponse, ChatResponseMessage
 from .response_modes import answer
 from .routes_chat import choice_logprobs, echoed_content, template_variables
 from .routes_completions import ERROR_RESPONSES, MAX_CHOICES, usage_for
 from .serving import (
+    ServerState,
     check_request_limits,
     get_state,
     new_id,
@@ -51,6 +52,21 @@ def _refuse_unserved(body: BatchChatCompletionRequest) -> None:
         raise APIError(400, f"at most {MAX_CHOICES} conversations per request", param="messages")
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    if body.tools is not None or body.tool_choice not in (None, "none"):  # vLLM's field takes "none" only
+        param = "tools" if body.tools is not None else "tool_choice"
+        raise APIError(400, f"{param} is not supported by batch chat completions", param=param)
+
+
+async def _render(state: ServerState, index: int, chat: list[ChatMessage], options: tuple[Any, ...]) -> list[int]:
+    """A conversation's prompt ids; an error names the conversation (``messages.<index>``) too."""
+    try:
+        return await render_chat_prompt(state, chat, *options)
+    except APIError as error:
+        where = f"messages.{index}"
+        param = error.param if isinstance(error.param, str) else ""
+        error.param = where + param.removeprefix("messages") if param.startswith("messages") else where
+        error.message = f"{where}: {error.message}"
+        raise
 
 
 @router.post(
@@ -67,7 +83,7 @@ async def create_batch_chat_completion(body: BatchChatCompletionRequest, request
     _refuse_unserved(body)
     variables = template_variables(body)
     options = (body.add_generation_prompt, body.add_special_tokens, body.continue_final_message, variables)
-    prompt_ids = [await render_chat_prompt(state, conversation, *options) for conversation in body.messages]
+    prompt_ids = [await _render(state, index, chat, options) for index, chat in enumerate(body.messages)]
     lengths = [len(ids) for ids in prompt_ids]
     asked = body.max_completion_tokens or body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

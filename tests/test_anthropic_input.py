@@ -56,6 +56,9 @@ def test_inline_system_messages_merge_into_the_leading_one_where_the_template_re
     only_inline = _request(messages=[{"role": "system", "content": [billing, *REMINDER]}, *TURNS[:1]])
     assert _roles_and_texts(only_inline, merge=True) == [("system", "Be brief."), ("user", "Hi.")]
     assert _roles_and_texts(only_inline, merge=False) == [("system", "Be brief."), ("user", "Hi.")]
+    as_string = _request(messages=[{"role": "system", "content": "x-anthropic-billing-header: cch=1"}, *TURNS[:1]])
+    for merge in (False, True):  # dropped as a string too: its per-request hash would defeat the prefix cache
+        assert _roles_and_texts(as_string, merge=merge) == [("user", "Hi.")]
 
 
 def test_the_probe_tells_templates_that_refuse_inline_system_messages(tokenizer: Any) -> None:

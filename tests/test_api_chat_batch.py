@@ -19,6 +19,7 @@ from base_model_server import (  # noqa: F401 (pytest fixtures: http, server)
 pytestmark = pytest.mark.slow
 
 CAPITAL = {"role": "user", "content": "What is the capital of France?"}
+IMAGE = {"role": "user", "content": [{"type": "image_url"}]}
 PREFILL = [CAPITAL, {"role": "assistant", "content": "The capital"}]
 
 
@@ -69,7 +70,10 @@ def test_roles_echo_and_budgets_are_per_conversation(http: httpx.Client) -> None
         ({"stream": True}, "stream", "stream is not supported"),
         ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs is not supported"),
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported parameter"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools is not supported"),
+        ({"tools": []}, "tools", "tools is not supported"),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice is not supported"),
+        ({"messages": [[USER_HI], [IMAGE]]}, "messages.1.0.content", "messages.1: "),  # names the conversation
         ({"messages": []}, None, "messages"),
         ({"messages": [[USER_HI], []]}, None, "messages"),
         ({"messages": [USER_HI]}, None, "messages"),  # one conversation, not a list of them

@@ -177,3 +177,19 @@ def test_what_is_not_served_is_refused_in_anthropics_shape(
     budget = {**base, "thinking": {"type": "enabled", "budget_tokens": 1024}}
     assert "less than max_tokens" in assert_openai_error(http.post("/v1/messages", json=budget), 400)["message"]
     wait_until_idle(http, server[1])  # nothing left running
+
+
+def test_an_inline_system_message_keeps_its_place_for_a_template_that_takes_it(http: httpx.Client) -> None:
+    """SmolLM2's template takes system messages anywhere, so one among the turns stays there (its
+    blocks joined with nothing between), as the prompt's token count shows."""
+    reminder = [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]
+    turns = [{"role": "user", "content": "Hi"}, {"role": "system", "content": reminder}, ASK[0]]
+    counted = http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": turns})
+    assert counted.status_code == 200, counted.text
+    chat = [turns[0], {"role": "system", "content": "Be brief."}, ASK[0]]
+    tokenized = http.post("/tokenize", json={"model": MODEL, "messages": chat})
+    assert tokenized.status_code == 200, tokenized.text
+    assert counted.json()["input_tokens"] == tokenized.json()["count"]
+    merged = [{"role": "system", "content": "Be brief."}, turns[0], ASK[0]]  # what a merge would have sent
+    merged_count = http.post("/tokenize", json={"model": MODEL, "messages": merged}).json()["count"]
+    assert merged_count != tokenized.json()["count"]  # (the template adds its default system prompt before a user)

@@ -11,7 +11,7 @@ import httpx2
 import openai
 import pytest
 
-from loraserve.entrypoints.ingress_protocol import EventCounter, adapter_and_stream, stream_cut_event
+from loraserve.entrypoints.ingress_protocol import EventFramer, adapter_and_stream, stream_cut_event
 
 JSON = {"content-type": "application/json"}
 SAGEMAKER = "x-amzn-sagemaker-adapter-identifier"
@@ -43,16 +43,19 @@ def test_bodies_the_ingress_cannot_read_go_to_any_replica_unstreamed(headers: di
     assert adapter_and_stream("/v1/completions", headers, body, "base") == ("", False)
 
 
-def test_events_are_counted_wherever_the_raw_chunks_split_them() -> None:
+def test_whole_events_are_passed_on_and_counted_wherever_the_raw_chunks_split_them() -> None:
     stream = b"".join(f'event: e{i}\ndata: {{"n": "event: {i}"}}\n\n'.encode() for i in range(5))
     for size in (1, 2, 3, 5, 7, 11, len(stream)):
-        counter = EventCounter()
-        for start in range(0, len(stream), size):
-            counter.feed(stream[start : start + size])
-        assert counter.count == 5, size
-    untyped = EventCounter()
-    untyped.feed(b'data: {"x": 1}\n\ndata: [DONE]\n\n')
-    assert untyped.count == 0
+        framer = EventFramer()
+        passed = [framer.feed(stream[start : start + size]) for start in range(0, len(stream), size)]
+        assert all(piece.endswith(b"\n\n") for piece in passed if piece), size
+        assert b"".join(passed) == stream and framer.rest() == b"" and framer.num_events == 5, size
+    cut = EventFramer()  # a replica dies mid-event: the partial event is never passed on
+    first = stream.index(b"\n\n") + 2
+    assert cut.feed(stream[: first + 12]) == stream[:first] and cut.num_events == 1
+    untyped = EventFramer()
+    assert untyped.feed(b'data: {"x": 1}\n\ndata: [DO') == b'data: {"x": 1}\n\n'
+    assert untyped.rest() == b"data: [DO" and untyped.num_events == 0
 
 
 def _client_stream(http: ModuleType, events: bytes) -> Any:
@@ -81,9 +84,9 @@ def test_a_cut_responses_stream_ends_with_the_next_numbered_error_event() -> Non
     before = b"".join(
         f"event: {delta['type']}\ndata: {json.dumps({**delta, 'sequence_number': i})}\n\n".encode() for i in range(3)
     )
-    counter = EventCounter()
-    counter.feed(before)
-    events = before + stream_cut_event("/v1/responses", "died", counter.count)
+    framer = EventFramer()
+    assert framer.feed(before) == before
+    events = before + stream_cut_event("/v1/responses", "died", framer.num_events)
     client = openai.OpenAI(api_key="k", base_url="http://ingress/v1", http_client=_client_stream(httpx, events))
     received = list(client.responses.create(model="m", input="hi", stream=True))
     assert [e.type for e in received] == ["response.output_text.delta"] * 3 + ["error"]
@@ -94,6 +97,7 @@ def test_a_cut_responses_stream_ends_with_the_next_numbered_error_event() -> Non
 def test_a_cut_completions_stream_raises_in_openais_client() -> None:
     events = b'data: {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": []}\n\n'
     events += stream_cut_event("/v1/completions", "died", 0)
+    assert events.endswith(b"data: [DONE]\n\n")  # as the routes end a stream after an error
     client = openai.OpenAI(api_key="k", base_url="http://ingress/v1", http_client=_client_stream(httpx, events))
     with pytest.raises(openai.APIError, match="died"):
         list(client.completions.create(model="m", prompt="hi", stream=True))

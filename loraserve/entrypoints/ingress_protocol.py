@@ -37,31 +37,42 @@ def unavailable_body(message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}
 
 
-class EventCounter:
-    """Counts the typed server-sent events (``event:`` lines; data lines hold JSON, which has no raw
-    newlines) of a stream read in raw chunks, which may split a line anywhere."""
+class EventFramer:
+    """Passes a server-sent event stream read in raw chunks (which may end anywhere) on whole
+    events only, holding back a partial one, so that a stream cut mid-event ends cleanly; counts
+    the typed events passed on (``event:`` lines; data lines hold JSON, which has no raw newlines)."""
 
-    MARK = b"\nevent:"
+    END = b"\n\n"
 
     def __init__(self) -> None:
-        self.count = 0
-        self._tail = b"\n"  # the stream's first line starts one too
+        self.num_events = 0
+        self._held = b""
 
-    def feed(self, chunk: bytes) -> None:
-        # The tail is shorter than the mark, so a match here ends in this chunk: none counted twice.
-        seen = self._tail + chunk
-        self.count += seen.count(self.MARK)
-        self._tail = seen[-(len(self.MARK) - 1) :]
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events completed by ``chunk`` (b"" while one is still partial)."""
+        data = self._held + chunk
+        cut = data.rfind(self.END) + len(self.END)  # 1 when there is no end yet: nothing whole
+        if cut < len(self.END):
+            self._held = data
+            return b""
+        whole, self._held = data[:cut], data[cut:]
+        self.num_events += sum(1 for line in whole.split(b"\n") if line.startswith(b"event:"))
+        return whole
+
+    def rest(self) -> bytes:
+        """What the stream ended with after its last whole event (normally nothing)."""
+        rest, self._held = self._held, b""
+        return rest
 
 
 def stream_cut_event(path: str, message: str, events_sent: int) -> bytes:
     """The event that ends a stream cut by its replica's death, as the route's own errors after the
     stream started: Anthropic's ``error`` event on ``/v1/messages``, the Responses API's numbered
-    ``error`` event on ``/v1/responses``, else vLLM's error body as a ``data:`` line."""
+    ``error`` event on ``/v1/responses``, else vLLM's error body as a ``data:`` line, then ``[DONE]``."""
     if path == "/v1/messages":
         data: dict[str, Any] = {"type": "error", "error": {"type": "ServiceUnavailableError", "message": message}}
         return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
     if path == "/v1/responses":
         data = {"code": "503", "message": message, "param": None, "sequence_number": events_sent, "type": "error"}
         return f"event: error\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-    return f"data: {json.dumps(unavailable_body(message))}\n\n".encode()
+    return f"data: {json.dumps(unavailable_body(message))}\n\ndata: [DONE]\n\n".encode()  # as the routes end one

@@ -56,7 +56,7 @@ from loraserve.entrypoints.fleet_metrics import (
     live_replica_ids,
     merge_replica_metrics,
 )
-from loraserve.entrypoints.ingress_protocol import EventCounter, adapter_and_stream, stream_cut_event, unavailable_body
+from loraserve.entrypoints.ingress_protocol import EventFramer, adapter_and_stream, stream_cut_event, unavailable_body
 from loraserve.entrypoints.startup_heap import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -262,17 +262,24 @@ class Ingress:
 
         async def rest() -> AsyncIterator[bytes]:
             finished = False
-            events = EventCounter()  # the Responses API numbers its events, the error event too
+            # Whole events only, so a stream cut mid-event ends with the error event alone; the
+            # Responses API numbers its events, the error event too.
+            events = EventFramer()
             try:
                 async for chunk in chunks:
-                    events.feed(chunk)
-                    yield chunk
+                    if not event_stream:
+                        yield chunk
+                    elif whole := events.feed(chunk):
+                        yield whole
                 finished = True
+                if rest := events.rest():
+                    yield rest
             except RayActorError as error:
                 finished = True
                 self.cut.inc()
                 if event_stream:
-                    yield stream_cut_event(path, f"the engine replica serving this stream died: {error}", events.count)
+                    message = f"the engine replica serving this stream died: {error}"
+                    yield stream_cut_event(path, message, events.num_events)
             finally:
                 if not finished:  # the client left: stop the replica's request too
                     chunks.cancel()
