@@ -67,6 +67,21 @@ def template_variables(body: ChatFields) -> dict[str, Any] | None:
     return {**effort, **(body.chat_template_kwargs or {})}
 
 
+async def chat_sampling_params(state: ServerState, body: ChatFields, prompt_lengths: list[int]) -> list[SamplingParams]:
+    """Each prompt's sampling parameters: the body's, the server's limits checked, ``max_tokens``
+    lowered to the room each prompt leaves in the context (vLLM's rule)."""
+    asked = body.max_completion_tokens or body.max_tokens
+    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    check_request_limits(state, body.n, prompt_lengths, asked)
+    default = state.settings.default_max_tokens
+    budgets = output_budgets(state, prompt_lengths, asked, default, field, "messages")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    constraint = await structured_outputs_of(state, body)
+    defaults = state.settings.sampling_defaults
+    by_budget = {b: sampling_params(body, b, logprobs, defaults, structured_outputs=constraint) for b in set(budgets)}
+    return [by_budget[budget] for budget in budgets]
+
+
 def echoed_content(messages: list[ChatMessage], role: str) -> str:
     """What a reply starts with under ``echo``: the last message's content when it has the reply's role (vLLM's)."""
     last = messages[-1]
@@ -102,16 +117,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body.continue_final_message,
         template_variables(body),
     )
-    asked = body.max_completion_tokens or body.max_tokens
-    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    check_request_limits(state, body.n, [len(prompt_ids)], asked)
-    default = state.settings.default_max_tokens
-    (max_tokens,) = output_budgets(state, [len(prompt_ids)], asked, default, field, "messages")  # vLLM's rule
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    constraint = await structured_outputs_of(state, body)
-    params = sampling_params(
-        body, max_tokens, logprobs, state.settings.sampling_defaults, structured_outputs=constraint
-    )
+    (params,) = await chat_sampling_params(state, body, [len(prompt_ids)])
     num_top = body.top_logprobs or 0
     # vLLM's: the reply takes the last message's role unless a generation prompt starts a new
     # assistant turn; ``echo`` starts its content with the last message's when their roles match.

@@ -23,20 +23,16 @@ from .errors import APIError
 from .openai_protocol import BatchChatCompletionRequest, ChatMessage
 from .openai_responses import ChatChoice, ChatCompletionResponse, ChatResponseMessage
 from .response_modes import answer
-from .routes_chat import choice_logprobs, echoed_content, template_variables
+from .routes_chat import chat_sampling_params, choice_logprobs, echoed_content, template_variables
 from .routes_completions import ERROR_RESPONSES, MAX_CHOICES, usage_for
 from .serving import (
     ServerState,
-    check_request_limits,
     get_state,
     new_id,
-    output_budgets,
     require_json,
     resolve_adapter,
-    sampling_params,
     submit,
 )
-from .structured_request import structured_outputs_of
 
 router = APIRouter(tags=["inference"])
 
@@ -84,16 +80,7 @@ async def create_batch_chat_completion(body: BatchChatCompletionRequest, request
     variables = template_variables(body)
     options = (body.add_generation_prompt, body.add_special_tokens, body.continue_final_message, variables)
     prompt_ids = [await _render(state, index, chat, options) for index, chat in enumerate(body.messages)]
-    lengths = [len(ids) for ids in prompt_ids]
-    asked = body.max_completion_tokens or body.max_tokens
-    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    check_request_limits(state, 1, lengths, asked)
-    budgets = output_budgets(state, lengths, asked, state.settings.default_max_tokens, field, "messages")
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    constraint = await structured_outputs_of(state, body)
-    defaults = state.settings.sampling_defaults
-    by_budget = {b: sampling_params(body, b, logprobs, defaults, structured_outputs=constraint) for b in set(budgets)}
-    params = [by_budget[budget] for budget in budgets]
+    params = await chat_sampling_params(state, body, [len(ids) for ids in prompt_ids])
     # vLLM's: a reply takes its conversation's last role unless a generation prompt starts a new turn.
     roles = ["assistant" if body.add_generation_prompt else conversation[-1].role for conversation in body.messages]
     conversations = zip(body.messages, roles, strict=True)
