@@ -34,6 +34,11 @@ def register_store_scheme(scheme: str, factory: Callable[[str], AdapterStore]) -
     STORE_FACTORIES[scheme] = factory
 
 
+def is_directory_spec(spec: str) -> bool:
+    """Whether ``spec`` names a local directory store (one machine's: not shared across a cluster)."""
+    return STORE_FACTORIES.get(spec.partition(":")[0], _make_dir_store) is _make_dir_store
+
+
 def make_store(spec: str) -> AdapterStore:
     """Build a store from a spec: ``"dir:/path"`` or ``"/path"`` (local), ``"redis://host:port/db"`` (Redis)."""
     scheme = spec.partition(":")[0]

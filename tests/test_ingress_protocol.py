@@ -1,6 +1,7 @@
 """The Ray Serve ingress's own reading of requests and its stream-cut events, parsed by each API's
 official client (no Ray needed: ``loraserve.entrypoints.ingress_protocol``)."""
 
+import asyncio
 import json
 from types import ModuleType
 from typing import Any
@@ -36,11 +37,67 @@ def test_the_adapter_is_the_bodys_model_or_on_invocations_the_sagemaker_header()
         (JSON, b'{"model": '),
         (JSON, b"[" * 100_000 + b"]" * 100_000),  # too deep for json: the replica answers the 400
         (JSON, b'["sql"]'),
-        (JSON, b'{"model": 3, "stream": "yes"}'),
+        (JSON, b'{"model": 3, "stream": "maybe"}'),
     ],
 )
 def test_bodies_the_ingress_cannot_read_go_to_any_replica_unstreamed(headers: dict[str, str], body: bytes) -> None:
     assert adapter_and_stream("/v1/completions", headers, body, "base") == ("", False)
+
+
+@pytest.mark.parametrize("value, streams", [(True, True), (1, True), ("true", True), ("yes", True), (False, False),
+                                            (0, False), ("no", False), (None, False), ([], False)])  # fmt: skip
+def test_a_stream_is_forwarded_as_one_whenever_the_replica_streams_it(value: Any, streams: bool) -> None:
+    from loraserve.api.openai_protocol import CompletionRequest
+
+    body = json.dumps({"model": "sql", "prompt": "x", "stream": value}).encode()
+    assert adapter_and_stream("/v1/completions", JSON, body, "base") == ("sql", streams)
+    if value is not None and not isinstance(value, list):  # the replica's reading (pydantic's lax bool)
+        assert CompletionRequest(model="sql", prompt="x", stream=value).stream is streams
+
+
+def test_a_replica_forwards_more_streams_at_once_than_httpx_pools_by_default() -> None:
+    """httpx's default pool (100 connections, no pool timeout here) would hold stream 101 until
+    one of the first 100 ended: a replica then served at most 100 requests at once, not Serve's 256."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from loraserve.api.server_thread import ServerThread
+
+    from loraserve.entrypoints.ingress_protocol import replica_client
+
+    num_streams = 150
+    app = FastAPI()
+    state = {"open": 0, "released": False}
+
+    @app.get("/hold")
+    async def hold() -> StreamingResponse:
+        async def body() -> Any:
+            state["open"] += 1
+            yield b"data: open\n\n"
+            while not state["released"]:
+                await asyncio.sleep(0.01)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def open_all(url: str) -> list[bytes]:
+        async with replica_client(url) as client:
+
+            async def one() -> bytes:
+                async with client.stream("GET", "/hold") as reply:
+                    return b"".join([chunk async for chunk in reply.aiter_raw()])
+
+            tasks = [asyncio.create_task(one()) for _ in range(num_streams)]
+            deadline = asyncio.get_running_loop().time() + 30
+            while state["open"] < num_streams and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            opened = state["open"]
+            state["released"] = True
+            assert opened == num_streams, f"{opened} of {num_streams} streams open at once"
+            return await asyncio.gather(*tasks)
+
+    with ServerThread(app) as server:
+        bodies = asyncio.run(open_all(server.url))
+    assert bodies == [b"data: open\n\ndata: [DONE]\n\n"] * num_streams
 
 
 def test_whole_events_are_passed_on_and_counted_wherever_the_raw_chunks_split_them() -> None:

@@ -293,3 +293,37 @@ def _per_replica_free(url: str, name: str) -> float:
     values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
     assert len(values) == 1, (name, values)
     return values[0]
+
+
+def test_a_replica_whose_engine_loop_stopped_is_replaced(url: str) -> None:
+    """Serve's health check asks the replica (``EngineReplica.check_health``); its actor answering,
+    and its API's ``/metrics``, are not enough: its engine no longer serves."""
+    from loraserve.entrypoints.fleet_metrics import replica_actor_name
+
+    def up() -> set[str]:
+        return {r for r, v in _per_replica(url, "loraserve_replica_up").items() if v == 1}
+
+    def stop_engine_loop(replica_actor: Any) -> None:  # in the replica's actor (a nested function: sent by value)
+        replica_actor._replica_impl._user_callable_wrapper._callable.async_engine.shutdown()
+
+    before = up()
+    assert len(before) == 2
+    victim = min(before)
+    actor = ray.get_actor(replica_actor_name(APP, "EngineReplica", victim), namespace="serve")
+    ray.get(actor.__ray_call__.remote(stop_engine_loop), timeout=60)
+    stopped = time.monotonic()
+    _wait_for(lambda: victim not in (now := up()) and len(now) == 2, 90, "a replacement for the stopped engine")
+    print(f"replaced in {time.monotonic() - stopped:.1f} s")
+    body = {"model": "base", "prompt": "Hello there", "max_tokens": 4}
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(8)))
+    assert [r.status_code for r in replies] == [200] * 8
+
+
+def test_each_replica_on_cuda_holds_a_gpu_of_its_own() -> None:
+    from loraserve.entrypoints.ray_serve import replica_actor_options
+
+    assert replica_actor_options("cpu") == {"num_cpus": 0}
+    assert replica_actor_options("cuda") == {"num_cpus": 0, "num_gpus": 1}
+    with pytest.raises(ValueError, match="each replica gets its own GPU"):
+        replica_actor_options("cuda:1")

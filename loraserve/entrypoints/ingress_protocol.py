@@ -4,14 +4,20 @@ The ingress forwards bodies and headers as they are; it reads only the adapter a
 (to route it by Serve's multiplexed model id) and whether it streams, and it writes only the
 errors of its own: a 503 when no replica could answer, and the last event of a stream whose
 replica died, in the shape of the route the stream came from (clients of each API parse their
-own). No Ray here, so this is testable without a Ray instance.
+own). Also the HTTP client a replica forwards with to its own API. No Ray here, so this is
+testable without a Ray instance.
 """
 
 import json
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
+from pydantic import TypeAdapter, ValidationError
+
 from loraserve.api.routes_invocations import ADAPTER_HEADER
+
+_BOOL = TypeAdapter(bool)
 
 
 def adapter_and_stream(path: str, headers: Mapping[str, str], body: bytes, base_model: str) -> tuple[str, bool]:
@@ -29,7 +35,24 @@ def adapter_and_stream(path: str, headers: Mapping[str, str], body: bytes, base_
     if path == "/invocations" and headers.get(ADAPTER_HEADER.lower()):
         model = headers[ADAPTER_HEADER.lower()]
     adapter = model if isinstance(model, str) and model != base_model else ""
-    return adapter, fields.get("stream") is True
+    return adapter, _is_true(fields.get("stream"))
+
+
+def _is_true(value: Any) -> bool:
+    """``value`` as the replica's request model reads a bool (pydantic's lax mode: ``1``,
+    ``"true"``, ``"yes"`` are true), so a stream is forwarded as one whenever the replica streams it."""
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return False
+
+
+def replica_client(base_url: str) -> httpx.AsyncClient:
+    """A replica's client to its own API on ``base_url``: no limit on connections (httpx's default
+    of 100 would queue requests past it, streams included, forever: Serve's ``max_ongoing_requests``
+    is the replica's limit) and no timeout (a request runs as long as the engine takes)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits)
 
 
 def unavailable_body(message: str) -> dict[str, Any]:

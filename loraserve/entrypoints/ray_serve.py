@@ -25,10 +25,13 @@ Faults and operations:
   did not answer within :data:`INGRESS_METRICS_TIMEOUT_S`) and the ingress's own counters.
 * A replica that dies: a request that had not started answering there (every non-streamed one, a
   stream before its first bytes) is sent to another replica, at most :data:`MAX_ATTEMPTS` times in
-  all; a stream cut in the middle ends with an error event. Serve starts a replacement.
+  all; a stream cut in the middle ends with an error event. Serve starts a replacement. A replica
+  that can no longer serve while its actor lives (its engine loop or its API's server thread
+  stopped) fails Serve's health check (:meth:`EngineReplica.check_health`) and is replaced too.
 * Stopping (``run_ray_serve`` in ``ray_launch.py``): the first SIGTERM or SIGINT drains every replica's engine (new
   requests get 503, those in flight run for up to ``--shutdown-timeout`` seconds, then end with
-  finish reason ``abort``), waits for the ingress to send their last bytes, then stops Serve.
+  finish reason ``abort``), waits for the ingress to send their last bytes, then stops Serve (on
+  a cluster it joined, only deletes this application).
 
 (No ``from __future__ import annotations`` here, and what the ingress calls is defined above it:
 Serve's ingress wrapper takes the module namespace as it is when the class is decorated, so
@@ -56,7 +59,13 @@ from loraserve.entrypoints.fleet_metrics import (
     live_replica_ids,
     merge_replica_metrics,
 )
-from loraserve.entrypoints.ingress_protocol import EventFramer, adapter_and_stream, stream_cut_event, unavailable_body
+from loraserve.entrypoints.ingress_protocol import (
+    EventFramer,
+    adapter_and_stream,
+    replica_client,
+    stream_cut_event,
+    unavailable_body,
+)
 from loraserve.entrypoints.startup_heap import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -93,8 +102,18 @@ class EngineReplica:
         freeze_startup_objects()
         self.async_engine = app.state.server.async_engine
         self.server = ServerThread(app).start()
-        self.client = httpx.AsyncClient(base_url=self.server.url, timeout=None)
+        self.client = replica_client(self.server.url)
         self.replica_id = serve.get_replica_context().replica_id.unique_id  # answered as X-Loraserve-Replica
+
+    def check_health(self) -> None:
+        """Serve's health check (every :data:`HEALTH_CHECK_PERIOD_S`): raises when this replica can
+        no longer serve, its engine loop or its API's server thread having stopped, so Serve stops
+        it and starts another (the actor alone answering is not enough). A draining replica is
+        healthy: it still serves what it has."""
+        if not self.async_engine.is_running:
+            raise RuntimeError(f"replica {self.replica_id}: the engine loop has stopped (see its log)")
+        if not self.server.thread.is_alive():
+            raise RuntimeError(f"replica {self.replica_id}: its API server thread has stopped")
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def hold(self, adapter: str) -> str:
@@ -154,6 +173,17 @@ class EngineReplica:
         server = getattr(self, "server", None)
         if server is not None:
             server.stop()
+
+
+def replica_actor_options(device: str) -> dict[str, Any]:
+    """Ray's resources for one engine replica on ``device``: no CPU reserved (the engine's threads
+    are set by ``num_threads``), and one GPU on CUDA, so Ray places replicas by GPU and gives each
+    its own. ``ValueError`` for a CUDA device with an index: Ray picks each replica's GPU."""
+    if device.startswith("cuda"):
+        if device != "cuda":
+            raise ValueError(f"device {device!r}: under Ray each replica gets its own GPU; give device 'cuda'")
+        return {"num_cpus": 0, "num_gpus": 1}
+    return {"num_cpus": 0}
 
 
 def _passable(headers: httpx.Headers, replica_id: str) -> dict[str, str]:
@@ -302,7 +332,11 @@ class Ingress:
 
 def build_app(model: str | None, engine_options: dict[str, Any], settings: dict[str, Any], num_replicas: int,
               route_by_adapter: bool = True) -> Any:  # fmt: skip
-    """The Serve application: ``num_replicas`` engine replicas behind the ingress."""
+    """The Serve application: ``num_replicas`` engine replicas behind the ingress; on a CUDA device
+    each replica holds one GPU of its own (Ray sets its ``CUDA_VISIBLE_DEVICES``)."""
+    actor_options = replica_actor_options(engine_options.get("device", "cpu"))
     # (serve.deployment turns the classes into Deployments: options/bind are theirs.)
-    replicas = EngineReplica.options(num_replicas=num_replicas).bind(model, engine_options, settings)  # type: ignore[attr-defined]
+    replicas = EngineReplica.options(num_replicas=num_replicas, ray_actor_options=actor_options).bind(  # type: ignore[attr-defined]
+        model, engine_options, settings
+    )
     return Ingress.bind(replicas, settings, route_by_adapter)  # type: ignore[attr-defined]

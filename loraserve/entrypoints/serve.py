@@ -275,16 +275,23 @@ def _run_on_ray(args: argparse.Namespace) -> int:
     """The same API on Ray Serve (``entrypoints/ray_serve.py``); Ray is imported only here."""
     import dataclasses
 
+    from loraserve.adapters.store_factory import is_directory_spec
     from loraserve.models.loader import resolve_model_dir
 
     try:
         from loraserve.entrypoints.ray_launch import run_ray_serve
+        from loraserve.entrypoints.ray_serve import replica_actor_options
     except ImportError as error:
         raise SystemExit(f"--ray-address needs Ray Serve: pip install 'loraserve[ray]' ({error})") from None
     try:  # validated here, before any replica starts
         config = build_engine_config(args)
+        replica_actor_options(config.device)
         settings = dataclasses.asdict(build_settings(args, Path(resolve_model_dir(config.model))))
     except ValueError as error:  # ConfigError included
         raise SystemExit(f"bad option: {error}") from None
+    if args.ray_address != "local" and is_directory_spec(config.registry or ""):
+        logger.warning("--registry %s is a directory on each machine: replicas on other machines of the cluster "
+                       "will not see adapters uploaded here; give --registry redis://HOST:PORT/DB to share them",
+                       config.registry)  # fmt: skip
     options = engine_options(args) | {"registry": config.registry}
     return run_ray_serve(args, config.model, options, settings)  # SIGTERM and SIGINT: drain, as here
