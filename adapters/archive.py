@@ -14,7 +14,7 @@ import stat
 import tarfile
 import zipfile
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO
 
@@ -54,13 +54,26 @@ def extract_adapter_archive(
     wrong (unknown format, corrupt archive, unsafe member, missing or ambiguous files).
     """
     if data.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        return _extract_zip(data, max_members, max_total_bytes)
+        return _as_adapter_error("zip", lambda: _extract_zip(data, max_members, max_total_bytes))
     if data.startswith(b"\x1f\x8b"):
         limit = max_total_bytes + max_members * _TAR_BYTES_PER_MEMBER + _TAR_TRAILER_BYTES
-        return _extract_tar(_gunzip_bounded(data, limit, max_total_bytes), max_members, max_total_bytes)
+        tar = _gunzip_bounded(data, limit, max_total_bytes)
+        return _as_adapter_error("tar", lambda: _extract_tar(tar, max_members, max_total_bytes))
     if data[257:262] == b"ustar":
-        return _extract_tar(data, max_members, max_total_bytes)
+        return _as_adapter_error("tar", lambda: _extract_tar(data, max_members, max_total_bytes))
     raise AdapterError("upload is not a .zip, .tar.gz/.tgz or .tar archive")
+
+
+def _as_adapter_error(kind: str, extract: Callable[[], dict[str, bytes]]) -> dict[str, bytes]:
+    """``extract()``, where any other error than ours is a damaged archive: the standard library's
+    readers raise many kinds on one (``ValueError``, ``IndexError``, ``NotImplementedError``,
+    ``UnicodeDecodeError``, lzma's ...), and each must be a 400 naming the archive, not a 500."""
+    try:
+        return extract()
+    except AdapterError:
+        raise
+    except Exception as exc:
+        raise AdapterError(f"corrupt {kind} archive: {type(exc).__name__}: {exc}") from exc
 
 
 def _safe_path(name: str) -> str:
@@ -180,6 +193,8 @@ def _gunzip_bounded(data: bytes, limit: int, max_total_bytes: int) -> bytes:
             if not decompressor.eof:
                 raise AdapterError("corrupt gzip stream: truncated")
             remaining = decompressor.unused_data
+            if not remaining.strip(b"\0"):  # zero padding after the last member (tape blocks), as gzip reads it
+                break
     except zlib.error as exc:
         raise AdapterError(f"corrupt gzip stream: {exc}") from exc
     return bytes(output)

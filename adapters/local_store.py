@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from pathlib import Path
 
 from .catalog import AdapterCatalog, PollingCatalog
@@ -30,6 +32,7 @@ class LocalDirStore(AdapterStore):
     """
 
     _VERSIONS = ".versions"
+    _LOCKS = ".locks"
     _NUM_READ_ATTEMPTS = 5
     # Unreferenced versions older than this are left by crashed writers and are removed on start-up;
     # younger ones may belong to a put still in progress in another process.
@@ -43,6 +46,8 @@ class LocalDirStore(AdapterStore):
         self.root = Path(root)
         self._versions = self.root / self._VERSIONS
         self._versions.mkdir(parents=True, exist_ok=True)
+        self._locks = self.root / self._LOCKS
+        self._locks.mkdir(exist_ok=True)
         self._remove_orphans()
 
     def __repr__(self) -> str:
@@ -62,14 +67,20 @@ class LocalDirStore(AdapterStore):
             _fsync_dir(self.root)
             self._notify(name, version.name)
             return
-        previous = self._current_version(name)
-        temp_link = self.root / f".link-{name}.{uuid.uuid4().hex}"
-        os.symlink(target, temp_link)
-        os.replace(temp_link, link)  # atomic swap: readers see the old or the new version
-        _fsync_dir(self.root)
-        self._notify(name, version.name)
-        if previous is not None and previous != version:
-            shutil.rmtree(previous, ignore_errors=True)
+        with self._name_lock(name):  # so two overwrites never both remove the same previous version
+            previous = self._current_version(name)
+            temp_link = self.root / f".link-{name}.{uuid.uuid4().hex}"
+            os.symlink(target, temp_link)
+            try:
+                os.replace(temp_link, link)  # atomic swap: readers see the old or the new version
+            except BaseException:
+                temp_link.unlink(missing_ok=True)
+                shutil.rmtree(version, ignore_errors=True)
+                raise
+            _fsync_dir(self.root)
+            self._notify(name, version.name)
+            if previous is not None and previous != version:
+                shutil.rmtree(previous, ignore_errors=True)
 
     def get(self, name: str) -> dict[str, bytes]:
         validate_adapter_name(name)
@@ -89,15 +100,16 @@ class LocalDirStore(AdapterStore):
         raise AdapterNotFoundError(f"adapter {name!r} not found")
 
     def delete(self, name: str) -> None:
-        version = self._current_version(validate_adapter_name(name))
-        try:
-            os.unlink(self.root / name)
-        except FileNotFoundError:
-            raise AdapterNotFoundError(f"adapter {name!r} not found") from None
-        _fsync_dir(self.root)
-        self._notify(name, None)
-        if version is not None:
-            shutil.rmtree(version, ignore_errors=True)
+        with self._name_lock(validate_adapter_name(name)):
+            version = self._current_version(name)
+            try:
+                os.unlink(self.root / name)
+            except FileNotFoundError:
+                raise AdapterNotFoundError(f"adapter {name!r} not found") from None
+            _fsync_dir(self.root)
+            self._notify(name, None)
+            if version is not None:
+                shutil.rmtree(version, ignore_errors=True)
 
     def names(self) -> list[str]:
         return sorted(
@@ -167,6 +179,18 @@ class LocalDirStore(AdapterStore):
         if time.time_ns() - stat.st_mtime_ns < self._RACY_MTIME_S * 1e9:
             return None
         return (stat.st_ino, stat.st_mtime_ns)
+
+    @contextlib.contextmanager
+    def _name_lock(self, name: str) -> Iterator[None]:
+        """An exclusive lock on ``name`` among the processes and threads using this root (an
+        advisory ``flock`` on ``root/.locks/<name>``) for the link change and the removal of the
+        version it replaced: one reader of the previous version at a time."""
+        with open(self._locks / name, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _current_version(self, name: str) -> Path | None:
         try:

@@ -27,6 +27,10 @@ ALL_LINEAR = "all-linear"
 _PROJECTION_KEY = re.compile(
     r"model\.layers\.\d+\.(?:" + "|".join(f"{PROJECTION_PARENTS[m]}\\.{m}" for m in PROJECTION_NAMES) + ")"
 )
+# How peft matches a rank/alpha pattern key and a layers pattern against a module key ({} is the
+# pattern; the forms are checked as the patterns are used).
+_KEY_PATTERN_FORM = r"(.*\.)?({})$"
+_LAYERS_PATTERN_FORM = r"(?:^|.*?\.){}\.(?P<idx>\d+)\."
 # What peft falls back to for model_type "llama" when target_modules is null.
 LLAMA_DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "v_proj")
 
@@ -86,7 +90,7 @@ def _non_projection_module_keys(num_layers: int) -> list[str]:
 def _match_pattern_key(pattern_keys: Sequence[str], key: str) -> str | None:
     """First pattern key matching a dotted suffix of ``key`` (peft's ``get_pattern_key``)."""
     for pattern in pattern_keys:
-        if re.match(rf"(.*\.)?({pattern})$", key):
+        if re.match(_KEY_PATTERN_FORM.replace("{}", pattern), key):
             return pattern
     return None
 
@@ -138,7 +142,7 @@ class LoraConfigView:
             match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
         else:
             for pattern in self.layers_pattern:
-                match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+                match = re.match(_LAYERS_PATTERN_FORM.replace("{}", pattern), key)
                 if match is not None:
                     break
         if match is None:
@@ -192,9 +196,11 @@ def _as_str_tuple(value: Any, field_name: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _check_regex(pattern: str, field_name: str) -> None:
+def _check_regex(pattern: str, field_name: str, used_as: str = "{}") -> None:
+    """``pattern`` compiles in the form it is matched in (``used_as`` with it in place of ``{}``:
+    a pattern valid alone can fail inside another, e.g. with a global flag or a group name)."""
     try:
-        re.compile(pattern)
+        re.compile(used_as.replace("{}", pattern))
     except re.error as exc:
         raise _fail(f"{field_name} entry {pattern!r} is not a valid regular expression: {exc}") from exc
 
@@ -244,7 +250,7 @@ def parse_lora_config(data: bytes) -> LoraConfigView:
     if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
         raise _fail("rank_pattern and alpha_pattern must be JSON objects")
     for pattern in [*rank_pattern, *alpha_pattern]:
-        _check_regex(pattern, "rank_pattern/alpha_pattern")
+        _check_regex(pattern, "rank_pattern/alpha_pattern", _KEY_PATTERN_FORM)
     target_modules = _target_modules(raw)
     exclude = raw.get("exclude_modules")
     if exclude is not None and not isinstance(exclude, str):
@@ -261,10 +267,15 @@ def parse_lora_config(data: bytes) -> LoraConfigView:
         layers_pattern = (layers_pattern,)
     elif layers_pattern is not None:
         layers_pattern = _as_str_tuple(layers_pattern, "layers_pattern")
+    for pattern in layers_pattern or ():
+        _check_regex(pattern, "layers_pattern", _LAYERS_PATTERN_FORM)
+    use_rslora = raw.get("use_rslora")
+    if use_rslora is not None and not isinstance(use_rslora, bool):
+        raise _fail(f"use_rslora must be true or false, got {use_rslora!r}")
     return LoraConfigView(
         r=r,
         lora_alpha=lora_alpha,
-        use_rslora=bool(raw.get("use_rslora", False)),
+        use_rslora=bool(use_rslora),
         target_modules=target_modules,
         exclude_modules=exclude or None,
         layers_to_transform=layers,

@@ -225,11 +225,13 @@ def _check_finite(
     sums = [t.sum() for w in weights.values() for t in (w.lora_a, w.lora_b)]
     if not sums or math.isfinite(float(torch.stack(sums).sum())):
         return
-    for layer, module in weights:
-        for factor in ("A", "B"):
-            key, tensor = factors[(layer, module)][factor]
-            if not bool(torch.isfinite(tensor).all()):
-                raise AdapterError(f"{WEIGHTS_FILE}: tensor {key!r} contains NaN or infinite values")
+    for (layer, module), module_weights in weights.items():
+        for factor, tensor in (("A", module_weights.lora_a), ("B", module_weights.lora_b)):
+            if not bool(torch.isfinite(tensor).all()):  # the float32 copy: float64 values past its range too
+                key = factors[(layer, module)][factor][0]
+                raise AdapterError(
+                    f"{WEIGHTS_FILE}: tensor {key!r} contains NaN or infinite values (or values past float32's range)"
+                )
 
 
 def _content_digest(

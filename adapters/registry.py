@@ -97,12 +97,7 @@ class AdapterRegistry:
         Only the two PEFT files are stored; anything else in ``files`` is dropped.
         """
         validate_adapter_name(name)
-        adapter = parse_adapter_files(files, self.shapes, name)
-        if adapter.max_rank > self.limits.max_rank:
-            raise AdapterError(
-                f"adapter {name!r} has rank {adapter.max_rank}, above this server's limit of {self.limits.max_rank} "
-                "(max_lora_rank)"
-            )
+        adapter = self._validated(name, files)
         if len(self.store.names()) >= self.limits.max_adapters and not self.store.contains(name):
             raise AdapterError(
                 f"this server holds its limit of {self.limits.max_adapters} registered adapters (max_adapters): "
@@ -130,8 +125,19 @@ class AdapterRegistry:
         return self.parse(name, self.store.get(name))
 
     def parse(self, name: str, files: Mapping[str, bytes]) -> LoRAAdapter:
-        """Parse files read from the store (``store.get(name)``) into float32 weights."""
-        return parse_adapter_files(files, self.shapes, name)
+        """Parse files read from the store (``store.get(name)``) into float32 weights. The rank limit
+        is checked here too, not only at registration: a shared or reused store may hold adapters
+        that servers with a higher ``max_lora_rank`` registered."""
+        return self._validated(name, files)
+
+    def _validated(self, name: str, files: Mapping[str, bytes]) -> LoRAAdapter:
+        adapter = parse_adapter_files(files, self.shapes, name)
+        if adapter.max_rank > self.limits.max_rank:
+            raise AdapterError(
+                f"adapter {name!r} has rank {adapter.max_rank}, above this server's limit of {self.limits.max_rank} "
+                "(max_lora_rank)"
+            )
+        return adapter
 
     def info(self, name: str) -> AdapterInfo:
         """Summary of ``name``; parses the adapter, so it costs as much as :meth:`load`."""

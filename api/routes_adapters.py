@@ -78,16 +78,21 @@ def _require_adapter_support(state: ServerState) -> None:
         raise APIError(501, "this engine does not support adapters")
 
 
-def _check_new_name(state: ServerState, name: str, status: int = 409) -> None:
+def _check_new_name(state: ServerState, name: str) -> None:
     if name == state.settings.model_id:
-        raise APIError(status, f"{name!r} is the base model's id; choose another adapter name")
+        raise APIError(409, f"{name!r} is the base model's id; choose another adapter name")
 
 
 async def _registry_call(
-    state: ServerState, fn: Callable[[Any], Any], name: str, exists: APIError | None = None
+    state: ServerState,
+    fn: Callable[[Any], Any],
+    name: str,
+    exists: APIError | None = None,
+    not_found: APIError | None = None,
 ) -> Any:
     """Run an adapter operation on a worker thread, mapping adapter errors to HTTP errors
-    (``exists``: the error for a name already registered, 409 by default)."""
+    (``exists``: the error for a name already registered, 409 by default; ``not_found``: for a
+    name not registered, a 404 by default)."""
     _require_adapter_support(state)
     try:
         return await registry_call(state, fn)
@@ -98,7 +103,7 @@ async def _registry_call(
             raise exists from None
         raise APIError(409, f"an adapter named {name!r} already exists: {error}") from None
     except (AdapterNotFoundError, UnknownAdapterError):
-        raise APIError(404, f"no adapter named {name!r}") from None
+        raise (not_found or APIError(404, f"no adapter named {name!r}")) from None
     except AdapterTooLargeError as error:
         raise APIError(413, str(error)) from None
     except AdapterError as error:
@@ -144,7 +149,7 @@ async def list_adapters(request: Request) -> AdapterList:
 )
 async def get_adapter(name: str, request: Request) -> AdapterCard:
     state = get_state(request)
-    return adapter_card(await _registry_call(state, lambda engine: engine.adapter_registry.info(name), name))
+    return adapter_card(await _registry_call(state, lambda engine: engine.adapter_info(name), name))
 
 
 @router.delete(
@@ -175,7 +180,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
     if body.is_3d_lora_weight:
         message = "is_3d_lora_weight: adapters with 3D (MoE) weights are not supported"
         raise APIError(400, message, param="is_3d_lora_weight")
-    _check_new_name(state, name, status=400)
+    if name == state.settings.model_id:
+        raise APIError(400, f"The lora adapter '{name}' conflicts with a served base model.")
     settings = state.settings
     files = await asyncio.to_thread(
         read_confined_adapter_dir, body.lora_path, settings.allowed_lora_dirs, settings.max_upload_bytes
@@ -202,5 +208,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
 )
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
     state = get_state(request)
-    await _registry_call(state, lambda engine: engine.remove_adapter(body.lora_name), body.lora_name)
+    name = body.lora_name
+    not_found = APIError(404, f"The lora adapter '{name}' cannot be found.")  # vLLM's
+    await _registry_call(state, lambda engine: engine.remove_adapter(name), name, not_found=not_found)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

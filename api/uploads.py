@@ -169,7 +169,13 @@ def read_confined_adapter_dir(path: str, allowed_dirs: Sequence[str], limit: int
             hint = f" ({pickled[0]} is a pickle checkpoint, which is refused)" if pickled else ""
             raise APIError(400, f"lora_path {path!r} has no {file_name}{hint}", param="lora_path")
         real = confine_path(file_path, allowed_dirs)  # the file itself may be a symlink
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:  # non-blocking: opening a FIFO for reading would wait for a writer forever
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as error:
+            status = 403 if isinstance(error, PermissionError) else 400
+            raise APIError(
+                status, f"{file_name} in {path!r} cannot be read: {error.strerror}", param="lora_path"
+            ) from None
         with os.fdopen(fd, "rb") as handle:
             info = os.fstat(handle.fileno())
             if not stat.S_ISREG(info.st_mode):

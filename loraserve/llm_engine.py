@@ -229,8 +229,25 @@ class LLMEngine:
         """Unregister ``name``: new requests cannot use it; requests in flight finish on it."""
         self.adapters.resolver.remove(name)
 
+    def adapter_info(self, name: str) -> AdapterInfo:
+        """``name``'s summary (parsed once per stored content); ``AdapterNotFoundError`` if not registered."""
+        return self.adapters.resolver.info(name)
+
     def list_adapters(self) -> list[AdapterInfo]:
-        return [self.adapters.resolver.info(name) for name in self.adapter_registry.names()]
+        """Every registered adapter that can be served: one deleted while the list is read is left
+        out, as is one whose stored files no longer parse (logged; its requests get that error).
+        ``RegistryUnavailableError`` when the registry cannot be read."""
+        infos = []
+        for name in self.adapter_registry.names():
+            try:
+                infos.append(self.adapters.resolver.info(name))
+            except RegistryUnavailableError:
+                raise
+            except AdapterNotFoundError:
+                continue
+            except AdapterError as error:
+                logger.warning("adapter %r left out of the list: %s", name, error)
+        return infos
 
     def abort_request(self, request_id: str) -> None:
         request = self._forget(request_id)

@@ -63,8 +63,9 @@ def _nest(files: Files, folder: str) -> Files:
         lambda f: _tar(_nest(f, "./lora")),
         lambda f: _tar(f, mode="w"),
         lambda f: _tar({**f, "checkpoint/optimizer.pt": b"x"}, mode="w:gz"),
+        lambda f: _tar(f) + b"\0" * 1024,  # zero padding after the gzip member, as tape tools write it
     ],
-    ids=["zip-root", "zip-nested-with-extras", "tgz-nested", "tar-root", "tgz-extras"],
+    ids=["zip-root", "zip-nested-with-extras", "tgz-nested", "tar-root", "tgz-extras", "tgz-zero-padded"],
 )
 def test_good_archives_extract_the_two_files(build: Callable[[Files], bytes], adapter_files: Files) -> None:
     assert extract_adapter_archive(build(adapter_files)) == adapter_files
@@ -87,7 +88,20 @@ BAD_ARCHIVES: dict[str, tuple[Callable[[Files], bytes], str]] = {
     "two-deep": (lambda f: _zip(_nest(_nest(f, "a"), "b")), "no adapter_config.json"),
     "two-adapters": (lambda f: _zip({**_nest(f, "a"), **_nest(f, "b")}), "several adapters"),
     "duplicate": (lambda f: _tar({**f, f"./{CONFIG_FILE}": b"{}"}), "more than once"),
+    "tar-bad-sparse-map": (lambda f: _pax(f, {"GNU.sparse.map": "x"}), "corrupt tar"),
+    "tar-bad-sparse-version": (lambda f: _pax(f, {"GNU.sparse.major": "1", "GNU.sparse.minor": "0"}), "corrupt tar"),
 }
+
+
+def _pax(files: Files, headers: dict[str, str]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name, content in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            info.pax_headers = headers
+            archive.addfile(info, io.BytesIO(content))
+    return buffer.getvalue()
 
 
 @pytest.mark.parametrize("case", sorted(BAD_ARCHIVES))
@@ -107,3 +121,25 @@ def test_size_limits_raise_too_large(pack: Callable[[Files], bytes], adapter_fil
     with pytest.raises(AdapterTooLargeError, match="members"):
         extract_adapter_archive(many, max_members=10)
     assert extract_adapter_archive(bomb, max_total_bytes=5_000_000) == adapter_files
+
+
+@pytest.mark.parametrize("pack", [_zip, lambda f: _tar(f, mode="w"), _tar], ids=["zip", "tar", "tgz"])
+def test_a_damaged_archive_is_an_adapter_error_wherever_it_is_damaged(
+    pack: Callable[[Files], bytes], adapter_files: Files
+) -> None:
+    """Every byte of the headers (the first and last 600 bytes) set to three values in turn: each
+    archive extracts the same two files or is refused as ours (a 400), never another exception (a 500)."""
+    good = pack(adapter_files)
+    positions = [*range(min(600, len(good))), *range(max(600, len(good) - 600), len(good))]
+    outcomes = {"same": 0, "refused": 0}
+    for position in positions:
+        for value in (0x00, 0xFF, good[position] ^ 0x55):
+            damaged = bytearray(good)
+            damaged[position] = value
+            try:
+                extracted = extract_adapter_archive(bytes(damaged))
+            except AdapterError:
+                outcomes["refused"] += 1
+                continue
+            outcomes["same" if extracted == adapter_files else "refused"] += 1
+    assert outcomes["refused"] > 0, outcomes

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -149,6 +150,29 @@ def test_local_store_crash_mid_write_leaves_nothing(tmp_path: Path, monkeypatch:
     monkeypatch.undo()
     assert store.names() == [] and not store.contains("x")
     assert list((tmp_path / ".versions").iterdir()) == []
+
+
+def test_local_store_overwrites_and_deletes_at_once_leave_only_the_current_version(tmp_path: Path) -> None:
+    """Two writers (two stores on one root, as two server processes) overwrite and delete one name
+    at once: every replaced version is removed, none is left behind unreferenced."""
+    stores = [LocalDirStore(tmp_path), LocalDirStore(tmp_path)]
+    stores[0].put("hot", {"a": b"0"})
+
+    def churn(store: LocalDirStore, seed: int) -> None:
+        for i in range(150):
+            if i % 10 == 9:
+                with contextlib.suppress(AdapterNotFoundError):
+                    store.delete("hot")
+            else:
+                store.put("hot", {"a": bytes([seed, i])}, overwrite=True)
+
+    threads = [threading.Thread(target=churn, args=(store, seed)) for seed, store in enumerate(stores)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    left = sorted(path.name for path in (tmp_path / ".versions").iterdir())
+    assert left == ([stores[0].content_key("hot")] if stores[0].contains("hot") else [])
 
 
 def test_local_store_ignores_and_collects_orphaned_versions(tmp_path: Path) -> None:

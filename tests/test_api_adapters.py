@@ -200,16 +200,22 @@ def test_load_and_unload_confined_to_allowed_dirs(server: Server) -> None:
     adapter_files(server, server.allowed / "better", seed=6)
     assert load("good", str(server.allowed / "better"), load_inplace=True).status_code == 200
     assert server.http.get("/v1/adapters/good").json()["digest"] != first  # replaced
-    assert_error(load(MODEL, str(inside)), 400, "base model")
+    assert_error(load(MODEL, str(inside)), 400, "conflicts with a served base model")
     assert_error(load("moe", str(inside), is_3d_lora_weight=True), 400, "is_3d_lora_weight")
     assert_error(load("bad", str(server.outside / "bad")), 403, "outside")
     assert_error(load("bad", str(server.allowed / "link")), 403, "outside")
     assert_error(load("bad", "../outside/bad"), 403, "outside")
     assert_error(load("none", str(server.allowed / "missing")), 404)
+    fifo = server.allowed / "fifo"  # opening a FIFO to read would wait for a writer forever
+    fifo.mkdir()
+    (fifo / CONFIG).write_bytes((inside / CONFIG).read_bytes())
+    os.mkfifo(fifo / WEIGHTS)
+    assert_error(load("fifo", str(fifo)), 400, "not a regular file")
     assert_error(server.http.post("/v1/load_lora_adapter", json={"lora_name": "x"}), 400, "lora_path")
     unload = server.http.post("/v1/unload_lora_adapter", json={"lora_name": "good"})
     assert unload.status_code == 200 and "good" in unload.text
-    assert_error(server.http.post("/v1/unload_lora_adapter", json={"lora_name": "good"}), 404)
+    assert_error(server.http.post("/v1/unload_lora_adapter", json={"lora_name": "good"}), 404,
+                 "The lora adapter 'good' cannot be found.")  # fmt: skip
 
 
 def test_delete_while_in_flight(server: Server, tmp_path: Path) -> None:

@@ -67,3 +67,26 @@ def test_replicas_share_adapters_and_never_serve_stale_weights(
     _wait_in_step(replica_a, replica_b, "shared")
     with pytest.raises(KeyError, match="not registered"):
         _run(replica_b, "shared")
+
+
+def test_a_stored_adapter_past_this_servers_rank_limit_fails_only_its_requests(
+    tiny_model_dir: Path, tiny_hf_model: Any, tmp_path: Path
+) -> None:
+    """A store written by a server with a higher ``max_lora_rank``: here the adapter above the limit
+    is left out of the list and its request ends with the reason, while the others are served (with
+    a fixed region, its pages would not fit a slot sized for the limit)."""
+    registry = f"dir:{tmp_path / 'registry'}"
+    ranks = {"big": 16, "small": 4}
+    writer = LLM(str(tiny_model_dir), registry=registry, num_pages=128)
+    for seed, (name, rank) in enumerate(ranks.items()):
+        adapter = make_peft_adapter(tiny_hf_model, tmp_path / name, rank=rank, target_modules=["q_proj"], seed=seed)
+        writer.add_adapter(name, adapter)
+    reference = writer.generate([PROMPT], GREEDY, adapters="small", use_tqdm=False)[0]
+    del writer
+    reader = LLM(str(tiny_model_dir), registry=registry, num_pages=128, adapter_region="fixed", max_loras=2,
+                 max_lora_rank=8)  # fmt: skip
+    assert [info.name for info in reader.list_adapters()] == ["small"]
+    big, small = reader.generate([PROMPT, PROMPT], GREEDY, adapters=["big", "small"], use_tqdm=False)
+    assert big.error is not None and "above this server's limit of 8" in big.error
+    assert small.error is None and small.token_ids == reference.token_ids
+    assert reader.generate([PROMPT], GREEDY, use_tqdm=False)[0].error is None  # the engine serves on
