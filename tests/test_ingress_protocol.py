@@ -12,7 +12,7 @@ import httpx2
 import openai
 import pytest
 
-from loraserve.entrypoints.ingress_protocol import EventFramer, adapter_and_stream, stream_cut_event
+from loraserve.entrypoints.ingress_protocol import EventFramer, adapter_and_stream, may_resend, stream_cut_event
 
 JSON = {"content-type": "application/json"}
 SAGEMAKER = "x-amzn-sagemaker-adapter-identifier"
@@ -98,6 +98,15 @@ def test_a_replica_forwards_more_streams_at_once_than_httpx_pools_by_default() -
     with ServerThread(app) as server:
         bodies = asyncio.run(open_all(server.url))
     assert bodies == [b"data: open\n\ndata: [DONE]\n\n"] * num_streams
+
+
+def test_requests_are_sent_again_unless_they_change_the_adapter_registry() -> None:
+    for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions?x=1"), ("GET", "/v1/models"),
+                         ("GET", "/v1/adapters"), ("GET", "/v1/adapters/sql"), ("POST", "/tokenize")]:  # fmt: skip
+        assert may_resend(method, path), (method, path)
+    for method, path in [("POST", "/v1/adapters"), ("DELETE", "/v1/adapters/sql"), ("post", "/v1/load_lora_adapter"),
+                         ("POST", "/v1/unload_lora_adapter")]:  # fmt: skip
+        assert not may_resend(method, path), (method, path)
 
 
 def test_whole_events_are_passed_on_and_counted_wherever_the_raw_chunks_split_them() -> None:

@@ -320,6 +320,12 @@ def test_a_replica_whose_engine_loop_stopped_is_replaced(url: str) -> None:
     assert [r.status_code for r in replies] == [200] * 8
 
 
+def test_replicas_on_one_machine_share_its_cores() -> None:
+    from loraserve.entrypoints.serve import threads_per_replica
+
+    assert [threads_per_replica(16, n) for n in (1, 2, 3, 4, 32)] == [16, 8, 5, 4, 1]
+
+
 def test_each_replica_on_cuda_holds_a_gpu_of_its_own() -> None:
     from loraserve.entrypoints.ray_serve import replica_actor_options
 

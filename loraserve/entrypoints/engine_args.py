@@ -47,7 +47,7 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--device", "device", str, "torch device, e.g. cpu or cuda:0 (default cpu)"),
     ("--dtype", "dtype", str, f"weights and pool dtype, one of {sorted(DTYPES)} (default float32)"),
     ("--seed", "seed", int, "seed of unseeded sampling (default 0)"),
-    ("--num-threads", "num_threads", int, "torch CPU threads (default: torch's choice)"),
+    ("--num-threads", "num_threads", int, "torch CPU threads (default: torch's; under --ray-address local, a share)"),
     ("--max-lora-rank", "max_lora_rank", int, "largest adapter rank accepted at registration (default 512)"),
     ("--max-adapters", "max_adapters", int, "most registered adapters (default 10000)"),
     (

@@ -55,6 +55,19 @@ def replica_client(base_url: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits)
 
 
+# Routes that change the adapter registry: sent once, as a replica that died (or became unreachable)
+# may have made the change before it did, and a second send would answer as if it had not (a 409, a 404).
+_CHANGES_REGISTRY = ("/v1/adapters", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def may_resend(method: str, path: str) -> bool:
+    """Whether the ingress may send a request again, to another replica, when the one it went to
+    died before answering: any request but a change to the adapter registry (its client gets the
+    503 and can look at ``GET /v1/adapters``)."""
+    changes = method.upper() not in ("GET", "HEAD") and path.startswith(_CHANGES_REGISTRY)
+    return not changes
+
+
 def unavailable_body(message: str) -> dict[str, Any]:
     """vLLM's error body for a 503 (as the replicas' own errors are shaped)."""
     return {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}

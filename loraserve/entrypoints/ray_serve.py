@@ -25,7 +25,8 @@ Faults and operations:
   did not answer within :data:`INGRESS_METRICS_TIMEOUT_S`) and the ingress's own counters.
 * A replica that dies: a request that had not started answering there (every non-streamed one, a
   stream before its first bytes) is sent to another replica, at most :data:`MAX_ATTEMPTS` times in
-  all; a stream cut in the middle ends with an error event. Serve starts a replacement. A replica
+  all, unless it changes the adapter registry (:func:`may_resend`: the change may have been made);
+  a stream cut in the middle ends with an error event. Serve starts a replacement. A replica
   that can no longer serve while its actor lives (its engine loop or its API's server thread
   stopped) fails Serve's health check (:meth:`EngineReplica.check_health`) and is replaced too.
 * Stopping (``run_ray_serve`` in ``ray_launch.py``): the first SIGTERM or SIGINT drains every replica's engine (new
@@ -62,6 +63,7 @@ from loraserve.entrypoints.fleet_metrics import (
 from loraserve.entrypoints.ingress_protocol import (
     EventFramer,
     adapter_and_stream,
+    may_resend,
     replica_client,
     stream_cut_event,
     unavailable_body,
@@ -264,13 +266,14 @@ class Ingress:
                 self._finished()
 
     async def _whole(self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes]) -> Response:
-        for attempt in range(MAX_ATTEMPTS):
+        attempts = MAX_ATTEMPTS if may_resend(call[0], call[1]) else 1
+        for attempt in range(attempts):
             try:
                 status, reply_headers, content = await handle.forward.remote(*call)
                 return Response(content=content, status_code=status, headers=reply_headers)
             except RayActorError as error:  # the replica died before answering: nothing was sent yet
                 failure = error
-                if attempt + 1 < MAX_ATTEMPTS:
+                if attempt + 1 < attempts:
                     self.resent.inc()
         return _unavailable(f"no engine replica could answer: {failure}")
 

@@ -271,6 +271,12 @@ def _drain(async_engine: Any, server: Any, http: threading.Thread, timeout: floa
     async_engine.shutdown()  # the engine loop on the main thread returns
 
 
+def threads_per_replica(cores: int, num_replicas: int) -> int:
+    """Each of ``num_replicas`` CPU engines on one machine's ``cores``: its share, at least one
+    (each engine's OpenMP team on every core would make the replicas take each other's cores)."""
+    return max(1, cores // num_replicas)
+
+
 def _run_on_ray(args: argparse.Namespace) -> int:
     """The same API on Ray Serve (``entrypoints/ray_serve.py``); Ray is imported only here."""
     import dataclasses
@@ -294,4 +300,8 @@ def _run_on_ray(args: argparse.Namespace) -> int:
                        "will not see adapters uploaded here; give --registry redis://HOST:PORT/DB to share them",
                        config.registry)  # fmt: skip
     options = engine_options(args) | {"registry": config.registry}
+    if args.ray_address == "local" and args.num_threads is None and config.device == "cpu":
+        # Replicas on this machine's cores: each its share, not torch's default of all of them.
+        options["num_threads"] = threads_per_replica(os.cpu_count() or 1, args.num_replicas or 1)
+        logger.info("%d torch threads per replica (--num-threads to choose)", options["num_threads"])
     return run_ray_serve(args, config.model, options, settings)  # SIGTERM and SIGINT: drain, as here
