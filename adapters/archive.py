@@ -70,7 +70,7 @@ def _as_adapter_error(kind: str, extract: Callable[[], dict[str, bytes]]) -> dic
     ``UnicodeDecodeError``, lzma's ...), and each must be a 400 naming the archive, not a 500."""
     try:
         return extract()
-    except AdapterError:
+    except (AdapterError, MemoryError):
         raise
     except Exception as exc:
         raise AdapterError(f"corrupt {kind} archive: {type(exc).__name__}: {exc}") from exc

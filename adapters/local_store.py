@@ -46,8 +46,7 @@ class LocalDirStore(AdapterStore):
         self.root = Path(root)
         self._versions = self.root / self._VERSIONS
         self._versions.mkdir(parents=True, exist_ok=True)
-        self._locks = self.root / self._LOCKS
-        self._locks.mkdir(exist_ok=True)
+        self._locks = self.root / self._LOCKS  # made at the first put or delete
         self._remove_orphans()
 
     def __repr__(self) -> str:
@@ -58,16 +57,16 @@ class LocalDirStore(AdapterStore):
         validate_file_names(files)
         version = self._write_version(name, files)
         target = os.path.join(self._VERSIONS, version.name)
-        if not overwrite:
-            try:
-                os.symlink(target, link)  # atomic create-if-absent
-            except FileExistsError:
-                shutil.rmtree(version, ignore_errors=True)
-                raise AdapterExistsError(f"adapter {name!r} already exists") from None
-            _fsync_dir(self.root)
-            self._notify(name, version.name)
-            return
-        with self._name_lock(name):  # so two overwrites never both remove the same previous version
+        with self._name_lock(name):  # so two writers never both replace (and remove) the same version
+            if not overwrite:
+                try:
+                    os.symlink(target, link)  # atomic create-if-absent
+                except FileExistsError:
+                    shutil.rmtree(version, ignore_errors=True)
+                    raise AdapterExistsError(f"adapter {name!r} already exists") from None
+                _fsync_dir(self.root)
+                self._notify(name, version.name)
+                return
             previous = self._current_version(name)
             temp_link = self.root / f".link-{name}.{uuid.uuid4().hex}"
             os.symlink(target, temp_link)
@@ -184,13 +183,21 @@ class LocalDirStore(AdapterStore):
     def _name_lock(self, name: str) -> Iterator[None]:
         """An exclusive lock on ``name`` among the processes and threads using this root (an
         advisory ``flock`` on ``root/.locks/<name>``) for the link change and the removal of the
-        version it replaced: one reader of the previous version at a time."""
-        with open(self._locks / name, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+        version it replaced: one reader of the previous version at a time. Not re-entrant. On a
+        file system without ``flock`` (NFS mounted ``nolock``, ...) it goes on unlocked, as before
+        the lock existed: concurrent writers of one name may then leave an unreferenced version."""
+        self._locks.mkdir(exist_ok=True)
+        fd = os.open(self._locks / name, os.O_RDONLY | os.O_CREAT, 0o666)
+        try:
             try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as error:
+                if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                logger.warning("%r: no file locks here (%s); writing %r unlocked", self, error.strerror, name)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def _current_version(self, name: str) -> Path | None:
         try:

@@ -107,6 +107,12 @@ ERROR_CASES: dict[str, tuple[Any, Any, tuple[str, ...]]] = {
 }
 
 
+def test_a_layers_pattern_is_checked_only_where_peft_uses_it(files: Files, shapes: BaseModelShapes) -> None:
+    """peft reads ``layers_pattern`` only with ``layers_to_transform``; ``use_rslora`` as truthy."""
+    unused = edit_files(files, config=lambda c: c.update(layers_pattern="(", use_rslora=0))
+    assert parse_adapter_files(unused, shapes, "ok").max_rank == 4
+
+
 @pytest.mark.parametrize("case", sorted(ERROR_CASES))
 def test_invalid_adapters_raise_adapter_error(case: str, files: Files, shapes: BaseModelShapes) -> None:
     config_edit, tensor_edit, fragments = ERROR_CASES[case]

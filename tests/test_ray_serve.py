@@ -303,14 +303,20 @@ def test_a_replica_whose_engine_loop_stopped_is_replaced(url: str) -> None:
     def up() -> set[str]:
         return {r for r, v in _per_replica(url, "loraserve_replica_up").items() if v == 1}
 
-    def stop_engine_loop(replica_actor: Any) -> None:  # in the replica's actor (a nested function: sent by value)
-        replica_actor._replica_impl._user_callable_wrapper._callable.async_engine.shutdown()
+    def stop_engine_loop(replica_actor: Any) -> bool:  # in the replica's actor (a nested function: sent by value)
+        try:  # Serve's private attributes (Ray 2.60): the replica object
+            replica = replica_actor._replica_impl._user_callable_wrapper._callable
+        except AttributeError:
+            return False
+        replica.async_engine.shutdown()
+        return True
 
     before = up()
     assert len(before) == 2
     victim = min(before)
     actor = ray.get_actor(replica_actor_name(APP, "EngineReplica", victim), namespace="serve")
-    ray.get(actor.__ray_call__.remote(stop_engine_loop), timeout=60)
+    if not ray.get(actor.__ray_call__.remote(stop_engine_loop), timeout=60):
+        pytest.skip("this Ray's replica actor keeps the deployment's object elsewhere (its private attributes)")
     stopped = time.monotonic()
     _wait_for(lambda: victim not in (now := up()) and len(now) == 2, 90, "a replacement for the stopped engine")
     print(f"replaced in {time.monotonic() - stopped:.1f} s")
@@ -318,6 +324,29 @@ def test_a_replica_whose_engine_loop_stopped_is_replaced(url: str) -> None:
     with ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(8)))
     assert [r.status_code for r in replies] == [200] * 8
+
+
+def test_the_health_check_fails_once_the_engine_loop_or_the_api_thread_has_stopped() -> None:
+    import threading
+    from types import SimpleNamespace
+
+    from loraserve.entrypoints.ray_serve import EngineReplica
+
+    check = EngineReplica.func_or_class.check_health
+    alive, stopped = threading.Thread(target=time.sleep, args=(30,), daemon=True), threading.Thread(target=int)
+    alive.start()
+    stopped.start()
+    stopped.join()
+
+    def replica(engine_running: bool, thread: threading.Thread) -> Any:
+        engine = SimpleNamespace(is_running=engine_running, draining=True)
+        return SimpleNamespace(async_engine=engine, server=SimpleNamespace(thread=thread), replica_id="r")
+
+    check(replica(True, alive))  # draining, serving what it has: healthy
+    with pytest.raises(RuntimeError, match="engine loop has stopped"):
+        check(replica(False, alive))
+    with pytest.raises(RuntimeError, match="API server thread has stopped"):
+        check(replica(True, stopped))
 
 
 def test_replicas_on_one_machine_share_its_cores() -> None:

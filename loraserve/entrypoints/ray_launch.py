@@ -70,10 +70,12 @@ def run_ray_serve(args: Any, model: str | None, engine_options: dict[str, Any], 
                 logger.info("second signal: stopping now")
         logger.info("stopping")
     finally:
-        if args.ray_address == "local":
-            serve.shutdown()  # its own Ray instance: everything goes
-        else:  # a cluster others may use: only this application, Serve and Ray stay up
-            serve.delete(APP_NAME)
-        ray.shutdown()  # stops a "local" instance; elsewhere only disconnects
+        try:
+            if args.ray_address == "local":
+                serve.shutdown()  # its own Ray instance: everything goes
+            else:  # a cluster others may use: only this application, Serve and Ray stay up
+                serve.delete(APP_NAME)
+        finally:
+            ray.shutdown()  # stops a "local" instance; elsewhere only disconnects
     logger.info("stopped")
     return 0

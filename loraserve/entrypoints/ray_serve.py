@@ -280,14 +280,15 @@ class Ingress:
     async def _stream(
         self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes], path: str
     ) -> Response:
-        for attempt in range(MAX_ATTEMPTS):
+        attempts = MAX_ATTEMPTS if may_resend(call[0], call[1]) else 1
+        for attempt in range(attempts):
             chunks: Any = handle.options(stream=True).forward_stream.remote(*call)
             try:
                 status, reply_headers = await chunks.__anext__()
                 break
             except RayActorError as error:  # before the first byte: another replica may take it
                 failure = error
-                if attempt + 1 < MAX_ATTEMPTS:
+                if attempt + 1 < attempts:
                     self.resent.inc()
         else:
             return _unavailable(f"no engine replica could answer: {failure}")

@@ -302,6 +302,6 @@ def _run_on_ray(args: argparse.Namespace) -> int:
     options = engine_options(args) | {"registry": config.registry}
     if args.ray_address == "local" and args.num_threads is None and config.device == "cpu":
         # Replicas on this machine's cores: each its share, not torch's default of all of them.
-        options["num_threads"] = threads_per_replica(os.cpu_count() or 1, args.num_replicas or 1)
+        options["num_threads"] = threads_per_replica(len(os.sched_getaffinity(0)), args.num_replicas or 1)
         logger.info("%d torch threads per replica (--num-threads to choose)", options["num_threads"])
     return run_ray_serve(args, config.model, options, settings)  # SIGTERM and SIGINT: drain, as here

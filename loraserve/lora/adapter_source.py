@@ -37,7 +37,8 @@ class AdapterSource:
         self.catalog = registry.store.open_catalog()
         if not self.catalog.wait_ready(ready_timeout_s):
             logger.warning("adapter registry %s has not answered yet; continuing", self.catalog.description)
-        self._infos: dict[str, tuple[str, AdapterInfo]] = {}  # name -> (content key, info)
+        # name -> (content key, its info, or why it does not parse: asked again only for new content)
+        self._infos: dict[str, tuple[str, AdapterInfo | AdapterError]] = {}
 
     def close(self) -> None:
         self.catalog.close()
@@ -75,12 +76,20 @@ class AdapterSource:
         self._infos.pop(name, None)
 
     def info(self, name: str) -> AdapterInfo:
-        """Summary of ``name``, parsed once per stored content."""
+        """Summary of ``name``, parsed once per stored content (as is the ``AdapterError`` of
+        content that does not parse, logged once)."""
         key = self.registry.store.content_key(name)
         cached = self._infos.get(name)
         if cached is None or cached[0] != key:
             key, files = self.read(name, key)
-            cached = self._infos[name] = (key, AdapterInfo.from_adapter(self.registry.parse(name, files)))
+            try:
+                cached = (key, AdapterInfo.from_adapter(self.registry.parse(name, files)))
+            except AdapterError as error:
+                logger.warning("stored adapter %r cannot be served: %s", name, error)
+                cached = (key, error)
+            self._infos[name] = cached
+        if isinstance(cached[1], AdapterError):
+            raise cached[1]
         return cached[1]
 
     def read(self, name: str, key: str) -> tuple[str, Mapping[str, bytes]]:
