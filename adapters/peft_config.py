@@ -267,8 +267,9 @@ def parse_lora_config(data: bytes) -> LoraConfigView:
         layers_pattern = (layers_pattern,)
     elif layers_pattern is not None:
         layers_pattern = _as_str_tuple(layers_pattern, "layers_pattern")
-    for pattern in (layers_pattern or ()) if layers not in (None, ()) else ():  # used only with layers
-        _check_regex(pattern, "layers_pattern", _LAYERS_PATTERN_FORM)
+    if layers not in (None, ()):  # peft uses layers_pattern only with layers_to_transform
+        for pattern in layers_pattern or ():
+            _check_regex(pattern, "layers_pattern", _LAYERS_PATTERN_FORM)
     use_rslora = raw.get("use_rslora")
     if use_rslora not in (None, True, False, 0, 1):  # peft reads it as truthy; a string "false" would be true
         raise _fail(f"use_rslora must be true or false, got {use_rslora!r}")

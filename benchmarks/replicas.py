@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from transformers import AutoConfig
 
     from loraserve.entrypoints.ray_serve import build_app
+    from loraserve.entrypoints.serve import threads_per_replica
     from loraserve.models.loader import cache_root, default_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="bench-replicas-"))
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for phase, (label, replicas, routed) in enumerate(PHASES):
-            options = {"registry": f"dir:{work / 'registry'}", "num_threads": max(1, cpus // replicas)}
+            options = {"registry": f"dir:{work / 'registry'}", "num_threads": threads_per_replica(cpus, replicas)}
             if args.quick:
                 options |= {"kernels": "torch", "num_pages": 400}
             app = build_app(str(model), options, {"model_id": "base"}, replicas, route_by_adapter=routed)

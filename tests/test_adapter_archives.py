@@ -133,15 +133,13 @@ def test_a_damaged_archive_is_an_adapter_error_wherever_it_is_damaged(
     judges), never raises another exception (which the API would answer with a 500)."""
     good = pack(adapter_files)
     positions = [*range(min(600, len(good))), *range(max(600, len(good) - 600), len(good))]
-    outcomes = {"same": 0, "different": 0, "refused": 0}
+    refused = 0
     for position in positions:
         for value in (0x00, 0xFF, good[position] ^ 0x55):
             damaged = bytearray(good)
             damaged[position] = value
             try:
-                extracted = extract_adapter_archive(bytes(damaged))
-            except AdapterError:
-                outcomes["refused"] += 1
-                continue
-            outcomes["same" if extracted == adapter_files else "different"] += 1
-    print(pack, outcomes)
+                extract_adapter_archive(bytes(damaged))
+            except AdapterError:  # any other exception fails the test
+                refused += 1
+    assert refused > 0  # the damage is seen (headers carry magic numbers, sizes, checksums)

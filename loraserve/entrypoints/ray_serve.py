@@ -256,39 +256,40 @@ class Ingress:
         done_here = True
         try:
             call = (request.method, target, headers, body)
+            sends = MAX_ATTEMPTS if may_resend(request.method, "/" + path) else 1
             if not stream:
-                return await self._whole(handle, call)
-            reply = await self._stream(handle, call, "/" + path)
+                return await self._whole(handle, call, sends)
+            reply = await self._stream(handle, call, sends, "/" + path)
             done_here = not isinstance(reply, StreamingResponse)  # a stream ends when its body is sent
             return reply
         finally:
             if done_here:
                 self._finished()
 
-    async def _whole(self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes]) -> Response:
-        attempts = MAX_ATTEMPTS if may_resend(call[0], call[1]) else 1
-        for attempt in range(attempts):
+    async def _whole(
+        self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes], sends: int
+    ) -> Response:
+        for attempt in range(sends):
             try:
                 status, reply_headers, content = await handle.forward.remote(*call)
                 return Response(content=content, status_code=status, headers=reply_headers)
             except RayActorError as error:  # the replica died before answering: nothing was sent yet
                 failure = error
-                if attempt + 1 < attempts:
+                if attempt + 1 < sends:
                     self.resent.inc()
         return _unavailable(f"no engine replica could answer: {failure}")
 
     async def _stream(
-        self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes], path: str
+        self, handle: DeploymentHandle, call: tuple[str, str, dict[str, str], bytes], sends: int, path: str
     ) -> Response:
-        attempts = MAX_ATTEMPTS if may_resend(call[0], call[1]) else 1
-        for attempt in range(attempts):
+        for attempt in range(sends):
             chunks: Any = handle.options(stream=True).forward_stream.remote(*call)
             try:
                 status, reply_headers = await chunks.__anext__()
                 break
             except RayActorError as error:  # before the first byte: another replica may take it
                 failure = error
-                if attempt + 1 < attempts:
+                if attempt + 1 < sends:
                     self.resent.inc()
         else:
             return _unavailable(f"no engine replica could answer: {failure}")
