@@ -13,14 +13,18 @@ from .store import AdapterStore
 
 
 def _make_dir_store(spec: str) -> AdapterStore:
-    return LocalDirStore(spec.removeprefix("dir:"))
+    path = spec.removeprefix("dir:")
+    if not path:
+        raise ValueError("registry 'dir:' names no directory: give dir:PATH")
+    return LocalDirStore(path)
 
 
 def _make_redis_store(spec: str) -> AdapterStore:
     return RedisStore(spec)
 
 
-# Store kinds by the scheme before the first ":". A spec with an unregistered scheme is a plain path.
+# Store kinds by the scheme before the first ":". A spec without ":" before its first "/" is a plain
+# path; any other scheme is refused (a mistyped "Redis://" or "host:6379" is not made a directory).
 STORE_FACTORIES: dict[str, Callable[[str], AdapterStore]] = {
     "dir": _make_dir_store,
     "redis": _make_redis_store,
@@ -40,7 +44,15 @@ def is_directory_spec(spec: str) -> bool:
 
 
 def make_store(spec: str) -> AdapterStore:
-    """Build a store from a spec: ``"dir:/path"`` or ``"/path"`` (local), ``"redis://host:port/db"`` (Redis)."""
-    scheme = spec.partition(":")[0]
-    factory = STORE_FACTORIES.get(scheme, _make_dir_store)
-    return factory(spec)
+    """Build a store from a spec: ``"dir:/path"`` or ``"/path"`` (local), ``"redis://host:port/db"`` (Redis);
+    ``ValueError`` for an unknown scheme (a path with ":" in its first part is given as ``dir:PATH``)."""
+    scheme, colon, _ = spec.partition(":")
+    if not spec:
+        raise ValueError("the registry spec is empty: give dir:PATH or redis://HOST:PORT/DB")
+    if colon and "/" not in scheme and scheme not in STORE_FACTORIES:
+        known = ", ".join(f"{name}:" for name in STORE_FACTORIES)
+        raise ValueError(
+            f"registry {spec!r}: unknown scheme {scheme!r} (known: {known} or a plain path; "
+            f"a directory whose name has ':' is given as dir:PATH)"
+        )
+    return STORE_FACTORIES.get(scheme, _make_dir_store)(spec)

@@ -86,11 +86,15 @@ def check_arrival_args(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in [0, 100]); None for no values."""
+    """The ``q``-th percentile (``q`` in [0, 100]) interpolated linearly between the closest ranks,
+    as ``numpy.percentile`` (and so ``vllm bench serve``) computes it; None for no values."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+    position = q / 100 * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 @dataclass

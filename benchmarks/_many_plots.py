@@ -59,7 +59,7 @@ def cdfs(results: list[RunResult], slo_ttft: float, path: Path) -> Path:
     for col, n in enumerate(ns):
         for r in (r for r in results if r.num_adapters == n):
             done = [r.timings[i] for i in r.done]
-            for row, values in enumerate(([t.ttft for t in done], [t.tpot for t in done])):
+            for row, values in enumerate(([t.ttft for t in r.timings], [t.tpot for t in done])):
                 xs = sorted(v * (1e3 if row else 1.0) for v in values if v is not None)
                 if xs:
                     ys = [(k + 1) / len(r.timings) for k in range(len(xs))]  # unfinished requests never reach 1

@@ -47,14 +47,16 @@ class RunResult:
 
     def summary(self, slo_ttft: float) -> dict[str, Any]:
         done = self.done
-        tokens = sum(self.expected[i] for i in done)
+        # Every token made within the wall counts (a run cut by its time cap made some of the cut
+        # batch's); latency and SLO over ALL requests (one never served misses the SLO).
+        tokens = sum(min(t.tokens, n) for t, n in zip(self.timings, self.expected, strict=True))
         wall = self.wall_s
         return {
             "system": self.system, "label": SYSTEMS[self.system], "num_adapters": self.num_adapters,
             "requests": len(self.expected), "done": len(done), "timed_out": self.timed_out, "skipped": self.skipped,
             "wall_s": self.wall_s, "output_tokens": tokens, "req_s": len(done) / wall if wall else None,
             "tok_s": tokens / wall if wall else None,
-            **latency_summary([self.timings[i] for i in done], slo_ttft),
+            **latency_summary(self.timings, slo_ttft),
             **self.stats,
         }  # fmt: skip
 

@@ -15,9 +15,10 @@ EOS cannot end it early); a stopping criterion records the time of every generat
 ``output_len``-th token (its later tokens are computed and thrown away; only its own count). A
 request's TTFT thus includes its wait for the batches before it. Adapters are loaded with
 ``load_adapter`` the first time they are needed, inside the clock (loraserve reads its adapters
-inside the clock too), at most ``max_loaded`` kept (least recently used deleted). The first
-adapter of the stream is loaded with the model, before the clock. The time cap is checked at
-every token: a batch cut by it does not count.
+inside the clock too) and kept (with ``max_loaded`` set, at most that many: least recently used
+deleted). The first adapter of the stream is loaded with the model, before the clock. The time cap
+is checked at every token: the requests of a batch cut by it are not finished, but the tokens each
+got before the cap count in the run's tokens (as loraserve's would).
 """
 
 from __future__ import annotations
@@ -52,14 +53,15 @@ class PeftBaseline:
     """One base model and a ``PeftModel`` over it, rebuilt for every run (adapters start cold)."""
 
     def __init__(self, model_dir: Path, adapter_dir: Callable[[int], Path], adapter_name: Callable[[int], str],
-                 batch: int, dtype: torch.dtype = torch.float32, max_loaded: int = 64) -> None:  # fmt: skip
+                 batch: int, dtype: torch.dtype = torch.float32, max_loaded: int | None = None) -> None:  # fmt: skip
         import transformers
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
         warnings.filterwarnings("ignore", module="transformers|peft")
         self.model_dir, self.adapter_dir, self.adapter_name = model_dir, adapter_dir, adapter_name
-        self.batch, self.max_loaded, self.dtype = batch, max(max_loaded, batch), dtype
+        self.batch, self.dtype = batch, dtype
+        self.max_loaded = None if max_loaded is None else max(max_loaded, batch)
         self.model: Any = None
         self.loaded: OrderedDict[str, None] = OrderedDict()
         self.loads = 0
@@ -87,7 +89,7 @@ class PeftBaseline:
         self.model.to(self.dtype)
         self.loads += 1
         self.loaded[name] = None
-        while len(self.loaded) > self.max_loaded:
+        while self.max_loaded is not None and len(self.loaded) > self.max_loaded:
             old, _ = self.loaded.popitem(last=False)
             if old == self.model.active_adapter:  # never delete the active one: make the newest active first
                 self.model.set_adapter(name)
@@ -153,6 +155,8 @@ class PeftBaseline:
                     timing.finish, timing.tokens = times[n - 1] - start, n
                     finished += 1
                     progress.update(1)
+                else:  # cut by the cap: the tokens it got in time
+                    timing.tokens = sum(1 for at in times[:n] if at - start <= timeout)
         progress.close()
         finishes = [t.finish for t in result.timings if t.finish is not None]
         result.wall_s = timeout if result.timed_out else max(finishes, default=0.0)

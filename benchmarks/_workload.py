@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks._quick import parse_with_quick
+
 FIRST_PLAIN_TOKEN = 32  # skip the special tokens at the start of the vocabulary
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,14 +42,17 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quick", action="store_true", help="smoke test: 8 requests of 8-24 prompt and 8 new tokens")
 
 
-def check_workload_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Apply ``--quick`` and validate the workload options."""
-    if args.quick:
-        args.requests, args.min_prompt, args.max_prompt, args.max_tokens = 8, 8, 24, 8
+QUICK_WORKLOAD = {"requests": 8, "min_prompt": 8, "max_prompt": 24, "max_tokens": 8}  # --quick's workload
+
+
+def parse_workload_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv`` (``--quick``'s values where an option is not given) and validate the workload."""
+    args = parse_with_quick(parser, argv, QUICK_WORKLOAD)
     if not 1 <= args.min_prompt <= args.max_prompt:
         parser.error("need 1 <= --min-prompt <= --max-prompt")
     if args.requests < 1 or args.adapters < 1 or args.max_tokens < 1 or not args.ranks or min(args.ranks) < 1:
         parser.error("--requests, --adapters, --max-tokens and --ranks must be positive")
+    return args
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks._workload import Workload, adapter_name, add_workload_args, check_workload_args, ensure_adapters
+from benchmarks._workload import Workload, adapter_name, add_workload_args, ensure_adapters, parse_workload_args
 from benchmarks.cpu_perf_profile import PARTS, profile_decode
 from loraserve.config import CPU_DECODE_ATTENTION_CHOICES, CPU_GEMM_CHOICES, CPU_TILE_CHOICES
 from loraserve.lora.tile_choice import LoRAKernelPlan
@@ -124,18 +124,21 @@ def run_rounds(llm: Any, work: Workload, peft: PeftRunner | None, num_rounds: in
     """Interleaved rounds: (a) and (b) on the whole workload, then (c) on the round's share of it.
 
     Interleaving puts every system into every stretch of the run, so a drift of the machine's
-    speed (this VM's varies by a quarter within minutes) does not land on one system only.
-    The prefix cache is emptied before each loraserve run: every run computes every prompt.
+    speed (this VM's varies by a quarter within minutes) does not land on one system only; (a)
+    and (b) swap places every other round (a, b, b, a, ...), so neither always runs first. The
+    prefix cache is emptied before each loraserve run: every run computes every prompt. Each
+    round's list is in the order (a), (b), (c).
     """
     rounds: list[list[Run]] = []
     shares = [range(len(work.prompts) * i // num_rounds, len(work.prompts) * (i + 1) // num_rounds)
               for i in range(num_rounds)]  # fmt: skip
     for index, share in enumerate(tqdm(shares, desc="rounds", unit="round")):
-        runs = []
-        for with_adapters in (False, True):
+        timed: dict[bool, Run] = {}
+        for with_adapters in (False, True) if index % 2 == 0 else (True, False):
             if not llm.reset_prefix_cache():
                 raise RuntimeError("the prefix cache could not be emptied: requests still running")
-            runs.append(run_loraserve(llm, work, with_adapters))
+            timed[with_adapters] = run_loraserve(llm, work, with_adapters)
+        runs = [timed[False], timed[True]]
         if peft is not None and len(share):
             runs.append(peft.run(work, share))
         tqdm.write(f"round {index + 1}: " + ", ".join(f"{r.system.split()[0]} {r.tok_s:.1f} tok/s" for r in runs))
@@ -221,8 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--rounds", type=int, default=4, help="interleaved rounds, (c) on 1/rounds of the requests in each (default 4)")
     add("--profile-steps", type=int, default=8, help="decode steps timed and then profiled (default 8, 0: none)")
     add("--json", type=Path, default=None, help="also write the results to this JSON file")
-    args = parser.parse_args(argv)
-    check_workload_args(parser, args)
+    args = parse_workload_args(parser, argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.profile_steps = max(0, min(args.profile_steps, (args.max_tokens - 2) // 2))

@@ -48,6 +48,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--kernels", args.kernels, "--device", args.device, "--seqs", str(args.seqs), "--adapters",
             str(args.adapters), "--prompt-len", str(args.prompt_len), "--warmup", str(args.warmup), "--steps",
             str(args.steps), "--output-kind", args.output_kind, "--worker"]  # fmt: skip
+    argv += ["--async-scheduling"] if args.async_scheduling else []  # an older checkout without it refuses it
     return argv + (["--threads", str(args.threads)] if args.threads else [])
 
 

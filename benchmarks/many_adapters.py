@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from benchmarks._arrivals import Stream, Timing, add_arrival_args, check_arrival_args, make_stream
 from benchmarks._many_report import KINDS, SYSTEMS, RunResult, describe, markdown, row, skipped
+from benchmarks._quick import parse_with_quick
 from benchmarks._workload import _load_factory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,6 +201,19 @@ def run_all(
     return results, kernels
 
 
+QUICK = {
+    "adapters": [1, 10, 100],
+    "requests": 16,
+    "min_len": 8,
+    "max_len": 32,
+    "rate": 4.0,
+    "memory_budget_mb": 256,
+    "max_loras": 2,
+    "peft_timeout": 20.0,
+    "peft_max_adapters": 10,
+}  # --quick's run
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from loraserve.models.loader import cache_root
 
@@ -238,10 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--no-plots", action="store_true", help="draw no plots")
     add("--quick", action="store_true", help="smoke run: N=1,10,100, 16 requests of 8-31 tokens at 4/s, a 256 MiB "
         "pool with 2 fixed slots, PEFT up to N=10 and 20 s")  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.adapters, args.requests, args.min_len, args.max_len, args.rate = [1, 10, 100], 16, 8, 32, 4.0
-        args.memory_budget_mb, args.max_loras, args.peft_timeout, args.peft_max_adapters = 256, 2, 20.0, 10
+    args = parse_with_quick(parser, argv, QUICK)
     check_arrival_args(parser, args)
     if args.rate is None:
         parser.error("--rate is required")

@@ -8,7 +8,7 @@ loads of each replica (``loraserve_adapter_loads_total{replica}``) and how many 
 adapter (``loraserve_prompt_tokens_total{model,replica}``): with Serve's multiplexed routing an
 adapter should load on one replica; routed by load only, on every one. Each phase starts fresh
 replicas (their pools empty); the adapters are uploaded once to a shared directory registry. Each
-engine gets ``cpus / replicas`` torch threads: on 2 cores, 2 replicas cannot be faster than 1.
+engine gets ``cpus / replicas`` torch threads (the CPUs of this process's affinity mask).
 
     python -m benchmarks.replicas                      # the default model, 16 adapters, 256 requests
     python -m benchmarks.replicas --quick              # a tiny random model, 24 requests (a smoke test)
@@ -31,7 +31,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks._arrivals import make_stream, percentile
+from benchmarks._quick import parse_with_quick
 from benchmarks._random_models import make_adapters, make_model
+
+QUICK = {"adapters": 6, "requests": 24, "concurrency": 4, "prompt_len": (8, 32), "output_len": (4, 12)}  # --quick
 
 PHASES = (("1 replica", 1, True), ("2 replicas, routed by adapter", 2, True), ("2 replicas, by load only", 2, False))
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     add("--seed", type=int, default=0)
     add("--json", type=Path, default=None, help="also write the results to this JSON file")
     add("--quick", action="store_true", help="a tiny random model, 6 adapters, 24 short requests")
-    args = parser.parse_args(argv)
+    args = parse_with_quick(parser, argv, QUICK)
     import ray
     import torch
     from loraserve.api.server_thread import free_port
@@ -106,10 +109,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from loraserve.models.loader import cache_root, default_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="bench-replicas-"))
-    if args.quick:
+    if args.quick and args.model is None:
         args.model = make_model("tiny", default_model_dir(), work / "tiny", dtype=torch.float32, device="cpu")
-        args.adapters, args.requests, args.concurrency = 6, 24, 4
-        args.prompt_len, args.output_len = (8, 32), (4, 12)
     model = Path(args.model or default_model_dir())
     adapter_dir = work / "adapters" if args.quick else cache_root() / "bench-adapters" / f"replicas-{model.name}"
     adapters = make_adapters(model, adapter_dir, [args.rank] * args.adapters)
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     vocab = AutoConfig.from_pretrained(model).vocab_size
     stream = make_stream(args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab, rate=float("inf"),
                          cv=1.0, alpha=args.alpha, seed=args.seed)  # fmt: skip
-    cpus = os.cpu_count() or 1
+    cpus = len(os.sched_getaffinity(0))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     results = []

@@ -32,7 +32,7 @@ import httpx
 
 from benchmarks._arrivals import Stream, add_arrival_args, check_arrival_args, make_stream
 from benchmarks._http_client import Phase, complete, run_arrival_phase, run_phase
-from benchmarks._workload import Workload, adapter_name, add_workload_args, check_workload_args, ensure_adapters
+from benchmarks._workload import Workload, adapter_name, add_workload_args, ensure_adapters, parse_workload_args
 
 
 async def discover(client: httpx.AsyncClient, num_adapters: int) -> list[str]:
@@ -192,8 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --rate: outputs uniform in [this, --max-tokens] (default: all --max-tokens)",
     )
     add("--json", type=Path, default=None, help="also write the results to this JSON file")
-    args = parser.parse_args(argv)
-    check_workload_args(parser, args)
+    args = parse_workload_args(parser, argv)
     check_arrival_args(parser, args)
     args.min_output = args.max_tokens if args.min_output is None else args.min_output
     if not 1 <= args.min_output <= args.max_tokens:

@@ -8,13 +8,16 @@ the base model or one of ``--adapters`` uploaded adapters (ranks 8-64), streamed
 of 4-256 random tokens, 4-64 new tokens; ``--cancel`` of them (10 %) are cut by the client at a
 random point (a streamed one after a few chunks, a plain one by a short timeout). Meanwhile an
 admin task uploads a new adapter and deletes an older one every few seconds, while requests use
-them. It reports requests served, errors by kind (a 404 for an adapter the churn deleted after the
-client picked it is the client's race, counted apart as ``raced_deletes``), p50/p99 latency (TTFT for streams), silent
-drops (a stream that ended without a finish reason, or a 200 without its choices, that the client
-did not cut), the server's memory (RSS after a quarter of the run, at the end, and its peak, when
-it started the server), and whether the server came back to idle: nothing running or waiting, every pool
-page free or evictable cache, ``/health`` 200; and, when it started the server, whether SIGTERM stopped
-it with exit code 0 (and in how long). Exit status 1 when any of those fails.
+them. It reports requests served, errors by kind (an error event inside a stream and a reply that
+is not the API's JSON included; a 404 for an adapter the churn deleted after the client picked it
+is the client's race, counted apart as ``raced_deletes``), completion tokens (from usage), p50/p99
+TTFT of the streamed requests and latency of the plain ones (interpolated as vLLM's ``bench
+serve`` does), silent drops (a stream that ended without a finish reason, or a 200 without its
+choices, that the client did not cut), the server's memory (RSS after a quarter of the run, at
+the end, and its peak, when it started the server), and whether the server came back to idle:
+nothing running or waiting, every pool page free or evictable cache, ``/health`` 200; and, when it
+started the server, whether SIGTERM stopped it with exit code 0 (and in how long). Exit status 1
+when any of those fails.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks._arrivals import percentile
+
 RANKS = (8, 16, 32, 64)
 
 
@@ -46,8 +50,9 @@ class Tally:
     cancelled: int = 0
     silent_drops: int = 0
     errors: Counter[str] = field(default_factory=Counter)
-    latencies: list[float] = field(default_factory=list)  # seconds: TTFT of streams, total of plain requests
-    tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)  # seconds to a stream's first chunk
+    latencies: list[float] = field(default_factory=list)  # seconds to a plain request's answer
+    tokens: int = 0  # completion tokens of the requests served (from usage)
     uploads: int = 0
     deletes: int = 0
     deleted: set[str] = field(default_factory=set)  # adapters the churn task deleted
@@ -129,9 +134,9 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
     start = time.monotonic()
     try:
         if stream:
-            body["stream"] = True
+            body["stream"], body["stream_options"] = True, {"include_usage": True}
             cut_after = rng.randint(1, 4)
-            finish, chunks = None, 0
+            finish, chunks, tokens = None, 0, None
             async with client.stream("POST", "/v1/completions", json=body) as reply:
                 if reply.status_code != 200:
                     tally.refused(model, reply.status_code)
@@ -139,19 +144,26 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
                 async for line in reply.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
+                    event = json.loads(line[6:])
+                    if "error" in event:  # the server's error event after the stream started
+                        tally.errors[f"stream error {event['error'].get('code')}"] += 1
+                        return
                     chunks += 1
                     if chunks == 1:
-                        tally.latencies.append(time.monotonic() - start)
-                    choice = json.loads(line[6:])["choices"]
+                        tally.ttfts.append(time.monotonic() - start)
+                    choice = event["choices"]
                     finish = (choice[0].get("finish_reason") if choice else None) or finish
+                    tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
                     if cut and chunks >= cut_after:
                         tally.cancelled += 1
                         return  # leaving the block closes the stream: the server must abort the request
             if finish is None:
                 tally.silent_drops += 1
+            elif tokens is None:
+                tally.errors["stream without usage"] += 1
             else:
                 tally.served += 1
-                tally.tokens += chunks
+                tally.tokens += tokens
         else:
             timeout = rng.uniform(0.05, 1.0) if cut else 600
             try:
@@ -168,11 +180,14 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
             if not answer.get("choices") or answer["choices"][0].get("finish_reason") is None:
                 tally.silent_drops += 1
                 return
+            tokens = answer["usage"]["completion_tokens"]
             tally.latencies.append(time.monotonic() - start)
             tally.served += 1
-            tally.tokens += answer["usage"]["completion_tokens"]
+            tally.tokens += tokens
     except httpx.HTTPError as error:
         tally.errors[type(error).__name__] += 1
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # a body that is not the API's JSON
+        tally.errors[f"bad reply {type(error).__name__}"] += 1
 
 
 async def client_loop(url: str, models: list[str], deadline: float, seed: int, vocab: int, cancel: float,
@@ -269,7 +284,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         asyncio.run(load())
         elapsed = time.monotonic() - started
         state = idle_state(url)
-        latencies = sorted(tally.latencies)
         report: dict[str, Any] = {
             "machine": machine_info(),
             "duration_s": round(elapsed, 1),
@@ -281,8 +295,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "server_errors_5xx": sum(n for kind, n in tally.errors.items() if kind.split()[-1].startswith("5")),
             "tokens": tally.tokens,
             "tok_per_s": round(tally.tokens / elapsed, 1),
-            "latency_p50_s": round(statistics.median(latencies), 3) if latencies else None,
-            "latency_p99_s": round(latencies[int(0.99 * (len(latencies) - 1))], 3) if latencies else None,
+            **{
+                f"{name}_p{q}_s": rounded(percentile(values, q))
+                for name, values in (("ttft", tally.ttfts), ("latency", tally.latencies))
+                for q in (50, 99)
+            },
             "adapter_uploads": tally.uploads,
             "adapter_deletes": tally.deletes,
             "raced_deletes": tally.raced_deletes,
@@ -300,6 +317,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if process and process.poll() is None:
             process.kill()
             process.wait()
+
+
+def rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def stop_server(process: subprocess.Popen[bytes], workdir: Path, timeout: float = 90) -> dict[str, Any]:

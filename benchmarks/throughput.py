@@ -24,10 +24,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks._quick import parse_with_quick
+
 FIRST_PLAIN_TOKEN = 32  # skip the special tokens at the start of the vocabulary
 TARGET_VS_BATCH1 = 10.0
 TARGET_VS_STATIC = 1.5
 TARGET_MIN_CONCURRENCY = 32
+QUICK = {"requests": 8, "min_len": 4, "max_len": 24, "rounds": 1, "concurrency": [1, 8], "hf_batch1_requests": 1}
 
 
 @dataclass
@@ -269,10 +272,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=None, help="torch threads for both systems (default: torch's)")
     add("--json", type=Path, default=None, help="also write the results to this JSON file")
     add("--quick", action="store_true", help="smoke test: 8 requests, lengths 4..24, concurrency 1,8")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.requests, args.min_len, args.max_len, args.rounds = 8, 4, 24, 1
-        args.concurrency, args.hf_batch1_requests = [1, 8], 1
+    args = parse_with_quick(parser, argv, QUICK)
     if not 1 <= args.min_len < args.max_len:
         parser.error("need 1 <= --min-len < --max-len")
     if args.hf_batch_sizes is None:

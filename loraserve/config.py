@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,7 @@ class EngineConfig:
     kv_allocation: str = "paged"
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _require(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             f"block_size must be a positive power of two, got {self.block_size}",
@@ -149,6 +151,11 @@ class EngineConfig:
             self.preemption_mode != "swap" or self.num_swap_pages > 0,
             "preemption_mode='swap' needs num_swap_pages > 0 (host pages to swap into)",
         )
+        _require(
+            self.num_swap_pages == 0 or self.preemption_mode == "swap",
+            f"num_swap_pages={self.num_swap_pages} are host pages for preemption_mode='swap'; with "
+            f"preemption_mode={self.preemption_mode!r} they would be allocated and never used",
+        )
         _require(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         _require(
             self.max_model_len is None or self.max_model_len > 0,
@@ -172,9 +179,22 @@ class EngineConfig:
         )
         _require(self.kernels in KERNEL_CHOICES, f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         try:
-            torch.device(self.device)
+            device_type = torch.device(self.device).type
         except RuntimeError as error:
             raise ConfigError(f"device {self.device!r} is not a valid torch device: {error}") from None
+        _require(device_type in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _require(
+            self.kernels != "cpu" or device_type == "cpu",
+            f"kernels='cpu' (compiled C++) runs on the CPU, not on device {self.device!r}",
+        )
+        _require(
+            self.adapter_decode_path == "auto"
+            or self.kernels == "triton"
+            or (self.kernels == "auto" and device_type == "cuda"),
+            f"adapter_decode_path={self.adapter_decode_path!r} chooses how the Triton backend's decode graphs "
+            f"take adapters: it needs kernels 'triton' (or 'auto' on CUDA), not kernels={self.kernels!r} on "
+            f"device {self.device!r}",
+        )
         cpu_options = (
             ("cpu_gemm", self.cpu_gemm, CPU_GEMM_CHOICES),
             ("cpu_lora", self.cpu_lora, CPU_TILE_CHOICES),
@@ -212,7 +232,26 @@ class EngineConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise ConfigError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
-        return cls(model=model, **options)
+        return cls(model=os.fspath(model) if isinstance(model, os.PathLike) else model, **options)
+
+
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+
+
+def _check_types(config: Any) -> None:
+    """Each field holds its annotated type (options read from YAML, JSON or the environment come as
+    strings: ``"false"`` is not taken for False); a bool is not taken for an int, an int is for a float."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        kinds = [kind.strip() for kind in str(field.type).split("|")]
+        if value is None and "None" in kinds:
+            continue
+        allowed = tuple(t for kind in kinds for t in _SCALAR_TYPES.get(kind, ()))
+        if not allowed:
+            continue
+        fits = isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool))
+        wanted = " or ".join(kind for kind in kinds)
+        _require(fits, f"{field.name} must be {wanted}, got {value!r} ({type(value).__name__})")
 
 
 def _require(condition: bool, message: str) -> None:

@@ -81,7 +81,9 @@ class EngineKernels:
         if backend.name == "cpu":
             policy = DecodeAttentionPolicy(config.cpu_decode_attention, cache_root() / "cpu_attention")
             decode_attention_plan = choose_decode_attention(shape, config.torch_dtype, config.max_num_seqs, policy)
-            logger.info("CPU decode attention: %s (%s)", decode_attention_plan.kernel, decode_attention_plan.source)
+            plan = decode_attention_plan
+            instead = "" if plan.kernel == plan.variant else f" {plan.variant!r}, which does not tile this model"
+            logger.info("CPU decode attention: %s (%s%s)", plan.kernel, plan.source, instead)
             attend = functools.partial(cpu.paged_decode_attention, variant=decode_attention_plan.variant)
             model_kernels = replace(model_kernels, decode_attention=attend)
         elif config.cpu_decode_attention != "auto":

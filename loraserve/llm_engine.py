@@ -17,7 +17,7 @@ from loraserve.adapters import (
     BaseModelShapes,
     RegistryUnavailableError,
 )
-from loraserve.config import EngineConfig
+from loraserve.config import ConfigError, EngineConfig
 from loraserve.decode_path import DecodePathChoice
 from loraserve.detokenizer import Detokenizer
 from loraserve.engine_kernels import EngineKernels
@@ -59,17 +59,29 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not (self.device.index or 0) < torch.cuda.device_count():
+            built = "has" if torch.backends.cuda.is_built() else "has no"
+            raise ConfigError(
+                f"device {config.device!r}: no such CUDA device here (this torch build {built} CUDA; "
+                f"{torch.cuda.device_count()} GPUs visible)"
+            )
         if self.device.type == "cpu":
             keep_freed_blocks()  # a step's activations reuse the last step's memory, not fresh pages
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
+        positions = int(self.hf_config.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > positions:  # as vLLM refuses it
+            raise ConfigError(
+                f"max_model_len={config.max_model_len} is above the model's context of {positions} tokens "
+                f"(max_position_embeddings in {self.model_dir / 'config.json'})"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         chosen = EngineKernels.choose(config, self.hf_config, self.device)
         self.kernels = chosen.backend
         self.kernel_fallbacks = chosen.fallbacks
         self.attention_plan = chosen.attention_plan
         self.decode_attention_plan = chosen.decode_attention_plan
-        self.max_model_len = config.max_model_len or int(self.hf_config.max_position_embeddings)
+        self.max_model_len = config.max_model_len or positions
         # The CPU GEMM kernel of each linear layer shape and row bucket (empty off the cpu backend).
         self.model, self.gemm_plan = load_model(
             self.model_dir,

@@ -54,7 +54,8 @@ def test_every_option(tmp_path: Path) -> None:
     assert settings.allowed_lora_dirs == (str(tmp_path.resolve()), str((tmp_path / "b").resolve()))
     assert settings.max_upload_bytes == 3 * 2**20
     assert (config.max_lora_rank, config.max_adapters, config.enforce_eager) == (32, 7, True)
-    assert build_engine_config(parse("--adapter-decode-path", "eager")).adapter_decode_path == "eager"
+    eager = parse("--adapter-decode-path", "eager", "--kernels", "triton")
+    assert build_engine_config(eager).adapter_decode_path == "eager"
     assert build_engine_config(parse("--async-scheduling")).async_scheduling is True
     swap = build_engine_config(
         parse(
@@ -132,7 +133,77 @@ def test_options_that_would_do_nothing_are_refused() -> None:
 
     with pytest.raises(SystemExit, match="--num-replicas needs --ray-address"):
         run_serve(parse("--num-replicas", "2"))
-    with pytest.raises(SystemExit, match="--shutdown-timeout must be >= 0"):  # checked before Ray starts
+    with pytest.raises(SystemExit, match="--shutdown-timeout must be a number of seconds >= 0"):  # before Ray
         run_serve(parse("--ray-address", "local", "--shutdown-timeout", "-1"))
-    with pytest.raises(SystemExit, match="--shutdown-timeout must be >= 0"):
-        run_serve(parse("--shutdown-timeout", "-1"))
+    for value in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit, match="--shutdown-timeout must be a number of seconds >= 0"):
+            run_serve(parse("--shutdown-timeout", value))
+
+
+def test_ports_past_65535_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    """uvloop would bind 70000 as 4464 (modulo 65536) while the log said 70000."""
+    assert parse("--port", "65535").port == 65535
+    for port in ("70000", "-5"):
+        with pytest.raises(SystemExit):
+            parse("--port", port)
+        assert "is not a TCP port (0-65535)" in capsys.readouterr().err
+
+
+def test_empty_values_are_refused_not_taken_for_absent(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--admin-key "$KEY"`` with KEY unset gave a server open to anyone; an empty
+    ``--allowed-lora-dir`` allowed the current directory."""
+    monkeypatch.delenv("LORASERVE_API_KEY", raising=False)
+    for argv, flag in ((["--admin-key", ""], "--admin-key"), (["--api-key", ""], "--api-key"),
+                       (["--served-model-name", ""], "--served-model-name"),
+                       (["--allowed-lora-dir", ""], "--allowed-lora-dir")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{flag} is empty"):
+            build_settings(parse(*argv), tmp_path)
+    monkeypatch.setenv("LORASERVE_API_KEY", "")  # set but empty: refused too
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        build_settings(parse(), tmp_path)
+
+
+def test_vllm_api_key_alone_is_warned_about(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("LORASERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    with caplog.at_level("WARNING"):
+        settings = build_settings(parse(), Path("/models/m"))
+    assert settings.api_key is None and "VLLM_API_KEY is set, but loraserve reads --api-key" in caplog.text
+
+
+def test_config_refuses_wrong_types_and_options_that_cannot_apply() -> None:
+    """Options from YAML, JSON or the environment come as strings: "false" is not False."""
+    cases = [
+        ({"enable_prefix_caching": "false"}, "enable_prefix_caching must be bool, got 'false'"),
+        ({"async_scheduling": "no"}, "async_scheduling must be bool"),
+        ({"max_num_seqs": 8.5}, "max_num_seqs must be int, got 8.5"),
+        ({"max_model_len": True}, "max_model_len must be int or None, got True"),
+        ({"watermark": "0.1"}, "watermark must be float"),
+        ({"num_swap_pages": 16}, "would be allocated and never used"),
+        ({"kernels": "cpu", "device": "cuda"}, "kernels='cpu' .* runs on the CPU"),
+        ({"device": "meta"}, "device must be 'cpu' or 'cuda"),
+        ({"adapter_decode_path": "graph"}, "needs kernels 'triton'"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig(**options)  # type: ignore[arg-type]
+    assert EngineConfig(watermark=0, preemption_mode="swap", num_swap_pages=16).watermark == 0
+    assert EngineConfig(adapter_decode_path="graph", kernels="triton").adapter_decode_path == "graph"
+    assert EngineConfig.from_options(Path("/m")).model == "/m"  # a path object is a model directory
+
+
+def test_engine_start_failures_end_serve_with_one_line(tiny_model_dir: Path) -> None:
+    """Options the config cannot judge alone (the model's context, this machine's devices) and a
+    model that is not there end ``serve`` with one line naming the problem, not a traceback."""
+    from loraserve.entrypoints.serve import start_engine
+
+    base = {"model": str(tiny_model_dir), "kernels": "torch", "num_pages": 16}
+    with pytest.raises(SystemExit, match=r"bad option: max_model_len=100000 is above the model's context of 2048"):
+        start_engine(EngineConfig(**base, max_model_len=100_000))  # type: ignore[arg-type]
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(SystemExit, match=r"bad option: device 'cuda': no such CUDA device here"):
+            start_engine(EngineConfig(**{**base, "device": "cuda"}))  # type: ignore[arg-type]
+    with pytest.raises(SystemExit, match=r"the engine could not start \(ModelLoadError\): model '/nope/m'"):
+        start_engine(EngineConfig(**{**base, "model": "/nope/m"}))  # type: ignore[arg-type]
+    with pytest.raises(SystemExit, match=r"bad option: registry 'Redis://h:1/0': unknown scheme 'Redis'"):
+        start_engine(EngineConfig(**base, registry="Redis://h:1/0"))  # type: ignore[arg-type]

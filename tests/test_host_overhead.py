@@ -73,3 +73,41 @@ def test_turns_are_32_steps_unless_told() -> None:
     assert parse_args(["--against", str(ROOT), "--steps", "10"]).steps == 10
     with pytest.raises(SystemExit):
         parse_args(["--against", str(ROOT), "--rounds", "-3"])
+
+
+def test_phase_timer_counts_nested_calls_of_a_phase_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode graphs' eager forward calls the model's forward: both are "forward", counted once."""
+    import itertools
+    from types import SimpleNamespace
+
+    from benchmarks import host_overhead
+    from benchmarks.host_overhead import PhaseTimer, instrument
+
+    ticks = itertools.count()
+    monkeypatch.setattr(host_overhead.time, "perf_counter", lambda: float(next(ticks)))  # one second a reading
+
+    calls: list[str] = []
+
+    class Graphs:
+        def run(self, batch: object) -> None:
+            calls.append("run")
+            engine.model.forward()  # as DecodeGraphs.forward does through the model
+
+    model = SimpleNamespace(forward=lambda: calls.append("forward"))
+    runner = SimpleNamespace(prepare=lambda: None, sampler=lambda: None, decode_graphs=Graphs())
+    engine = SimpleNamespace(scheduler=SimpleNamespace(schedule=lambda: None), runner=runner, model=model)
+    timer = PhaseTimer()
+    wrapped = instrument(engine, timer)
+    assert "forward=Graphs.run" in wrapped and len(wrapped) == 5
+    timer.enabled = True
+    engine.runner.decode_graphs.run(None)
+    assert calls == ["run", "forward"]
+    assert timer.seconds["forward"] == 1.0  # two readings (nested timing: four, and 1 + 3 s)
+
+
+def test_against_passes_async_scheduling_to_the_other_checkout() -> None:
+    from benchmarks.host_overhead import parse_args
+    from benchmarks.host_overhead_turns import worker_argv
+
+    assert "--async-scheduling" in worker_argv(parse_args(["--against", str(ROOT), "--async-scheduling"]))
+    assert "--async-scheduling" not in worker_argv(parse_args(["--against", str(ROOT)]))

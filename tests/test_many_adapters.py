@@ -46,12 +46,29 @@ def test_arrivals_poisson_gamma_and_all_at_once() -> None:
 
 
 def test_latency_summary() -> None:
-    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and percentile([1.0, 2.0], 99) == 2.0
-    assert percentile([], 50) is None
+    # Interpolated between the closest ranks, as numpy.percentile (and vllm bench serve).
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5 and percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert percentile([5.0], 99) == 5.0 and percentile([], 50) is None
+    values = [float(v) for v in range(37, 0, -3)]
+    assert [percentile(values, q) for q in (0, 10, 50, 99, 100)] == pytest.approx(
+        [float(x) for x in __import__("numpy").percentile(values, [0, 10, 50, 99, 100])]
+    )
     timings = [Timing(0.0, 1.0, 3.0, 3), Timing(1.0, 9.0, 10.0, 2), Timing(2.0)]  # the last never started
     s = latency_summary(timings, slo_ttft=5.0)
-    assert s["ttft_p50_s"] == 1.0 and s["ttft_p99_s"] == 8.0 and s["tpot_p50_s"] == 1.0
+    assert s["ttft_p50_s"] == 4.5 and s["ttft_p99_s"] == pytest.approx(7.93) and s["tpot_p50_s"] == 1.0
     assert s["slo_attainment"] == pytest.approx(1 / 3)
+
+
+def test_run_summary_over_every_request_of_a_run_cut_by_its_cap() -> None:
+    """A PEFT run cut by its time cap: SLO over ALL requests (one never served misses it), TTFT
+    of every request that started, and the tokens the cut batch made before the cap count."""
+    from benchmarks._many_report import RunResult
+
+    timings = [Timing(0.0, 1.0, 3.0, 3), Timing(0.0, 1.0, None, 2), Timing(0.0, 7.0, None, 1), Timing(0.0)]
+    result = RunResult("peft-one", 1, [3, 5, 4, 4], timings, wall_s=10.0, timed_out=True)
+    s = result.summary(slo_ttft=5.0)
+    assert s["done"] == 1 and s["output_tokens"] == 6 and s["tok_s"] == pytest.approx(0.6)
+    assert s["slo_attainment"] == pytest.approx(2 / 4) and s["ttft_p50_s"] == 1.0 and s["ttft_p99_s"] > 6.8
 
 
 def test_many_adapters_smoke(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -78,7 +95,9 @@ def test_many_adapters_smoke(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert r["done"] == 16 and not r["timed_out"] and r["skipped"] is None, r["label"]
         assert r["per_request"]["tokens"] == expected, r["label"]
         assert all(t is not None and t >= 0 for t in r["per_request"]["ttft_s"]), r["label"]
-        assert r["req_s"] > 0 and r["ttft_p99_s"] >= r["ttft_p50_s"] and 0 <= r["slo_attainment"] <= 1
+        ttfts = r["per_request"]["ttft_s"]
+        assert r["req_s"] > 0 and r["ttft_p50_s"] == pytest.approx(statistics.median(ttfts)), r["label"]
+        assert r["slo_attainment"] == sum(t < payload["args"]["slo_ttft"] for t in ttfts) / 16, r["label"]
     engines = [r for r in results if not r["system"].startswith("peft")]
     for r in engines:
         assert r["timeline"] and r["peak_kv_pages"] > 0 and r["peak_adapter_pages"] > 0, r["label"]
@@ -138,5 +157,6 @@ def test_serving_arrivals_against_loraserve(tiny_model_dir: Path, tmp_path: Path
         assert phase["ok"] == 12 and phase["failed"] == 0 and phase["short"] == 0, phase
         assert len(phase["ttfts_s"]) == 12 and all(t is not None and t > 0 for t in phase["ttfts_s"]), phase
         assert phase["ttft_p99_s"] >= phase["ttft_p50_s"] > 0 and phase["tpot_p50_s"] > 0
-        assert 0 <= phase["slo_attainment"] <= 1
+        slo = payload["args"]["slo_ttft"]
+        assert phase["slo_attainment"] == sum(t < slo for t in phase["ttfts_s"]) / 12, phase
     assert closed is not None and closed["phases"][0]["ok"] == 8 and closed["phases"][0]["short"] == 0

@@ -22,8 +22,14 @@ ENGINE_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--num-pages", "num_pages", int, "pages in the unified pool (default: sized by --memory-budget-mb)"),
     ("--memory-budget-mb", "memory_budget_mb", int, "MiB of pool storage when --num-pages is not given (default 1024)"),
     ("--max-num-seqs", "max_num_seqs", int, "most sequences running at once (default 64)"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens a step (default 2048; 1024 in float32 on CPU)"),
-    ("--max-model-len", "max_model_len", int, "context length limit (default: the model's)"),
+    (
+        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
+        int,
+        "tokens a step (default 2048, 1024 in float32 on CPU, at least --max-num-seqs; a smaller value is "
+        "taken, unlike vLLM: decode then runs that many sequences a step)",
+    ),
+    ("--max-model-len", "max_model_len", int, "context length limit, at most the model's (default: the model's)"),
     (
         "--watermark",
         "watermark",

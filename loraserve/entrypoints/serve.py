@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 import signal
 import threading
@@ -19,6 +20,7 @@ from typing import Any
 from loraserve.config import EngineConfig
 from loraserve.entrypoints.engine_args import add_engine_arguments, engine_options
 from loraserve.entrypoints.startup_heap import freeze_startup_objects
+from loraserve.models.loader import ModelLoadError, resolve_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,14 @@ def default_registry_spec() -> str:
     return f"dir:{cache_root() / 'adapters'}"
 
 
+def _port(text: str) -> int:
+    """A TCP port for argparse (uvloop would bind a number past 65535 modulo 65536)."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -51,7 +61,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="model id of the base model (default: its directory name)"
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
     parser.add_argument(
         "--registry",
         default=None,
@@ -145,10 +155,22 @@ def build_settings(args: argparse.Namespace, model_dir: Path) -> Any:
     from loraserve.api import ServerSettings
     from loraserve.api.generation_defaults import load_sampling_defaults
 
+    for flag, value in (("--api-key", args.api_key), ("--admin-key", args.admin_key)):
+        if value == "":  # e.g. --admin-key "$KEY" with KEY unset: not "no key", which leaves the server open
+            raise ValueError(f"{flag} is empty (is the variable it comes from set?); leave it out for no key")
+    if args.served_model_name == "":
+        raise ValueError("--served-model-name is empty")
+    if "" in args.allowed_lora_dir:  # realpath('') is the current directory
+        raise ValueError("--allowed-lora-dir is empty (is the variable it comes from set?)")
+    for directory in args.allowed_lora_dir:
+        if not Path(directory).is_dir():
+            logger.warning("--allowed-lora-dir %s is not a directory (yet): loads from it fail until it is", directory)
+    if args.api_key is None and os.environ.get("VLLM_API_KEY"):
+        logger.warning("VLLM_API_KEY is set, but loraserve reads --api-key or $%s: no API key is required", API_KEY_ENV)
     return ServerSettings(
         model_id=args.served_model_name or Path(model_dir).name,
-        api_key=args.api_key or None,
-        admin_key=args.admin_key or None,
+        api_key=args.api_key,
+        admin_key=args.admin_key,
         allowed_lora_dirs=tuple(args.allowed_lora_dir),
         max_upload_bytes=args.max_upload_mb * 2**20,
         max_request_body_bytes=args.max_request_body_mb * 2**20,
@@ -158,6 +180,20 @@ def build_settings(args: argparse.Namespace, model_dir: Path) -> Any:
         max_requests_per_key=args.max_requests_per_key,
         sampling_defaults=load_sampling_defaults(model_dir, args.generation_config, args.override_generation_config),
     )
+
+
+def start_engine(config: Any) -> Any:
+    """``LLMEngine(config)``, or ``SystemExit`` with the reason when it cannot start (an option the
+    model or this machine cannot take, a registry that cannot be opened): one line, not a traceback
+    (``--log-level debug`` logs the traceback too)."""
+    from loraserve.llm_engine import LLMEngine
+
+    try:
+        return LLMEngine(config)
+    except (ValueError, ModelLoadError, OSError, RuntimeError) as error:
+        logger.debug("the engine could not start", exc_info=True)
+        kind = "bad option" if isinstance(error, ValueError) else f"the engine could not start ({type(error).__name__})"
+        raise SystemExit(f"{kind}: {error}") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -174,7 +210,6 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from loraserve.api import create_app
-    from loraserve.llm_engine import LLMEngine
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -182,22 +217,20 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--max-upload-mb must be positive")
     if args.shutdown_timeout is None:
         args.shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
-    if args.shutdown_timeout < 0:
-        raise SystemExit("--shutdown-timeout must be >= 0")
+    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
+        raise SystemExit("--shutdown-timeout must be a number of seconds >= 0")
     if args.ray_address:
         if args.num_replicas is not None and args.num_replicas < 1:
             raise SystemExit("--num-replicas must be at least 1")
         return _run_on_ray(args)
     if args.num_replicas is not None:
         raise SystemExit("--num-replicas needs --ray-address (one process serves one engine)")
-    from loraserve.models.loader import resolve_model_dir
-
     try:  # every option checked before the model loads
         config = build_engine_config(args)
         settings = build_settings(args, Path(resolve_model_dir(config.model)))
-    except ValueError as error:  # ConfigError included
+    except (ValueError, ModelLoadError, OSError) as error:  # ConfigError included
         raise SystemExit(f"bad option: {error}") from None
-    engine = LLMEngine(config)
+    engine = start_engine(config)
     if not _is_loopback(args.host) and settings.adapter_key is None:
         logger.warning("serving on %s without --admin-key or --api-key: anyone can change adapters", args.host)
     app = create_app(engine, settings)
@@ -282,7 +315,6 @@ def _run_on_ray(args: argparse.Namespace) -> int:
     import dataclasses
 
     from loraserve.adapters.store_factory import is_directory_spec
-    from loraserve.models.loader import resolve_model_dir
 
     try:
         from loraserve.entrypoints.ray_launch import run_ray_serve
@@ -293,7 +325,7 @@ def _run_on_ray(args: argparse.Namespace) -> int:
         config = build_engine_config(args)
         replica_actor_options(config.device)
         settings = dataclasses.asdict(build_settings(args, Path(resolve_model_dir(config.model))))
-    except ValueError as error:  # ConfigError included
+    except (ValueError, ModelLoadError, OSError) as error:  # ConfigError included
         raise SystemExit(f"bad option: {error}") from None
     if args.ray_address != "local" and is_directory_spec(config.registry or ""):
         logger.warning("--registry %s is a directory on each machine: replicas on other machines of the cluster "
