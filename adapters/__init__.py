@@ -7,6 +7,7 @@ from .errors import (
     AdapterExistsError,
     AdapterNotFoundError,
     AdapterTooLargeError,
+    InvalidAdapterError,
     InvalidAdapterNameError,
     RegistryUnavailableError,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "AdapterStore",
     "AdapterTooLargeError",
     "BaseModelShapes",
+    "InvalidAdapterError",
     "InvalidAdapterNameError",
     "LoRAAdapter",
     "LoRAModuleWeights",

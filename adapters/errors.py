@@ -5,6 +5,7 @@ subclasses let an HTTP layer pick a status code (check subclasses before the bas
 
 * :class:`AdapterTooLargeError` -> 413
 * :class:`AdapterNotFoundError` -> 404
+* :class:`InvalidAdapterError` -> 400 (its files do not parse or do not fit this server)
 * :class:`AdapterExistsError` -> 409
 * :class:`RegistryUnavailableError` -> 503 (the registry, not the adapter, is the problem)
 * :class:`InvalidAdapterNameError` and plain :class:`AdapterError` -> 400 / 422
@@ -14,7 +15,20 @@ from __future__ import annotations
 
 
 class AdapterError(ValueError):
-    """An adapter (or its upload, or its name) is invalid; the message names the problem and where."""
+    """An adapter (or its upload, or its name) is invalid; the message names the problem and where.
+
+    ``code`` classifies the failure of a request whose adapter could not be loaded
+    (``RequestOutput.error_code``); None where the server, not the adapter, is at fault.
+    """
+
+    code: str | None = None
+
+
+class InvalidAdapterError(AdapterError):
+    """The adapter's files do not parse, or do not fit this server (the base model's shapes, its
+    ``max_lora_rank``): at registration, or when a stored adapter is loaded for a request."""
+
+    code = "invalid_adapter"
 
 
 class AdapterTooLargeError(AdapterError):
@@ -31,6 +45,8 @@ class AdapterExistsError(AdapterError):
 
 class AdapterNotFoundError(AdapterError):
     """No adapter with this name is stored."""
+
+    code = "adapter_not_found"
 
 
 class RegistryUnavailableError(AdapterError):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import AdapterError
+from .errors import AdapterError, InvalidAdapterError
 from .lora_weights import BaseModelShapes, LoRAAdapter
 from .peft_format import CONFIG_FILE, WEIGHTS_FILE, parse_adapter_files, read_adapter_dir
 from .store import AdapterStore, validate_adapter_name
@@ -131,9 +131,15 @@ class AdapterRegistry:
         return self._validated(name, files)
 
     def _validated(self, name: str, files: Mapping[str, bytes]) -> LoRAAdapter:
-        adapter = parse_adapter_files(files, self.shapes, name)
+        """The parsed adapter, or :class:`InvalidAdapterError` naming why this server cannot serve it."""
+        try:
+            adapter = parse_adapter_files(files, self.shapes, name)
+        except InvalidAdapterError:
+            raise
+        except AdapterError as error:
+            raise InvalidAdapterError(str(error)) from error
         if adapter.max_rank > self.limits.max_rank:
-            raise AdapterError(
+            raise InvalidAdapterError(
                 f"adapter {name!r} has rank {adapter.max_rank}, above this server's limit of {self.limits.max_rank} "
                 "(max_lora_rank)"
             )

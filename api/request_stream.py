@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-from loraserve.adapters import RegistryUnavailableError
+from loraserve.adapters import AdapterNotFoundError, InvalidAdapterError, RegistryUnavailableError
 
 from loraserve.outputs import REQUEST_TOO_LARGE, RequestOutput
 
@@ -41,11 +41,19 @@ class RequestFailedError(RuntimeError):
 
     @property
     def status_code(self) -> int:
-        """The HTTP status it answers: 503 when the adapter registry was unreachable, 400 when the
-        request cannot fit the pool with its adapter (known only once the adapter loaded), else 500."""
-        if self.code == REQUEST_TOO_LARGE:
-            return 400
-        return 503 if self.code == RegistryUnavailableError.code else 500
+        """The HTTP status it answers: 503 when the adapter registry was unreachable; 400 when the
+        request cannot fit the pool with its adapter (known only once the adapter loaded) or the
+        stored adapter cannot be served (retrying cannot help; clients retry a 5xx); 404 when the
+        adapter was deleted before its files were read; else 500."""
+        return _STATUS_BY_CODE.get(self.code, 500)
+
+
+_STATUS_BY_CODE: dict[str | None, int] = {
+    REQUEST_TOO_LARGE: 400,
+    InvalidAdapterError.code: 400,
+    AdapterNotFoundError.code: 404,
+    RegistryUnavailableError.code: 503,
+}
 
 
 class RequestStream:

@@ -39,10 +39,11 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
 
 def request_error(error: BaseException) -> APIError:
     """The error a request gets when it fails after it was accepted, streamed or not: 503 for an
-    engine that stopped (or an adapter registry that was unreachable), else 500, with the reason."""
+    engine that stopped (or an adapter registry that was unreachable), a 4xx for an adapter that
+    could not be loaded for its content (``RequestFailedError.status_code``), else 500, with the reason."""
     if isinstance(error, APIError):
         return error
-    if isinstance(error, RequestFailedError):  # 503 when the adapter registry was unreachable
+    if isinstance(error, RequestFailedError):
         retry = {"Retry-After": "1"} if error.status_code == 503 else None
         return APIError(error.status_code, str(error), headers=retry)
     if isinstance(error, EngineDeadError):

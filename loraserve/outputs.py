@@ -27,7 +27,9 @@ class RequestOutput:
     comes finished, with finish reason ``abort`` and no tokens. ``error_code`` classifies it
     where a caller should act on the kind: ``"registry_unavailable"`` (the adapter registry
     could not be reached: retry later), ``"request_too_large"`` (``REQUEST_TOO_LARGE``: with its
-    adapter, now loaded, the request can never fit the pool: the client's to change), else None.
+    adapter, now loaded, the request can never fit the pool: the client's to change),
+    ``"invalid_adapter"`` (the stored adapter does not parse or does not fit this server: retrying
+    cannot help), ``"adapter_not_found"`` (deleted before it was read), else None.
     ``metrics``: the first sample's ``arrival_time`` and, once it has tokens, ``first_token_time``
     and ``last_token_time`` (``time.monotonic()``, on the engine's host).
     """

@@ -121,6 +121,7 @@ class Scheduler:
                 code = REQUEST_TOO_LARGE if error is not None else None
             except AdapterError as failure:  # AdapterNotFoundError: removed meanwhile
                 error = f"adapter {seq.adapter_name!r} could not be loaded: {failure}"
+                code = failure.code
             self.loading.remove(seq)
             if error is not None:
                 logger.error("request %s: adapter %r: %s", seq.request_id, seq.adapter_name, error)

@@ -127,6 +127,7 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(llm: LLM, adapter_
         for output in outputs[:4]:
             assert output.outputs[0].finish_reason == "abort" and output.token_ids == []
             assert output.error is not None and "'corrupt' could not be loaded" in output.error
+            assert output.error_code == "invalid_adapter"  # a 400 over HTTP: retrying cannot help
         assert reads == ["corrupt"]
         assert outputs[4].error is None
         assert outputs[4].outputs[0].finish_reason == "length" and len(outputs[4].token_ids) == 6
@@ -141,6 +142,30 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(llm: LLM, adapter_
         assert llm.generate([PROMPT], PARAMS, adapters="corrupt", use_tqdm=False)[0].error is None
     finally:
         source.read = read  # type: ignore[method-assign]
+
+
+def test_an_adapter_deleted_before_its_files_are_read_ends_its_requests_as_not_found(
+    llm: LLM, adapter_dir: Path
+) -> None:
+    """Deleted between the request's lookup and the read on the loader thread: its requests end with
+    ``error_code`` ``adapter_not_found`` (a 404 over HTTP, as a name never registered)."""
+    engine = llm.engine
+    llm.add_adapter("fleeting", adapter_dir, overwrite=True)
+    source = engine.adapters.resolver.source
+    read = source.read
+
+    def deleted_first(name: str, key: str) -> Any:
+        engine.adapter_registry.store.delete(name)
+        return read(name, key)
+
+    source.read = deleted_first  # type: ignore[method-assign]
+    try:
+        output = llm.generate([PROMPT], PARAMS, adapters="fleeting", use_tqdm=False)[0]
+    finally:
+        source.read = read  # type: ignore[method-assign]
+    assert output.outputs[0].finish_reason == "abort" and output.error_code == "adapter_not_found"
+    assert output.error is not None and "'fleeting' could not be loaded" in output.error
+    assert RequestFailedError(output.error, output.error_code).status_code == 404
 
 
 def test_a_request_too_large_with_its_adapter_ends_with_a_request_error(

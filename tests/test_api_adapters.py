@@ -241,17 +241,39 @@ def test_delete_while_in_flight(server: Server, tmp_path: Path) -> None:
 def test_adapter_corrupted_in_the_store_is_a_named_error_and_the_server_keeps_serving(
     server: Server, tmp_path: Path
 ) -> None:
-    """Files damaged after registration: the adapter's requests fail with a 500 naming it (JSON)
-    or an error event (streamed); base-model requests go on."""
+    """Files damaged after registration: the adapter's requests fail with a 400 naming it (JSON; a
+    5xx would make clients retry what cannot succeed) or an error event (streamed); base-model
+    requests go on."""
     assert upload(server, "damaged", adapter_files(server, tmp_path / "d", seed=21)).status_code == 201
     store_root = Path(server.engine.adapter_registry.store.root)
     ((store_root / "damaged").resolve() / WEIGHTS).write_bytes(b"not a safetensors file")
     body = {"model": "damaged", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
-    assert_error(server.http.post("/v1/completions", json=body), 500, "damaged", "could not be loaded")
+    assert_error(server.http.post("/v1/completions", json=body), 400, "damaged", "could not be loaded")
     streamed = server.http.post("/v1/completions", json={**body, "stream": True})
     assert streamed.status_code == 200 and "could not be loaded" in streamed.text and "damaged" in streamed.text
     ok = server.http.post("/v1/completions", json={**body, "model": MODEL})
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_adapter_of_another_base_model_in_a_shared_store_is_a_400_not_listed(server: Server, tmp_path: Path) -> None:
+    """A registry shared with a server of another model holds an adapter that does not fit this one:
+    its requests get a 400 ``invalid_adapter`` naming the adapter and the misfit, JSON and streamed;
+    it is not listed; its summary is a 400; the server goes on serving."""
+    config = tiny_llama_config(num_layers=30)  # SmolLM2's layers, not its widths
+    other = make_peft_adapter_for_config(config, tmp_path / "other", rank=4, target_modules=["q_proj"])
+    files = {CONFIG: (other / CONFIG).read_bytes(), WEIGHTS: (other / WEIGHTS).read_bytes()}
+    server.engine.adapter_registry.store.put("foreign", files)  # as that other server registered it
+    try:
+        body = {"model": "foreign", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        assert_error(server.http.post("/v1/completions", json=body), 400, "'foreign' could not be loaded", "shape")
+        streamed = server.http.post("/v1/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200 and "could not be loaded" in streamed.text and '"code": 400' in streamed.text
+        assert "foreign" not in adapter_names(server)
+        assert_error(server.http.get("/v1/adapters/foreign"), 400, "foreign")
+        ok = server.http.post("/v1/completions", json={**body, "model": MODEL})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.engine.adapter_registry.store.delete("foreign")
 
 
 def pool_metrics(server: Server) -> dict[tuple[str, str], float]:

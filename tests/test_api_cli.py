@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loraserve.config import ConfigError, EngineConfig
-from loraserve.entrypoints.serve import add_serve_parser, build_engine_config, build_settings
+from loraserve.entrypoints.serve import add_serve_parser, build_engine_config, build_settings, default_registry_spec
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -26,7 +26,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args.allowed_lora_dir == [] and args.max_upload_mb == 512
     config = build_engine_config(args)
     if hasattr(config, "registry"):
-        assert config.registry and "adapters" in config.registry
+        assert config.registry and "registries" in config.registry
         config = dataclasses.replace(config, registry=EngineConfig().registry)
     assert config == EngineConfig()
     settings = build_settings(args, Path("/models/SmolLM2-135M-Instruct"))
@@ -71,6 +71,27 @@ def test_every_option(tmp_path: Path) -> None:
     assert config.async_scheduling is False  # off unless asked
     assert (settings.max_request_body_bytes, settings.max_n, settings.max_requests_per_key) == (2 * 2**20, 3, 9)
     assert (settings.max_prompt_tokens, settings.max_output_tokens, args.shutdown_timeout) == (100, 50, 5.0)
+
+
+def test_default_registry_is_one_per_base_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each base model gets its own default adapter directory (an adapter of one model does not fit
+    another); the same model, named by another path to it, keeps its own; adapters left in the
+    registry all models shared before are pointed at once."""
+    monkeypatch.setenv("LORASERVE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path)
+    default, first, second = default_registry_spec(None), default_registry_spec("a"), default_registry_spec("b")
+    assert len({default, first, second}) == 3
+    assert default.startswith(f"dir:{tmp_path / 'cache' / 'registries' / 'SmolLM2-135M-Instruct-'}")
+    assert first.startswith(f"dir:{tmp_path / 'cache' / 'registries' / 'a-'}")
+    assert default_registry_spec(str(tmp_path / "a")) == first == build_engine_config(parse("--model", "a")).registry
+    assert not caplog.records
+    (tmp_path / "cache" / "adapters" / "mine").mkdir(parents=True)
+    default_registry_spec("b")
+    assert "--registry dir:" + str(tmp_path / "cache" / "adapters") in caplog.text
 
 
 def test_step_token_budget_defaults_by_device_and_dtype() -> None:

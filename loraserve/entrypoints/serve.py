@@ -31,11 +31,29 @@ API_KEY_ENV = "LORASERVE_API_KEY"
 ADMIN_KEY_ENV = "LORASERVE_ADMIN_KEY"
 
 
-def default_registry_spec() -> str:
-    """A local adapter store under the loraserve cache (``$LORASERVE_CACHE/adapters``)."""
-    from loraserve.models.loader import cache_root
+def default_registry_spec(model: str | None) -> str:
+    """This base model's own adapter store under the loraserve cache:
+    ``$LORASERVE_CACHE/registries/<model directory name>-<8 hex digits of its absolute path>``.
 
-    return f"dir:{cache_root() / 'adapters'}"
+    One per model, so adapters registered for one base model are never listed, counted against
+    ``max_adapters`` or requested on a server of another (they would not fit it).
+    """
+    import hashlib
+
+    from loraserve.models.loader import DEFAULT_MODEL_NAME, cache_root
+
+    path = (cache_root() / "models" / DEFAULT_MODEL_NAME) if model is None else Path(model).expanduser()
+    path = path.resolve()
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    registry = cache_root() / "registries" / f"{path.name or 'model'}-{digest}"
+    shared = cache_root() / "adapters"  # the one default registry that every model shared in earlier versions
+    if not registry.exists() and shared.is_dir() and any(not p.name.startswith(".") for p in shared.iterdir()):
+        logger.warning(
+            "the default adapter registry is now one per base model (%s); adapters registered earlier "
+            "are in %s: serve with --registry dir:%s to use them",
+            registry, shared, shared,
+        )  # fmt: skip
+    return f"dir:{registry}"
 
 
 def _port(text: str) -> int:
@@ -66,7 +84,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--registry",
         default=None,
         help="adapter store: 'dir:/path' or a path for a local directory, 'redis://host:port/db' for Redis "
-        "shared by replicas (default: a directory under the loraserve cache)",
+        "shared by replicas (default: a directory of this base model under the loraserve cache)",
     )
     parser.add_argument(
         "--api-key",
@@ -146,7 +164,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the parsed arguments (options not given keep their defaults)."""
     options = engine_options(args)
-    options["registry"] = args.registry or default_registry_spec()
+    options["registry"] = args.registry or default_registry_spec(args.model)
     return EngineConfig.from_options(args.model, **options)
 
 
