@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks._quick import given_options
 from benchmarks._workload import Workload, adapter_name, add_workload_args, ensure_adapters, parse_workload_args
 from benchmarks.cpu_perf_profile import PARTS, profile_decode
 from loraserve.config import CPU_DECODE_ATTENTION_CHOICES, CPU_GEMM_CHOICES, CPU_TILE_CHOICES
@@ -227,7 +228,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parse_workload_args(parser, argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    args.profile_steps = max(0, min(args.profile_steps, (args.max_tokens - 2) // 2))
+    most = max(0, (args.max_tokens - 2) // 2)  # profiled steps follow as many timed ones, after the first token
+    if "profile_steps" in given_options(parser, argv) and not 0 <= args.profile_steps <= most:
+        parser.error(f"--profile-steps must be in [0, {most}] with --max-tokens {args.max_tokens}")
+    args.profile_steps = min(args.profile_steps, most)
     return args
 
 

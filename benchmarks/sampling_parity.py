@@ -67,7 +67,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--settings", default=None, help="names to run, separated by ; (default: all)")
     args = parser.parse_args(argv)
-    chosen = SETTINGS if args.settings is None else {"greedy": {}, **{k: SETTINGS[k] for k in args.settings.split(";")}}
+    wanted = [] if args.settings is None else [name.strip() for name in args.settings.split(";") if name.strip()]
+    unknown = [name for name in wanted if name not in SETTINGS]
+    if unknown or (args.settings is not None and not wanted):
+        parser.error(f"--settings: unknown setting(s) {unknown or [args.settings]}; known: {'; '.join(SETTINGS)}")
+    chosen = SETTINGS if args.settings is None else {"greedy": {}, **{name: SETTINGS[name] for name in wanted}}
+    bad_urls = [item for item in args.url if "=" not in item or not item.split("=", 1)[0]]
+    if bad_urls or len(args.url) < 2:
+        parser.error(f"--url expects NAME=BASE_URL, at least twice; got {args.url}")
     servers = dict(item.split("=", 1) for item in args.url)
     texts: dict[str, dict[str, list[str]]] = {}
     with httpx.Client(timeout=600) as client:

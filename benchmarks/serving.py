@@ -32,6 +32,7 @@ import httpx
 
 from benchmarks._arrivals import Stream, add_arrival_args, check_arrival_args, make_stream
 from benchmarks._http_client import Phase, complete, run_arrival_phase, run_phase
+from benchmarks._quick import given_options
 from benchmarks._workload import Workload, adapter_name, add_workload_args, ensure_adapters, parse_workload_args
 
 
@@ -165,6 +166,10 @@ def _server_kernels(health: dict[str, Any] | None) -> str:
     return f"{health['kernels']}; GEMM kernel per row bucket ({rows} rows, {gemm['source']}): {shapes}{lora_part}"
 
 
+def _flags(dests: list[str]) -> str:
+    return ", ".join("--" + dest.replace("_", "-") for dest in dests)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser)
@@ -194,6 +199,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parse_workload_args(parser, argv)
     check_arrival_args(parser, args)
+    given = given_options(parser, argv)
+    if args.rate is None and (ignored := sorted(given & {"cv", "alpha", "min_output"})):
+        parser.error(f"{_flags(ignored)} shape the arrival process: give --rate (inf: all at once) too")
+    if args.rate is not None and "concurrency" in given:
+        parser.error("--concurrency bounds the closed loop without --rate; with --rate, arrivals are open loop")
+    if not args.start_loraserve and (ignored := sorted(given & {"max_num_seqs", "dtype", "threads"})):
+        parser.error(f"{_flags(ignored)} configure the server --start-loraserve starts; set them on your own server")
     args.min_output = args.max_tokens if args.min_output is None else args.min_output
     if not 1 <= args.min_output <= args.max_tokens:
         parser.error("need 1 <= --min-output <= --max-tokens")

@@ -228,3 +228,8 @@ def test_engine_start_failures_end_serve_with_one_line(tiny_model_dir: Path) -> 
         start_engine(EngineConfig(**{**base, "model": "/nope/m"}))  # type: ignore[arg-type]
     with pytest.raises(SystemExit, match=r"bad option: registry 'Redis://h:1/0': unknown scheme 'Redis'"):
         start_engine(EngineConfig(**base, registry="Redis://h:1/0"))  # type: ignore[arg-type]
+    if __import__("loraserve.kernels.cpu", fromlist=["load_extension"]).load_extension() is not None:
+        half = {**base, "kernels": "cpu", "dtype": "float16", "cpu_lora": "vector"}
+        with pytest.raises(SystemExit, match=r"bad option: cpu_lora='vector' needs .* a float32 or bfloat16 model, "
+                                             r"not kernels 'cpu' with float16"):  # fmt: skip
+            start_engine(EngineConfig(**half))  # type: ignore[arg-type]

@@ -50,7 +50,19 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from loraserve import LLM, SamplingParams
 
+    adapters: dict[str, str] = {}
+    for spec in args.adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: --adapter expects NAME=PATH, got {spec!r}")
+        adapters[name] = path
+    if adapters and args.use is None:
+        raise SystemExit(f"error: --adapter registers {sorted(adapters)} but no --use names one; "
+                         "add --use NAME (or --use base for the base model)")  # fmt: skip
     uses: list[str | None] = [None if u == "base" else u for u in (args.use or ["base"])]
+    unknown = sorted({u for u in uses if u is not None} - adapters.keys())
+    if unknown:
+        raise SystemExit(f"error: --use {unknown[0]!r} is not registered by an --adapter NAME=PATH (nor 'base')")
     if len(uses) == 1:
         uses = uses * len(args.prompts)
     if len(uses) != len(args.prompts):
@@ -66,10 +78,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     llm = LLM(args.model, **engine_options(args))
-    for spec in args.adapter:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"error: --adapter expects NAME=PATH, got {spec!r}")
+    for name, path in adapters.items():
         llm.add_adapter(name, path)
     prompts = list(args.prompts)
     if args.chat:
@@ -98,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         try:
             return _run_generate(args)
-        except (ValueError, RuntimeError) as error:
+        except (ValueError, RuntimeError, OSError) as error:  # ModelLoadError is a RuntimeError
             sys.stderr.write(f"error: {error}\n")
             return 2
     return run_serve(args)

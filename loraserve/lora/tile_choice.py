@@ -138,7 +138,10 @@ def lora_hook_factory(
     compiled CPU kernel), and that plan (None for the other backends, which refuse a forced way)."""
     if not backend.lora_tile_choice:
         if policy.kernel != "auto":
-            raise ConfigError(f"cpu_lora={policy.kernel!r} needs the compiled CPU LoRA kernel (kernels 'cpu')")
+            raise ConfigError(
+                f"cpu_lora={policy.kernel!r} needs the compiled CPU LoRA kernel: kernels 'cpu' with a float32 or "
+                f"bfloat16 model, not kernels {backend.name!r} with {str(dtype).removeprefix('torch.')}"
+            )
         return backend.make_lora_hook, None
     plan = choose_lora_kernels(group_shapes(module_shapes), dtype, page_elems, policy)
     logger.info("CPU LoRA kernel by segment length (%.1f s timing): %s", plan.seconds, plan.summary())

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -128,7 +129,10 @@ def load_model(
         model = LlamaForCausalLM(config, kernels)
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        try:
+            state.update(load_file(str(file)))
+        except (OSError, safetensors.SafetensorError) as error:
+            raise ModelLoadError(f"{file}: cannot be read as safetensors weights: {error}") from error
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     result = model.load_state_dict(state, strict=False, assign=True)
