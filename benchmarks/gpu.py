@@ -216,7 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, for a dry run of the code paths")
     parser.add_argument("--exact-tokens", type=int, default=32)
     parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--adapters", type=int, default=32)
+    parser.add_argument("--adapters", type=int, default=32,
+                        help="adapters of the throughput part (the other parts keep their own)")  # fmt: skip
     parser.add_argument("--min-prompt", type=int, default=64)
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
