@@ -9,6 +9,7 @@ from .errors import (
     AdapterTooLargeError,
     InvalidAdapterError,
     InvalidAdapterNameError,
+    RegistryConflictError,
     RegistryUnavailableError,
 )
 from .local_store import LocalDirStore
@@ -44,6 +45,7 @@ __all__ = [
     "PollingCatalog",
     "RedisCatalog",
     "RedisStore",
+    "RegistryConflictError",
     "RegistryUnavailableError",
     "content_digest",
     "extract_adapter_archive",

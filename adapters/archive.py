@@ -11,6 +11,7 @@ import io
 import logging
 import posixpath
 import stat
+import struct
 import tarfile
 import zipfile
 import zlib
@@ -142,7 +143,38 @@ def _read_bounded(stream: IO[bytes], path: str, size: int, budget: int) -> bytes
     return bytes(buffer)
 
 
+# The most central-directory bytes a member may take: its 46-byte record, a name and extra fields
+# far longer than any adapter file's. Checked before zipfile parses the directory, which it holds
+# whole in memory (~9x its size), whatever entry count the archive declares.
+_ZIP_DIRECTORY_BYTES_PER_MEMBER = 46 + 4096 + 1024
+
+
+def _zip_directory_extent(data: bytes) -> tuple[int, int]:
+    """(entries, bytes) of the central directory as the end record (zip64's, where it defers to it)
+    declares them; AdapterError if there is no end record to read."""
+    end = data.rfind(b"PK\x05\x06", max(0, len(data) - 22 - 65535))
+    if end < 0 or end + 22 > len(data):
+        raise AdapterError("corrupt zip archive: no end of central directory record")
+    entries, size = struct.unpack_from("<HL", data, end + 10)
+    if entries != 0xFFFF and size != 0xFFFFFFFF:
+        return entries, size
+    locator = end - 20
+    if locator < 0 or data[locator : locator + 4] != b"PK\x06\x07":
+        raise AdapterError("corrupt zip archive: zip64 end record without its locator")
+    (record,) = struct.unpack_from("<Q", data, locator + 8)
+    if record + 56 > len(data) or data[record : record + 4] != b"PK\x06\x06":
+        raise AdapterError("corrupt zip archive: the zip64 end record is not where its locator says")
+    entries64, size64 = struct.unpack_from("<QQ", data, record + 32)
+    return entries64, size64
+
+
 def _extract_zip(data: bytes, max_members: int, max_total_bytes: int) -> dict[str, bytes]:
+    entries, directory_bytes = _zip_directory_extent(data)
+    if entries > max_members or directory_bytes > max_members * _ZIP_DIRECTORY_BYTES_PER_MEMBER:
+        raise AdapterTooLargeError(
+            f"zip archive declares {entries} members in a {directory_bytes}-byte directory: more than the "
+            f"limit of {max_members} members"
+        )
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         infos = archive.infolist()
@@ -151,7 +183,9 @@ def _extract_zip(data: bytes, max_members: int, max_total_bytes: int) -> dict[st
     members: list[_Member] = []
     infos_by_path: dict[str, zipfile.ZipInfo] = {}
     for info in infos:
-        path = _safe_path(info.filename)
+        # Windows PowerShell 5.1's Compress-Archive (and .NET before 4.6.1) separate folders with "\";
+        # the zip format knows only "/", so they are read as separators, then checked as any path.
+        path = _safe_path(info.filename.replace("\\", "/"))
         # Unix type bits, when the creator set any (many tools store permissions only).
         file_type = stat.S_IFMT(info.external_attr >> 16)
         if file_type not in (0, stat.S_IFREG, stat.S_IFDIR):

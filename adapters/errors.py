@@ -6,7 +6,7 @@ subclasses let an HTTP layer pick a status code (check subclasses before the bas
 * :class:`AdapterTooLargeError` -> 413
 * :class:`AdapterNotFoundError` -> 404
 * :class:`InvalidAdapterError` -> 400 (its files do not parse or do not fit this server)
-* :class:`AdapterExistsError` -> 409
+* :class:`AdapterExistsError` and :class:`RegistryConflictError` -> 409
 * :class:`RegistryUnavailableError` -> 503 (the registry, not the adapter, is the problem)
 * :class:`InvalidAdapterNameError` and plain :class:`AdapterError` -> 400 / 422
 """
@@ -41,6 +41,11 @@ class InvalidAdapterNameError(AdapterError):
 
 class AdapterExistsError(AdapterError):
     """An adapter with this name is already stored and overwrite was not requested."""
+
+
+class RegistryConflictError(AdapterError):
+    """The registry cannot take the adapter as it stands (not the adapter's fault): it holds its
+    ``max_adapters`` limit, or an entry it did not make takes the name in its directory."""
 
 
 class AdapterNotFoundError(AdapterError):

@@ -16,7 +16,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from pathlib import Path
 
 from .catalog import AdapterCatalog, PollingCatalog
-from .errors import AdapterExistsError, AdapterNotFoundError
+from .errors import AdapterExistsError, AdapterNotFoundError, RegistryConflictError
 from .store import ADAPTER_NAME_PATTERN, AdapterStore, validate_adapter_name, validate_file_names
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,11 @@ class LocalDirStore(AdapterStore):
         version = self._write_version(name, files)
         target = os.path.join(self._VERSIONS, version.name)
         with self._name_lock(name):  # so two writers never both replace (and remove) the same version
+            try:
+                self._check_not_foreign(name)
+            except RegistryConflictError:
+                shutil.rmtree(version, ignore_errors=True)
+                raise
             if not overwrite:
                 try:
                     os.symlink(target, link)  # atomic create-if-absent
@@ -101,24 +106,21 @@ class LocalDirStore(AdapterStore):
     def delete(self, name: str) -> None:
         with self._name_lock(validate_adapter_name(name)):
             version = self._current_version(name)
+            if version is None:  # absent, or an entry this store did not make: left as it is
+                raise AdapterNotFoundError(f"adapter {name!r} not found")
             try:
                 os.unlink(self.root / name)
             except FileNotFoundError:
                 raise AdapterNotFoundError(f"adapter {name!r} not found") from None
             _fsync_dir(self.root)
             self._notify(name, None)
-            if version is not None:
-                shutil.rmtree(version, ignore_errors=True)
+            shutil.rmtree(version, ignore_errors=True)
 
     def names(self) -> list[str]:
-        return sorted(
-            entry.name
-            for entry in self.root.iterdir()
-            if entry.is_symlink() and ADAPTER_NAME_PATTERN.fullmatch(entry.name)
-        )
+        return sorted(self.index())
 
     def contains(self, name: str) -> bool:
-        return (self.root / validate_adapter_name(name)).is_symlink()
+        return self._current_version(validate_adapter_name(name)) is not None
 
     def content_key(self, name: str) -> str:
         """The version directory's name (``<name>.<random hex>``)."""
@@ -160,17 +162,11 @@ class LocalDirStore(AdapterStore):
 
     def _probe(self, name: str) -> str | None:
         """The content key of ``name`` now, None if it is not stored; raises OSError if the
-        directory cannot be read (unlike ``_current_version``, which would call that absent)."""
+        directory cannot be read (the catalog then marks the registry down)."""
         if not isinstance(name, str) or ADAPTER_NAME_PATTERN.fullmatch(name) is None:
             return None  # never a path outside root
-        try:
-            return os.path.basename(os.readlink(self.root / name))
-        except FileNotFoundError:
-            return None
-        except OSError as error:
-            if error.errno == errno.EINVAL:  # not a link: not an adapter
-                return None
-            raise
+        version = self._current_version(name)
+        return None if version is None else version.name
 
     def change_token(self) -> Hashable | None:
         """The root directory's inode and mtime (every put and delete changes an entry there)."""
@@ -200,11 +196,28 @@ class LocalDirStore(AdapterStore):
             os.close(fd)  # releases the lock
 
     def _current_version(self, name: str) -> Path | None:
+        """The version directory ``name``'s link points to; None if ``name`` is absent or is not a
+        link this store made (``.versions/<name>.<32 hex>``): an entry someone else put in the
+        root, a link to a folder elsewhere, is never read, replaced into or removed as a version."""
         try:
             target = os.readlink(self.root / name)
-        except OSError:  # absent, or not a link
+        except OSError as error:
+            if error.errno in (errno.ENOENT, errno.EINVAL, errno.ENOTDIR):  # absent, or not a link
+                return None
+            raise
+        parent, _, version = target.partition(os.sep)
+        match = _VERSION_PATTERN.fullmatch(version)
+        if parent != self._VERSIONS or match is None or match["name"] != name:
             return None
-        return self.root / target
+        return self._versions / version
+
+    def _check_not_foreign(self, name: str) -> None:
+        """Refuse to write over an entry of the root that is not an adapter link of this store."""
+        if os.path.lexists(self.root / name) and self._current_version(name) is None:
+            raise RegistryConflictError(
+                f"{self.root / name} is in the way: the adapter registry's directory holds an entry by that name "
+                "that is not an adapter link it made (move it away, or register the adapter under another name)"
+            )
 
     def _write_version(self, name: str, files: Mapping[str, bytes]) -> Path:
         version = self._versions / f"{name}.{uuid.uuid4().hex}"
@@ -216,6 +229,7 @@ class LocalDirStore(AdapterStore):
                     handle.flush()
                     os.fsync(handle.fileno())
             _fsync_dir(version)
+            _fsync_dir(self._versions)  # the version's own entry, before a link to it is published
         except BaseException:
             shutil.rmtree(version, ignore_errors=True)
             raise
@@ -225,7 +239,11 @@ class LocalDirStore(AdapterStore):
         referenced = {self._current_version(name) for name in self.names()}
         cutoff = time.time() - self._ORPHAN_AGE_S
         for version in self._versions.iterdir():
-            if version not in referenced and version.stat().st_mtime < cutoff:
+            try:
+                modified = version.stat().st_mtime
+            except FileNotFoundError:  # removed meanwhile by another process sharing the root
+                continue
+            if version not in referenced and modified < cutoff:
                 logger.info("removing unreferenced adapter version %s", version)
                 shutil.rmtree(version, ignore_errors=True)
 

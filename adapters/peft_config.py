@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import regex
+
 from .errors import AdapterError
 from .lora_weights import PROJECTION_NAMES, PROJECTION_PARENTS, module_key
 
@@ -30,13 +32,15 @@ _PROJECTION_KEY = re.compile(
 # How peft matches a rank/alpha pattern key and a layers pattern against a module key ({} is the
 # pattern; the forms are checked as the patterns are used).
 _KEY_PATTERN_FORM = r"(.*\.)?({})$"
+MATCH_TIMEOUT_S = 0.1  # for each match of a config's pattern against one module name
 _LAYERS_PATTERN_FORM = r"(?:^|.*?\.){}\.(?P<idx>\d+)\."
 # What peft falls back to for model_type "llama" when target_modules is null.
 LLAMA_DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "v_proj")
 
 # init_lora_weights values whose saved adapters are only correct on a base model PEFT modified at
-# initialisation (residual weights), or that select a different forward pass.
-_UNSUPPORTED_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga", "mica")
+# initialisation (residual weights). MiCA is not one: it leaves the base alone and its forward
+# and merge are plain LoRA's (peft's MiCALinearVariant), so its adapters are served as they are.
+_UNSUPPORTED_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 def _truthy(value: Any) -> bool:
@@ -87,10 +91,23 @@ def _non_projection_module_keys(num_layers: int) -> list[str]:
     return keys
 
 
+def _matched(how: Callable[..., Any], form: str, key: str, pattern: str) -> Any:
+    """``how(form, key)`` (``regex.match`` or ``regex.fullmatch``, the syntax of ``re``) within
+    :data:`MATCH_TIMEOUT_S`: a config's pattern is untrusted input, and a match that backtracks
+    without end would hold the interpreter (``re`` never lets go of the GIL) and stop the server."""
+    try:
+        return how(form, key, timeout=MATCH_TIMEOUT_S)
+    except TimeoutError:
+        raise _fail(
+            f"the pattern {pattern!r} takes more than {MATCH_TIMEOUT_S * 1000:.0f} ms to match the module name "
+            f"{key!r}: simplify it (nested repetition such as (.*)* backtracks without end)"
+        ) from None
+
+
 def _match_pattern_key(pattern_keys: Sequence[str], key: str) -> str | None:
     """First pattern key matching a dotted suffix of ``key`` (peft's ``get_pattern_key``)."""
     for pattern in pattern_keys:
-        if re.match(_KEY_PATTERN_FORM.replace("{}", pattern), key):
+        if _matched(regex.match, _KEY_PATTERN_FORM.replace("{}", pattern), key, pattern):
             return pattern
     return None
 
@@ -114,7 +131,7 @@ class LoraConfigView:
         exclude = self.exclude_modules
         if exclude:
             if isinstance(exclude, str):
-                if re.fullmatch(exclude, key):
+                if _matched(regex.fullmatch, exclude, key, exclude):
                     return False
             elif key in exclude or any(key.endswith(f".{name}") for name in exclude):
                 return False
@@ -124,7 +141,7 @@ class LoraConfigView:
             # key then matches exactly, which (as in peft) bypasses layers_to_transform.
             return _PROJECTION_KEY.fullmatch(key) is not None
         if isinstance(targets, str):
-            return re.fullmatch(targets, key) is not None
+            return _matched(regex.fullmatch, targets, key, targets) is not None
         if key in targets:
             # peft accepts an exact full-name match without applying layers_to_transform.
             return True
@@ -136,13 +153,13 @@ class LoraConfigView:
         indexes = self.layers_to_transform
         if indexes is None or (isinstance(indexes, tuple) and len(indexes) == 0):
             return True
-        match: re.Match[str] | None = None
+        match: Any = None
         if not self.layers_pattern:
             # Lazy prefix: the first numbered segment is the layer index.
             match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
         else:
             for pattern in self.layers_pattern:
-                match = re.match(_LAYERS_PATTERN_FORM.replace("{}", pattern), key)
+                match = _matched(regex.match, _LAYERS_PATTERN_FORM.replace("{}", pattern), key, pattern)
                 if match is not None:
                     break
         if match is None:
@@ -199,7 +216,7 @@ def _as_str_tuple(value: Any, field_name: str) -> tuple[str, ...]:
 def _check_regex(pattern: str, field_name: str, used_as: str = "{}") -> None:
     """``pattern`` compiles in the form it is matched in (``used_as`` with it in place of ``{}``:
     a pattern valid alone can fail inside another, e.g. with a global flag or a group name)."""
-    try:
+    try:  # re's syntax, as peft's (regex, which matches, would take a global flag mid-pattern)
         re.compile(used_as.replace("{}", pattern))
     except re.error as exc:
         raise _fail(f"{field_name} entry {pattern!r} is not a valid regular expression: {exc}") from exc

@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 
@@ -314,10 +314,15 @@ def _batches(manifest: list[list[Any]], chunk_size: int) -> Iterator[list[str]]:
 
 
 def _redact(url: str) -> str:
-    """``url`` without its password (it ends up in logs and in error messages clients see)."""
+    """``url`` without its password, in the user part or the query (``?password=``, which redis-py
+    also reads): it ends up in logs and in error messages clients see."""
     parts = urlsplit(url)
-    if parts.password is None:
+    netloc = parts.netloc
+    if parts.password is not None:
+        credentials, _, host = netloc.rpartition("@")
+        netloc = f"{credentials.partition(':')[0]}:***@{host}"
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.password is None and not any(key.lower() == "password" for key, _ in pairs):
         return url
-    netloc = parts.netloc.rpartition("@")
-    user = netloc[0].partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+    query = urlencode([(key, "***" if key.lower() == "password" else value) for key, value in pairs], safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))

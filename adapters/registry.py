@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import AdapterError, InvalidAdapterError
+from .errors import AdapterError, InvalidAdapterError, RegistryConflictError
 from .lora_weights import BaseModelShapes, LoRAAdapter
 from .peft_format import CONFIG_FILE, WEIGHTS_FILE, parse_adapter_files, read_adapter_dir
 from .store import AdapterStore, validate_adapter_name
@@ -99,7 +99,7 @@ class AdapterRegistry:
         validate_adapter_name(name)
         adapter = self._validated(name, files)
         if len(self.store.names()) >= self.limits.max_adapters and not self.store.contains(name):
-            raise AdapterError(
+            raise RegistryConflictError(
                 f"this server holds its limit of {self.limits.max_adapters} registered adapters (max_adapters): "
                 "delete one first"
             )

@@ -21,6 +21,7 @@ from loraserve.adapters import (
     AdapterExistsError,
     AdapterNotFoundError,
     AdapterTooLargeError,
+    RegistryConflictError,
     RegistryUnavailableError,
 )
 
@@ -106,8 +107,13 @@ async def _registry_call(
         raise (not_found or APIError(404, f"no adapter named {name!r}")) from None
     except AdapterTooLargeError as error:
         raise APIError(413, str(error)) from None
+    except RegistryConflictError as error:
+        raise APIError(409, f"adapter {name!r}: {error}") from None
     except AdapterError as error:
         raise APIError(400, f"invalid adapter {name!r}: {error}") from None
+    except OSError as error:  # the registry's directory (a full or read-only disk, a stale mount)
+        raise APIError(503, f"the adapter registry cannot be used now: {type(error).__name__}: {error}",
+                       headers={"Retry-After": "1"}) from None  # fmt: skip
 
 
 @router.post(

@@ -325,6 +325,9 @@ class Scheduler:
             self.kv_manager.free_swapped(seq)
         elif seq.status is SequenceStatus.WAITING_FOR_ADAPTER:
             self.loading.remove(seq)
+            name = seq.adapter_name
+            if self.adapters is not None and name is not None and all(s.adapter_name != name for s in self.loading):
+                self.adapters.resolver.drop_read(name)  # its last waiter: the read would be held for nobody
         for sample in (seq, *self._forks.pop(seq.seq_id, ())):
             if counted:
                 self.admission.drop_live(sample)

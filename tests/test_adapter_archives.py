@@ -64,8 +64,17 @@ def _nest(files: Files, folder: str) -> Files:
         lambda f: _tar(f, mode="w"),
         lambda f: _tar({**f, "checkpoint/optimizer.pt": b"x"}, mode="w:gz"),
         lambda f: _tar(f) + b"\0" * 1024,  # zero padding after the gzip member, as tape tools write it
+        lambda f: _zip({name.replace("/", "\\"): data for name, data in _nest(f, "lora").items()}),  # PowerShell 5
     ],
-    ids=["zip-root", "zip-nested-with-extras", "tgz-nested", "tar-root", "tgz-extras", "tgz-zero-padded"],
+    ids=[
+        "zip-root",
+        "zip-nested-with-extras",
+        "tgz-nested",
+        "tar-root",
+        "tgz-extras",
+        "tgz-zero-padded",
+        "zip-backslashes",
+    ],
 )
 def test_good_archives_extract_the_two_files(build: Callable[[Files], bytes], adapter_files: Files) -> None:
     assert extract_adapter_archive(build(adapter_files)) == adapter_files
@@ -73,6 +82,8 @@ def test_good_archives_extract_the_two_files(build: Callable[[Files], bytes], ad
 
 BAD_ARCHIVES: dict[str, tuple[Callable[[Files], bytes], str]] = {
     "zip-traversal": (lambda f: _zip({**f, "../evil": b"x"}), "path traversal"),
+    "zip-traversal-backslashes": (lambda f: _zip({**f, "..\\..\\evil": b"x"}), "path traversal"),
+    "zip-drive-letter": (lambda f: _zip({**f, "C:\\evil": b"x"}), "absolute"),
     "zip-absolute": (lambda f: _zip({**f, "/etc/evil": b"x"}), "absolute"),
     "zip-symlink": (lambda f: _zip(f, symlinks={"link": "/etc/passwd"}), "links"),
     "tar-traversal": (lambda f: _tar({**_nest(f, "a"), "a/../../evil": b"x"}), "path traversal"),
@@ -143,3 +154,32 @@ def test_a_damaged_archive_is_an_adapter_error_wherever_it_is_damaged(
             except AdapterError:  # any other exception fails the test
                 refused += 1
     assert refused > 0  # the damage is seen (headers carry magic numbers, sizes, checksums)
+
+
+def test_a_zip_directory_past_the_member_limit_is_refused_before_zipfile_parses_it(
+    adapter_files: Files, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """zipfile holds a whole central directory in memory (~9x its bytes) before the member count
+    could be checked: a 512 MiB upload of empty entries took GBs. The end record is read first."""
+    many = _zip({**adapter_files, **{f"extra{i}.txt": b"" for i in range(300)}})
+    parsed: list[object] = []
+    monkeypatch.setattr(zipfile, "ZipFile", lambda *a, **k: parsed.append(a) or pytest.fail("parsed"))
+    with pytest.raises(AdapterTooLargeError, match="declares 302 members"):
+        extract_adapter_archive(many)
+    assert parsed == []
+    with pytest.raises(AdapterError, match="no end of central directory record"):
+        extract_adapter_archive(many[:-22])
+
+
+def test_a_zip64_archive_is_counted_by_its_zip64_end_record(
+    adapter_files: Files, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with monkeypatch.context() as patched:
+        patched.setattr(zipfile, "ZIP_FILECOUNT_LIMIT", 0)  # zipfile then writes the zip64 end records
+        data = bytearray(_zip(adapter_files))
+    end = data.rfind(b"PK\x05\x06")
+    assert data[end - 20 : end - 16] == b"PK\x06\x07"
+    data[end + 8 : end + 12] = b"\xff\xff\xff\xff"  # the classic record defers both counts to zip64's
+    assert extract_adapter_archive(bytes(data)) == adapter_files
+    with pytest.raises(AdapterTooLargeError, match="declares 2 members"):
+        extract_adapter_archive(bytes(data), max_members=1)

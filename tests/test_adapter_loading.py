@@ -96,9 +96,16 @@ def test_abort_while_loading_leaves_nothing_behind(llm: LLM, adapter_dir: Path) 
     release = hold_loader(llm)
     try:
         request = engine.add_request("gone", PROMPT, PARAMS, "aborted")
+        other = engine.add_request("gone too", PROMPT, PARAMS, "aborted")
+        loads = engine.adapters.resolver._loads
+        read = loads["aborted"].future
         engine.abort_request("gone")
+        assert "aborted" in loads  # another request still waits for the read
+        engine.abort_request("gone too")
         assert not engine.has_unfinished_requests() and not engine.scheduler.loading
         assert request.seqs[0].finish_reason is not None and request.seqs[0].finish_reason.value == "abort"
+        assert other.seqs[0].finish_reason is not None
+        assert "aborted" not in loads and read.cancelled()  # not read for nobody, nor held after
     finally:
         release.set()
     assert llm.generate([PROMPT], PARAMS, adapters="aborted", use_tqdm=False)[0].outputs[0].finish_reason == "length"

@@ -64,6 +64,10 @@ ERROR_CASES: dict[str, tuple[Any, Any, tuple[str, ...]]] = {
         None,
         ("layers_pattern", "regular expression"),
     ),
+    # Patterns that backtracked without end held the GIL and stopped the server (each times out in 0.1 s):
+    "endless_target_regex": (_set("target_modules", r"(.*){1,32000}[bc]"), None, ("takes more than", "simplify")),
+    "endless_rank_pattern": (_set("rank_pattern", {r"(.*){1,32000}[bc]": 2}), None, ("takes more than",)),
+    "endless_exclude": (_set("exclude_modules", r"(.*){1,32000}[bc]"), None, ("takes more than",)),
     "rslora_string": (_set("use_rslora", "false"), None, ("use_rslora must be true or false",)),
     "config_rank": (_set("r", 8), None, ("rank 4 does not match", "r=8")),
     "negative_r": (_set("r", -1), None, ("r must be a positive integer",)),
@@ -105,6 +109,14 @@ ERROR_CASES: dict[str, tuple[Any, Any, tuple[str, ...]]] = {
     ),
     "int_dtype": (None, lambda t: t.__setitem__(Q0A, torch.ones(4, 64, dtype=torch.int32)), ("dtype", Q0A)),
 }
+
+
+def test_inits_that_leave_the_base_model_alone_are_served(files: Files, shapes: BaseModelShapes) -> None:
+    """MiCA's adapters are plain LoRA at inference (peft's MiCALinearVariant; vLLM accepts them)."""
+    plain = parse_adapter_files(files, shapes, "plain")
+    for init in ("mica", "gaussian", "orthogonal", True):
+        edited = edit_files(files, config=_set("init_lora_weights", init))
+        assert parse_adapter_files(edited, shapes, "init").digest == plain.digest
 
 
 def test_a_layers_pattern_is_checked_only_where_peft_uses_it(files: Files, shapes: BaseModelShapes) -> None:

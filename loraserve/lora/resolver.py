@@ -184,6 +184,14 @@ class AdapterResolver:
         self.host.put(key, adapter)
         return adapter.digest
 
+    def drop_read(self, name: str) -> None:
+        """Forget the read of ``name`` (no request waits for it any more: all were aborted): it is
+        cancelled if it has not started, and its files (or parsed weights), which nothing counts
+        against the host cache, are not kept until the name is asked for again."""
+        read = self._loads.pop(name, None)
+        if read is not None:
+            read.future.cancel()
+
     def wait_for_load(self, name: str, timeout: float | None = None) -> None:
         """Block until the read of ``name`` in flight (if any) is done, or ``timeout`` seconds."""
         read = self._loads.get(name)
