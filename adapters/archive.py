@@ -150,22 +150,16 @@ _ZIP_DIRECTORY_BYTES_PER_MEMBER = 46 + 4096 + 1024
 
 
 def _zip_directory_extent(data: bytes) -> tuple[int, int]:
-    """(entries, bytes) of the central directory as the end record (zip64's, where it defers to it)
-    declares them; AdapterError if there is no end record to read."""
-    end = data.rfind(b"PK\x05\x06", max(0, len(data) - 22 - 65535))
-    if end < 0 or end + 22 > len(data):
+    """(entries, bytes) of the central directory as zipfile will read them (its own end-record
+    reader, zip64's record included: zipfile parses ``bytes`` of directory whatever the count says);
+    AdapterError if there is no end record."""
+    try:
+        end_record = zipfile._EndRecData(io.BytesIO(data))  # type: ignore[attr-defined]
+    except (zipfile.BadZipFile, OSError, struct.error) as exc:
+        raise AdapterError(f"corrupt zip archive: {exc}") from exc
+    if not end_record:
         raise AdapterError("corrupt zip archive: no end of central directory record")
-    entries, size = struct.unpack_from("<HL", data, end + 10)
-    if entries != 0xFFFF and size != 0xFFFFFFFF:
-        return entries, size
-    locator = end - 20
-    if locator < 0 or data[locator : locator + 4] != b"PK\x06\x07":
-        raise AdapterError("corrupt zip archive: zip64 end record without its locator")
-    (record,) = struct.unpack_from("<Q", data, locator + 8)
-    if record + 56 > len(data) or data[record : record + 4] != b"PK\x06\x06":
-        raise AdapterError("corrupt zip archive: the zip64 end record is not where its locator says")
-    entries64, size64 = struct.unpack_from("<QQ", data, record + 32)
-    return entries64, size64
+    return int(end_record[zipfile._ECD_ENTRIES_TOTAL]), int(end_record[zipfile._ECD_SIZE])  # type: ignore[attr-defined]
 
 
 def _extract_zip(data: bytes, max_members: int, max_total_bytes: int) -> dict[str, bytes]:

@@ -90,10 +90,12 @@ async def _registry_call(
     name: str,
     exists: APIError | None = None,
     not_found: APIError | None = None,
+    conflict_status: int = 409,
 ) -> Any:
     """Run an adapter operation on a worker thread, mapping adapter errors to HTTP errors
     (``exists``: the error for a name already registered, 409 by default; ``not_found``: for a
-    name not registered, a 404 by default)."""
+    name not registered, a 404 by default; ``conflict_status``: for a full registry or a name in
+    the way)."""
     _require_adapter_support(state)
     try:
         return await registry_call(state, fn)
@@ -108,7 +110,7 @@ async def _registry_call(
     except AdapterTooLargeError as error:
         raise APIError(413, str(error)) from None
     except RegistryConflictError as error:
-        raise APIError(409, f"adapter {name!r}: {error}") from None
+        raise APIError(conflict_status, f"adapter {name!r}: {error}") from None
     except AdapterError as error:
         raise APIError(400, f"invalid adapter {name!r}: {error}") from None
     except OSError as error:  # the registry's directory (a full or read-only disk, a stale mount)
@@ -201,7 +203,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
     def register(engine: Any) -> Any:
         return engine.register_adapter(name, files, overwrite=body.load_inplace)
 
-    await _registry_call(state, register, name, exists=exists)
+    await _registry_call(state, register, name, exists=exists, conflict_status=400)  # vLLM's: all 400s
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 

@@ -4,6 +4,7 @@ tolerated; traversal, links, special files, corrupt or ambiguous archives and ar
 from __future__ import annotations
 
 import io
+import struct
 import tarfile
 import zipfile
 from collections.abc import Callable
@@ -183,3 +184,19 @@ def test_a_zip64_archive_is_counted_by_its_zip64_end_record(
     assert extract_adapter_archive(bytes(data)) == adapter_files
     with pytest.raises(AdapterTooLargeError, match="declares 2 members"):
         extract_adapter_archive(bytes(data), max_members=1)
+
+
+def test_a_zip_whose_classic_end_record_understates_its_directory_is_still_refused(adapter_files: Files) -> None:
+    """zipfile reads a zip64 end record placed before the classic one whatever the classic one says:
+    the limit is checked on what zipfile will parse, not on the classic record's small numbers."""
+    data = _zip({**adapter_files, **{f"f{i}": b"" for i in range(300)}})
+    end = data.rfind(b"PK\x05\x06")
+    classic = bytearray(data[end:])
+    entries, size, offset = struct.unpack_from("<HLL", classic, 10)
+    zip64 = struct.pack("<4sQHHLLQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, entries, entries, size, offset)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, end, 1)
+    struct.pack_into("<HHL", classic, 8, 1, 1, 46)  # one member in 46 bytes, it claims
+    forged = data[:end] + zip64 + locator + bytes(classic)
+    assert len(zipfile.ZipFile(io.BytesIO(forged)).infolist()) == 302
+    with pytest.raises(AdapterTooLargeError, match="declares 302 members"):
+        extract_adapter_archive(forged)

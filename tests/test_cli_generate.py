@@ -47,6 +47,8 @@ def test_adapters_that_no_prompt_uses_or_uses_that_name_none_are_refused_before_
         main(["generate", PROMPT, *nowhere, "--adapter", f"mine={tmp_path}", "--use", "other"])
     with pytest.raises(SystemExit, match="--adapter expects NAME=PATH"):
         main(["generate", PROMPT, *nowhere, "--adapter", str(tmp_path), "--use", "base"])
+    with pytest.raises(SystemExit, match="--adapter 'mine' is given twice"):
+        main(["generate", PROMPT, *nowhere, "--adapter", f"mine={tmp_path}", "--adapter", "mine=x", "--use", "mine"])
     with pytest.raises(SystemExit, match="--use given 2 times for 1 prompts"):
         main(["generate", PROMPT, *nowhere, "--use", "base", "--use", "base"])
 

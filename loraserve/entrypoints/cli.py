@@ -55,6 +55,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"error: --adapter expects NAME=PATH, got {spec!r}")
+        if name in adapters:
+            raise SystemExit(f"error: --adapter {name!r} is given twice")
         adapters[name] = path
     if adapters and args.use is None:
         raise SystemExit(f"error: --adapter registers {sorted(adapters)} but no --use names one; "

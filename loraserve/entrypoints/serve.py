@@ -47,7 +47,13 @@ def default_registry_spec(model: str | None) -> str:
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:8]
     registry = cache_root() / "registries" / f"{path.name or 'model'}-{digest}"
     shared = cache_root() / "adapters"  # the one default registry that every model shared in earlier versions
-    if not registry.exists() and shared.is_dir() and any(not p.name.startswith(".") for p in shared.iterdir()):
+    try:
+        earlier = (
+            not registry.exists() and shared.is_dir() and any(not p.name.startswith(".") for p in shared.iterdir())
+        )
+    except OSError:  # only a warning hangs on it
+        earlier = False
+    if earlier:
         logger.warning(
             "the default adapter registry is now one per base model (%s); adapters registered earlier "
             "are in %s: serve with --registry dir:%s to use them",
