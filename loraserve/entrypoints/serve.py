@@ -7,6 +7,7 @@ with the parsed arguments.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import ipaddress
 import logging
 import math
@@ -38,8 +39,6 @@ def default_registry_spec(model: str | None) -> str:
     One per model, so adapters registered for one base model are never listed, counted against
     ``max_adapters`` or requested on a server of another (they would not fit it).
     """
-    import hashlib
-
     from loraserve.models.loader import DEFAULT_MODEL_NAME, cache_root
 
     path = (cache_root() / "models" / DEFAULT_MODEL_NAME) if model is None else Path(model).expanduser()
